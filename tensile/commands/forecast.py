@@ -1,0 +1,106 @@
+"""`tensile forecast`: trace a model's iteration (or load a saved one) and forecast its memory peak."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from tensile.forecast import DEVICES, DTYPES, OPTIMIZERS, trace_workload
+from tensile.peak import PeakResult, analyze_vanilla
+from tensile.workload import ROLES, Workload
+from tensile.workload_io import load_workload, save_workload
+
+MIB = 1024**2
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("forecast", help="forecast a training job's memory peak", description=__doc__)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="zoo model name (resnet50, bert_base, ...) or FILE.py:FUNC")
+    source.add_argument("--workload", help="a workload saved with --save")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=None, help="default: adam (zoo) or the model's own make_optimizer")
+    parser.add_argument("--foreach", choices=("auto", "on", "off"), default="auto", help="optimizer kernels; auto: as the device chooses")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="bfloat16/float16: autocast mixed precision")
+    parser.add_argument("--device", choices=DEVICES, default="cuda", help="the device the forecast is for")
+    parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per optimizer step")
+    parser.add_argument("--live", action="store_true", help="trace a real CPU iteration instead of the meta device")
+    parser.add_argument("--save", metavar="WORKLOAD.json", help="save the traced workload (.gz compresses)")
+    parser.add_argument("--plot", metavar="TIMELINE.png", help="write the memory timeline")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.set_defaults(run=run)
+
+
+def _load(args: argparse.Namespace) -> Workload:
+    if args.workload:
+        return load_workload(args.workload)
+    optimizer = args.optimizer or ("adam" if ".py:" not in args.model else None)
+    foreach = {"auto": None, "on": True, "off": False}[args.foreach]
+    return trace_workload(
+        args.model, args.batch_size, optimizer, args.dtype, args.device, args.live, foreach, args.micro_batches
+    )
+
+
+def forecast_summary(workload: Workload, vanilla: PeakResult) -> dict:
+    """The forecast as one JSON-able object (the keys other tools rely on)."""
+    peak_op = workload.ops[vanilla.peak_op] if vanilla.peak_op >= 0 else None
+    return {
+        "model": workload.model,
+        "batch_size": workload.batch_size,
+        "device": workload.device,
+        "optimizer": workload.meta.get("optimizer"),
+        "dtype": workload.meta.get("dtype"),
+        "signature": workload.signature,
+        "ops": len(workload.ops),
+        "tensors": len(workload.tensors),
+        "flops": workload.total_flops,
+        "vanilla_peak_bytes": vanilla.peak_bytes,
+        "peak_op_index": vanilla.peak_op,
+        "peak_op": peak_op.name if peak_op else None,
+        "peak_phase": vanilla.peak_phase,
+        "bytes_by_role": vanilla.bytes_by_role,
+    }
+
+
+def _table(summary: dict) -> Table:
+    table = Table(title=f"Forecast: {summary['model']} batch {summary['batch_size']} on {summary['device']}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_row("vanilla peak", f"{summary['vanilla_peak_bytes'] / MIB:,.1f} MiB")
+    for role in ROLES:
+        table.add_row(f"  {role}", f"{summary['bytes_by_role'][role] / MIB:,.1f} MiB")
+    table.add_row("peak at", f"op {summary['peak_op_index']} ({summary['peak_op']}, {summary['peak_phase']})")
+    table.add_row("ops", f"{summary['ops']:,}")
+    table.add_row("FLOPs per iteration", f"{summary['flops'] / 1e9:,.1f} GFLOP")
+    table.add_row("optimizer / dtype", f"{summary['optimizer']} / {summary['dtype']}")
+    table.add_row("signature", summary["signature"])
+    return table
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=args.json)
+    started = time.perf_counter()
+    with console.status("tracing one training iteration..."):
+        workload = _load(args)
+    vanilla = analyze_vanilla(workload)
+    summary = forecast_summary(workload, vanilla)
+    summary["seconds"] = round(time.perf_counter() - started, 3)
+    if args.save:
+        save_workload(workload, args.save)
+    if args.plot:
+        from tensile.plots import plot_timeline
+
+        plot_timeline(workload, {"vanilla": vanilla}, args.plot, f"{workload.model} batch {workload.batch_size}: memory per op")
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        console.print(_table(summary))
+        if args.save:
+            console.print(f"workload saved to {args.save}")
+        if args.plot:
+            console.print(f"timeline written to {args.plot}")
+    return 0

@@ -1,0 +1,39 @@
+"""Device presets: what the simulator, the latency prior and admission need to know about a device.
+
+Figures are vendor datasheet peaks (dense FP32 / TF32 where a training step would use it), host
+link bandwidth as typically achieved with pinned memory, and the memory a process can allocate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tensile.errors import TensileUserError
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    name: str
+    memory_bytes: int  # device memory
+    flops_per_second: float  # peak rate a training step's matmuls / convolutions can reach
+    memory_bandwidth: float  # bytes/s, device memory
+    host_link_bandwidth: float  # bytes/s per direction, host <-> device (PCIe / NVLink-C2C)
+    context_bytes: int  # per-process CUDA context + cuDNN/cuBLAS workspaces, not usable by tensors
+
+
+PRESETS: dict[str, DeviceSpec] = {
+    "a6000": DeviceSpec("NVIDIA RTX A6000", 48 * GIB, 38.7e12, 768e9, 25e9, 600 * 1024**2),
+    "h100": DeviceSpec("NVIDIA H100 80GB HBM3", 80 * GIB, 67e12, 3.35e12, 50e9, 700 * 1024**2),
+    "h200": DeviceSpec("NVIDIA H200", 141 * GIB, 67e12, 4.8e12, 50e9, 700 * 1024**2),
+    "cpu": DeviceSpec("CPU", 24 * GIB, 1.0e11, 2.0e10, 2.0e10, 0),
+}
+
+
+def device_preset(name: str) -> DeviceSpec:
+    """A preset by short name; an unknown name lists the known ones."""
+    try:
+        return PRESETS[name.lower()]
+    except KeyError:
+        raise TensileUserError(f"unknown GPU preset '{name}'; known: {', '.join(PRESETS)}") from None

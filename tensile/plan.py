@@ -1,0 +1,81 @@
+"""Scheduling events, plans and forecasts: what the planner hands to the hook, agent and operator (DESIGN §3)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+EVENT_KINDS = ("swap_out", "swap_in", "release", "recompute")
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One scheduling instruction; it fires `delay` seconds after op `trigger` of the job ends.
+
+    `next_iteration` marks a cross-iteration swap-in: its trigger op is in the following iteration.
+    A recompute fires after `trigger` so the tensor is back before the op that needs it.
+    """
+
+    job: str
+    kind: str
+    tensor: int
+    trigger: int
+    delay: float = 0.0
+    next_iteration: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Forecast:
+    """The numbers the operator admits by and the dashboards show beside the observed ones."""
+
+    vanilla_peak_bytes: int
+    scheduled_peak_bytes: int
+    predicted_iteration_seconds: float = 0.0  # vanilla, from the latency model
+    predicted_extra_seconds: float = 0.0  # added by the plan
+
+    @property
+    def msr(self) -> float:
+        """Memory saving rate (VMP - EMP) / VMP."""
+        if not self.vanilla_peak_bytes:
+            return 0.0
+        return (self.vanilla_peak_bytes - self.scheduled_peak_bytes) / self.vanilla_peak_bytes
+
+    @property
+    def predicted_eor(self) -> float:
+        """Extra overhead rate ETC / VTC."""
+        if not self.predicted_iteration_seconds:
+            return 1.0
+        return (self.predicted_iteration_seconds + self.predicted_extra_seconds) / self.predicted_iteration_seconds
+
+
+@dataclass(slots=True)
+class Plan:
+    """The events of one job, versioned, for the workload signature it was made for."""
+
+    job: str
+    version: int
+    signature: str
+    events: list[Event] = field(default_factory=list)
+    forecast: Forecast | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "job": self.job,
+            "version": self.version,
+            "signature": self.signature,
+            "events": [e.to_dict() for e in self.events],
+            "forecast": asdict(self.forecast) if self.forecast else None,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        forecast = data.get("forecast")
+        return cls(
+            job=data["job"],
+            version=int(data["version"]),
+            signature=data["signature"],
+            events=[Event(**e) for e in data.get("events", [])],
+            forecast=Forecast(**forecast) if forecast else None,
+        )
