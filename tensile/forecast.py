@@ -49,13 +49,19 @@ def _tracing_backend(kind: str) -> Iterator[Callable[[torch.Tensor], torch.Tenso
 
 
 def _move_module(model: torch.nn.Module, move: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.Module:
+    """Move parameters and buffers in place, keeping tied (shared) ones shared."""
+    moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None:
-                module._parameters[name] = torch.nn.Parameter(move(param.detach()), requires_grad=param.requires_grad)
-        for name, buffer in list(module._buffers.items()):
-            if buffer is not None:
-                module._buffers[name] = move(buffer)
+        for slots in (module._parameters, module._buffers):
+            for name, value in list(slots.items()):
+                if value is None:
+                    continue
+                if id(value) not in moved:
+                    if isinstance(value, torch.nn.Parameter):
+                        moved[id(value)] = torch.nn.Parameter(move(value.detach()), requires_grad=value.requires_grad)
+                    else:
+                        moved[id(value)] = move(value)
+                slots[name] = moved[id(value)]
     return model
 
 

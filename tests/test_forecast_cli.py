@@ -1,0 +1,83 @@
+"""`tensile forecast` as a user meets it: JSON fields, table, plot, saved workloads, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tensile.cli import main
+from tensile.zoo import ZOO
+
+MODELS = str(Path(__file__).with_name("tracing_models.py"))
+MLP = "examples/tiny_mlp.py:build"
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main(["forecast", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_has_the_promised_fields(capsys):
+    out = run_json(capsys, "--model", MLP, "--batch-size", "8")
+    for key in ("model", "batch_size", "device", "ops", "vanilla_peak_bytes", "peak_op_index", "peak_phase", "bytes_by_role"):
+        assert key in out
+    assert out["device"] == "cuda" and out["batch_size"] == 8 and out["ops"] > 10
+    assert sum(out["bytes_by_role"].values()) == out["vanilla_peak_bytes"]
+
+
+def test_save_then_forecast_from_the_file_gives_the_same_answer(capsys, tmp_path):
+    saved = tmp_path / "mlp.json.gz"
+    first = run_json(capsys, "--model", MLP, "--device", "cpu", "--save", str(saved))
+    second = run_json(capsys, "--workload", str(saved))
+    for key in ("vanilla_peak_bytes", "peak_op_index", "signature", "ops", "bytes_by_role"):
+        assert first[key] == second[key]
+
+
+def test_table_and_plot(capsys, tmp_path):
+    plot = tmp_path / "timeline.png"
+    assert main(["forecast", "--model", MLP, "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "vanilla peak" in out and "optimizer_state" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+
+
+def test_batch_size_scales_activations_not_parameters(capsys):
+    small = run_json(capsys, "--model", MLP, "--batch-size", "64", "--optimizer", "sgd")
+    large = run_json(capsys, "--model", MLP, "--batch-size", "4096", "--optimizer", "sgd")
+    assert small["bytes_by_role"]["param"] == large["bytes_by_role"]["param"]
+    assert large["vanilla_peak_bytes"] > small["vanilla_peak_bytes"] * 2
+
+
+def test_unknown_model_lists_the_known_ones(capsys):
+    assert main(["forecast", "--model", "resnet5000"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'resnet5000'" in err and all(name in err for name in ZOO)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", f"{MODELS}:not_a_module"], "item 1"),
+        (["--model", "nowhere.py:build"], "does not exist"),
+        (["--model", MLP, "--batch-size", "0"], "--batch-size"),
+        (["--model", f"{MODELS}:item_in_loss"], "--live"),
+    ],
+)
+def test_user_errors_exit_2_with_a_message(capsys, args, message):
+    assert main(["forecast", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_malformed_workload_file_exits_without_traceback(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "tensile.workload", "version": 1, "model": "m", "batch_size": "x"}))
+    result = subprocess.run(
+        [sys.executable, "-m", "tensile.cli", "forecast", "--workload", str(bad)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert "field 'batch_size'" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,177 @@
+"""The tracer on small models with views, in-place ops, tied weights, parameter groups, two
+optimizers and gradient accumulation; meta and live CPU traces must agree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from tensile.errors import TensileUserError
+from tensile.forecast import trace_workload
+from tensile.peak import analyze_vanilla
+from tensile.tracer import TrainingStep, trace_step
+from tensile.workload import round_allocation
+
+import tracing_models
+
+MODELS = str(Path(__file__).with_name("tracing_models.py"))
+
+
+def both(func: str, batch_size: int = 4, **kwargs):
+    spec = f"{MODELS}:{func}"
+    meta = trace_workload(spec, batch_size, optimizer=None, device="cpu", **kwargs)
+    live = trace_workload(spec, batch_size, optimizer=None, device="cpu", live=True, **kwargs)
+    return meta, live
+
+
+@pytest.mark.parametrize("func", ["views", "tied", "two_groups"])
+def test_meta_and_live_traces_agree(func):
+    meta, live = both(func)
+    assert meta.signature == live.signature
+    assert [op.name for op in meta.ops] == [op.name for op in live.ops]
+    assert [op.phase for op in meta.ops] == [op.phase for op in live.ops]
+    meta_peak, live_peak = analyze_vanilla(meta), analyze_vanilla(live)
+    assert meta_peak.peak_op == live_peak.peak_op
+    # live CPU traces also count the optimizers' CPU step counters; allow for those few bytes.
+    assert abs(meta_peak.peak_bytes - live_peak.peak_bytes) <= 64 * len(live.ops)
+
+
+def test_views_share_storage_and_inplace_ops_allocate_nothing():
+    workload, _ = both("views")
+    views = [op for op in workload.ops if op.name.split(".")[1] in ("view", "transpose", "slice", "_unsafe_view", "t")]
+    assert views and all(op.outputs == () and op.inputs for op in views)
+    inplace = [
+        op for op in workload.ops
+        if op.name in ("aten.relu_.default", "aten.add_.Tensor") and op.phase == "forward" and len(op.shapes[0]) == 4
+    ]
+    assert len(inplace) == 2
+    assert all(op.outputs == () and op.writes == op.inputs[:1] for op in inplace)
+    # phases appear in training order
+    phases = [op.phase for op in workload.ops]
+    assert phases.index("backward") > 0 and phases.index("optimizer") > phases.index("backward")
+    assert phases == sorted(phases, key=["forward", "backward", "optimizer"].index)
+
+
+def test_roles_and_updated_tensors_reuse_memory():
+    workload, _ = both("views")
+    model = tracing_models.ViewsAndInplace()
+    params = [t for t in workload.tensors.values() if t.role == "param" and t.created_by < 0]
+    # 6 parameters + 3 batch-norm buffers (running mean, var, batches tracked)
+    assert len(params) == len(list(model.parameters())) + len(list(model.buffers()))
+    grads = [t for t in workload.tensors.values() if t.role == "gradient"]
+    assert len(grads) == len(list(model.parameters()))
+    assert sorted(t.size for t in grads) == sorted(p.numel() * 4 for p in model.parameters())
+    momentum = [t for t in workload.tensors.values() if t.role == "optimizer_state" and t.created_by < 0]
+    assert len(momentum) == len(list(model.parameters()))
+    updated = [t for t in workload.tensors.values() if t.reuses is not None]
+    # every parameter and every momentum buffer gets a new version in the optimizer phase
+    assert len(updated) == 2 * len(list(model.parameters()))
+    for t in updated:
+        old = workload.tensors[t.reuses]
+        assert old.created_by < 0 and old.size == t.size and old.role == t.role
+        assert workload.ops[t.created_by].phase == "optimizer" and old.freed_after == t.created_by
+    assert any(t.role == "activation" for t in workload.tensors.values())
+    inputs = [t for t in workload.tensors.values() if t.role == "input"]
+    assert len(inputs) == 2
+
+
+def test_tied_weights_are_one_tensor():
+    workload, _ = both("tied")
+    model = tracing_models.TiedLM()
+    # embedding (= output projection), mix weight, mix bias
+    assert len([t for t in workload.tensors.values() if t.role == "param" and t.created_by < 0]) == len(list(model.parameters())) == 3
+    embed_bytes = round_allocation(50 * 32 * 4, "cpu")
+    grads = [t for t in workload.tensors.values() if t.role == "gradient"]
+    assert sum(t.size == embed_bytes for t in grads) == 1
+
+
+def test_two_parameter_groups_update_every_parameter():
+    workload, _ = both("two_groups")
+    updated = [t for t in workload.tensors.values() if t.reuses is not None and t.role == "param"]
+    assert len(updated) == 6
+
+
+def _steps(micro_batches: int, device: str, optimizers: int = 1) -> TrainingStep:
+    model, batch, loss_fn, _ = tracing_models.views(4)
+    if device == "meta":
+        model = model.to("meta")
+        batch = tuple(t.to("meta") for t in batch)
+    params = list(model.parameters())
+    groups = [params[:2], params[2:]] if optimizers == 2 else [params]
+    opts = [torch.optim.SGD(groups[0], lr=0.1)] + [torch.optim.Adam(g) for g in groups[1:]]
+    return TrainingStep(model, batch, loss_fn, opts, micro_batches=micro_batches)
+
+
+def test_two_optimizers_and_gradient_accumulation():
+    for micro_batches, optimizers in ((2, 1), (1, 2), (2, 2)):
+        traces = [
+            trace_step(_steps(micro_batches, device, optimizers), model_name="views", batch_size=4, target_device="cpu")
+            for device in ("meta", "cpu")
+        ]
+        meta, live = traces
+        assert meta.signature == live.signature
+        phases = [op.phase for op in meta.ops]
+        switches = sum(1 for a, b in zip(phases, phases[1:]) if a != b)
+        assert switches == 2 * micro_batches  # fwd, bwd, (fwd, bwd,) optimizer
+        updated = [t for t in meta.tensors.values() if t.reuses is not None and t.role == "param"]
+        assert len(updated) == 6
+        if optimizers == 2:
+            assert sum(1 for t in meta.tensors.values() if t.role == "optimizer_state" and t.created_by < 0) == 2 * 4
+        grads = [t for t in meta.tensors.values() if t.role == "gradient"]
+        assert len(grads) == 6
+
+
+def test_forecast_matches_memtracker_on_a_small_cnn():
+    workload, _ = both("views", batch_size=16)
+    model, batch, loss_fn, make_optimizer = tracing_models.views(16)
+    optimizer = make_optimizer(model.parameters())
+    step = TrainingStep(model, batch, loss_fn, [optimizer])
+    step.run()
+    step.zero_grad()
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        step.run()
+    memtracker_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    input_bytes = sum(t.nbytes for t in batch)  # created before tracking, so MemTracker does not count them
+    assert analyze_vanilla(workload).peak_bytes == pytest.approx(memtracker_peak + input_bytes, rel=0.02)
+
+
+def test_cuda_forecast_uses_foreach_optimizer_and_512_byte_blocks(traced):
+    cuda = traced("examples/tiny_mlp.py:build", 4, device="cuda", optimizer="adam")
+    cpu = traced("examples/tiny_mlp.py:build", 4, device="cpu", optimizer="adam")
+    assert any("_foreach_" in op.name for op in cuda.ops)
+    assert not any("_foreach_" in op.name for op in cpu.ops)
+    assert all(t.size % 512 == 0 for t in cuda.tensors.values())
+    assert cuda.signature != cpu.signature
+
+
+def test_mixed_precision_is_traced_as_it_runs():
+    workload = trace_workload(f"{MODELS}:views", 4, optimizer="sgd", dtype="bfloat16", device="cpu")
+    convs = [op for op in workload.ops if op.name.startswith("aten.convolution")]
+    assert convs and all(op.dtypes[0] == "bfloat16" for op in convs)
+    assert any(op.name == "aten._to_copy.default" for op in workload.ops)
+
+
+def test_data_dependent_step_points_to_live_tracing():
+    with pytest.raises(TensileUserError, match="--live"):
+        trace_workload(f"{MODELS}:item_in_loss", 2, optimizer=None, device="cpu")
+    live = trace_workload(f"{MODELS}:item_in_loss", 2, optimizer=None, device="cpu", live=True)
+    assert any(op.name == "aten._local_scalar_dense.default" for op in live.ops)
+
+
+@pytest.mark.parametrize(
+    ("func", "message"),
+    [
+        ("wrong_arity", "must return \\(model, batch, loss_fn, make_optimizer\\)"),
+        ("not_a_module", "model \\(item 1\\) must be a torch.nn.Module"),
+        ("batch_not_tensors", "batch \\(item 2\\)"),
+        ("missing_function", "has no function 'missing_function'"),
+    ],
+)
+def test_user_model_contract_violations_say_which_part(func, message):
+    with pytest.raises(TensileUserError, match=message):
+        trace_workload(f"{MODELS}:{func}", 2, optimizer=None)
