@@ -74,7 +74,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _written_values(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+def written_values(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     """The argument values the op's schema marks as written in place (`Tensor(a!)`)."""
     written = []
     for position, argument in enumerate(func._schema.arguments):
@@ -98,6 +98,7 @@ class Recorder(TorchDispatchMode):
         self.tensors: dict[int, TensorInfo] = {}
         self.ops: list[Op] = []
         self._current: dict[int, int] = {}  # id(storage) -> current tensor id
+        self._key_of: dict[int, int] = {}  # tensor id -> id(storage)
         self._updated: set[int] = set()  # resident tensors already given a new version this iteration
         self._live = True
 
@@ -116,8 +117,13 @@ class Recorder(TorchDispatchMode):
         self.tensors[tid] = TensorInfo(tid, size, role, dtype, created_by)
         key = id(storage)
         self._current[key] = tid
-        weakref.finalize(storage, self._on_free, key)
+        self._key_of[tid] = key
+        self._watch(storage)
         return tid
+
+    def _watch(self, storage: torch.UntypedStorage) -> None:
+        """Learn when PyTorch frees the storage (the runtime hook shares one watcher across iterations)."""
+        weakref.finalize(storage, self._on_free, id(storage))
 
     def _on_free(self, key: int) -> None:
         tid = self._current.pop(key, None)
@@ -142,10 +148,12 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self._record(func, args, kwargs, out)
+        if func.namespace != "profiler":  # record_function markers: no tensors, and only when profiled
+            self.record(func, args, kwargs, out)
         return out
 
-    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Op:
+        """Append the op that just ran with these arguments and result; new storages become tensors."""
         index = len(self.ops)
         in_leaves = tree_leaves((args, kwargs))
         in_tensors = [v for v in in_leaves if isinstance(v, torch.Tensor)]
@@ -154,7 +162,7 @@ class Recorder(TorchDispatchMode):
             if self._tracked(tensor):
                 inputs[self._storage_id(tensor)] = None
         writes: dict[int, None] = {}
-        for value in tree_leaves(_written_values(func, args, kwargs)):
+        for value in tree_leaves(written_values(func, args, kwargs)):
             if self._tracked(value):
                 writes[self._storage_id(value)] = None
         outputs: dict[int, None] = {}
@@ -178,21 +186,21 @@ class Recorder(TorchDispatchMode):
         if flop_fn is not None:
             flops = float(flop_fn(*args, **kwargs, out_val=out))
         moved = sum(t.numel() * t.element_size() for t in in_tensors + out_tensors)
-        self.ops.append(
-            Op(
-                index=index,
-                name=str(func),
-                phase=self.phase,
-                inputs=tuple(inputs),
-                outputs=tuple(outputs),
-                writes=tuple(writes),
-                shapes=tuple(tuple(t.shape) for t in in_tensors),
-                dtypes=tuple(_dtype_name(t.dtype) for t in in_tensors),
-                params=tuple(_json_safe(v) for v in in_leaves if not isinstance(v, torch.Tensor)),
-                flops=flops,
-                bytes_moved=moved,
-            )
+        op = Op(
+            index=index,
+            name=str(func),
+            phase=self.phase,
+            inputs=tuple(inputs),
+            outputs=tuple(outputs),
+            writes=tuple(writes),
+            shapes=tuple(tuple(t.shape) for t in in_tensors),
+            dtypes=tuple(_dtype_name(t.dtype) for t in in_tensors),
+            params=tuple(_json_safe(v) for v in in_leaves if not isinstance(v, torch.Tensor)),
+            flops=flops,
+            bytes_moved=moved,
         )
+        self.ops.append(op)
+        return op
 
     def _new_version(self, tid: int, index: int) -> int | None:
         """The paper's rule: an updated param / optimizer state is a new tensor in the old memory."""
@@ -203,16 +211,24 @@ class Recorder(TorchDispatchMode):
         new_tid = len(self.tensors)
         self.tensors[new_tid] = TensorInfo(new_tid, old.size, old.role, old.dtype, index, reuses=tid)
         old.freed_after = index
-        for key, current in self._current.items():
-            if current == tid:
-                self._current[key] = new_tid
-                break
+        key = self._key_of[tid]
+        self._current[key] = new_tid
+        self._key_of[new_tid] = key
         return new_tid
 
 
-def _classify(recorder: Recorder, gradient_ids: set[int]) -> None:
-    """Roles of tensors created during the iteration, from when they live."""
+def classify_roles(recorder: Recorder, gradient_ids: set[int] | None = None) -> None:
+    """Roles of tensors created during the iteration, from when they live.
+
+    Without the parameters' `.grad` ids (a live run the hook watches), gradients are the tensors
+    born in the backward pass that outlive the iteration: PyTorch frees them only at `zero_grad`.
+    """
     ops = recorder.ops
+    if gradient_ids is None:
+        gradient_ids = {
+            t.id for t in recorder.tensors.values()
+            if t.created_by >= 0 and t.freed_after is None and ops[t.created_by].phase == "backward"
+        }
     for tensor in recorder.tensors.values():
         if tensor.created_by < 0 or tensor.reuses is not None:
             continue
@@ -282,6 +298,6 @@ def trace_step(
         for p in step.model.parameters()
         if p.grad is not None and id(p.grad.untyped_storage()) in recorder._current
     }
-    _classify(recorder, gradient_ids)
+    classify_roles(recorder, gradient_ids)
     info = {"tracer": "meta" if device_type == "meta" else f"live-{device_type}", **(meta or {})}
     return Workload(model_name, batch_size, target_device, recorder.tensors, recorder.ops, info)

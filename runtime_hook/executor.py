@@ -1,0 +1,478 @@
+"""The paper's Executor inside the user's process: one dispatch mode that sees every aten op.
+
+Per op it (1) checks that every input is resident and fetches it if not (a stall: a late or wrong
+plan costs time, never correctness), (2) runs the op, (3) records it with the tracer's Recorder so
+live tensors map positionally onto the plan's tensor ids, and (4) fires the plan's events whose
+trigger is this op. Iterations are delimited by optimizer step hooks. Anything that goes wrong
+inside the hook makes it stand down: every tensor comes back to the device and training goes on
+without Tensile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
+
+from tensile.peak import analyze_vanilla
+from tensile.plan import Event, Plan
+from tensile.runtime_hook.movers import CpuMover, CudaMover
+from tensile.runtime_hook.report import HookReport, IterationStats
+from tensile.runtime_hook.settings import HookSettings, budget_bytes
+from tensile.runtime_hook.storages import Slot, StorageRegistry
+from tensile.tracer import Recorder, classify_roles, written_values
+from tensile.workload import Op, Workload
+
+log = logging.getLogger("tensile.hook")
+MIN_EVICT_BYTES = 4096  # smaller storages are not worth a transfer
+Planner = Callable[[Workload, "int | None"], "Plan | None"]
+
+
+@dataclass
+class Recipe:
+    """How to regenerate a released tensor: its op, its inputs and the random state before it ran."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    rng: torch.Tensor | None
+    position: int  # which tensor of the op's result
+
+
+def _replayable(func: Any, args: tuple) -> tuple[Any, tuple] | None:
+    """The op and arguments that regenerate an output without side effects, or None.
+
+    Batch norm in training updates its running statistics in place without saying so in its
+    schema; replayed without them it computes the same output and leaves the statistics alone.
+    """
+    name = str(func)
+    if name == "aten.native_batch_norm.default":
+        return func, (*args[:3], None, None, *args[5:])
+    if "batch_norm" in name or any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+        return None
+    return func, args
+
+
+class _LiveRecorder(Recorder):
+    """The tracer's Recorder, with storages watched once for their whole life by the registry."""
+
+    def __init__(self, device_type: str, registry: StorageRegistry) -> None:
+        super().__init__(device_type, device_type)
+        self.registry = registry
+
+    def _watch(self, storage: torch.UntypedStorage) -> None:
+        self.registry.watch(storage)
+
+
+class ActivePlan:
+    """A plan indexed for the hot path: events by trigger op, and the tensors to recompute."""
+
+    def __init__(self, plan: Plan, workload: Workload) -> None:
+        self.plan = plan
+        self.ops: list[Op] = workload.ops
+        self.workload = workload
+        self.by_trigger: dict[int, list[Event]] = defaultdict(list)
+        self.next_by_trigger: dict[int, list[Event]] = defaultdict(list)
+        for event in plan.events:
+            (self.next_by_trigger if event.next_iteration else self.by_trigger)[event.trigger].append(event)
+        self.recompute = {e.tensor for e in plan.events if e.kind == "recompute"}
+
+
+class PlanExecutor(TorchDispatchMode):
+    def __init__(
+        self,
+        settings: HookSettings,
+        device: torch.device,
+        plan: Plan | None = None,
+        plan_workload: Workload | None = None,
+        planner: Planner | None = None,
+    ) -> None:
+        super().__init__()
+        self.settings = settings
+        self.device = device
+        self.registry = StorageRegistry(on_free=self._storage_freed)
+        self.mover = CudaMover(device) if device.type == "cuda" else CpuMover()
+        self.registry.release_host = self.mover.pool.put
+        self.recorder = _LiveRecorder(device.type, self.registry)
+        self.planner = planner
+        self.report = HookReport(job=settings.job, device=str(device))
+        self.iteration = 0
+        self.stats = IterationStats(0)
+        self.iteration_started = time.perf_counter()
+        self.in_step = 0
+        self.step_done = False
+        self.disabled = False
+        self.active: ActivePlan | None = None  # the plan applied in this iteration
+        self.ready: ActivePlan | None = None  # a plan matched and waiting for the next iteration
+        self.previous_planned = False
+        self.keys: dict[int, int] = {}  # plan tensor id -> id(storage), positional each iteration
+        self.recipes: dict[int, Recipe] = {}  # id(storage) -> recipe, this iteration
+        self.recipe_inputs: dict[int, set[int]] = defaultdict(set)  # id(input storage) -> recipes using it
+        self.budget: int | None = None
+        self.vanilla_peak: int | None = None
+        self.candidate: ActivePlan | None = None  # offered, not yet matched against a live iteration
+        if plan is not None and plan_workload is not None:
+            self._offer(plan, plan_workload, "file")
+
+    # -- plan lifecycle -----------------------------------------------------------------------
+    def _offer(self, plan: Plan, workload: Workload, source: str) -> None:
+        """A plan to apply once the live iterations are known to match its workload."""
+        self.candidate = ActivePlan(plan, workload)
+        self.report.plan_version = plan.version
+        self.report.plan_source = source
+        if plan.forecast is not None:
+            self.report.vanilla_peak_bytes = plan.forecast.vanilla_peak_bytes
+            self.report.scheduled_peak_bytes = plan.forecast.scheduled_peak_bytes
+            self._set_vanilla(plan.forecast.vanilla_peak_bytes)
+
+    def _set_vanilla(self, vanilla_peak: int) -> None:
+        self.vanilla_peak = vanilla_peak
+        self.budget = budget_bytes(self.settings.memory_budget, vanilla_peak)
+        self.report.vanilla_peak_bytes = self.report.vanilla_peak_bytes or vanilla_peak
+        self.report.memory_budget_bytes = self.budget
+
+    def _say(self, message: str) -> None:
+        log.warning("tensile: %s", message)
+        self.report.messages.append(f"iteration {self.iteration}: {message}")
+
+    def _match(self, live: Workload) -> None:
+        """After a steady iteration: compare signatures; on a mismatch, plan from the live workload."""
+        self.report.live_signature = live.signature
+        self.report.guard_slack_bytes = max(
+            (sum(live.tensors[t].size for t in {*op.inputs, *op.outputs}) for op in live.ops), default=0
+        )
+        if self.vanilla_peak is None:
+            self._set_vanilla(analyze_vanilla(live).peak_bytes)
+        candidate = self.candidate
+        if candidate is not None:
+            match = candidate.plan.signature == live.signature
+            self.report.signature_match = match
+            if match:
+                self.ready = candidate
+                return
+            self._say("the plan was made for another workload (signature mismatch); planning from the live iteration")
+        if self.planner is None:
+            self._say("no plan and no planner: running guarded by the memory budget only")
+            return
+        plan = self.planner(live, self.budget)
+        if plan is None:
+            self._say("the planner returned no plan: running guarded")
+            return
+        self._offer(plan, live, "local")
+        self.ready = self.candidate
+
+    # -- iterations ---------------------------------------------------------------------------
+    def step_pre_hook(self, *_: Any) -> None:
+        self.in_step += 1
+
+    def step_post_hook(self, *_: Any) -> None:
+        self.in_step = max(0, self.in_step - 1)
+        self.step_done = True
+
+    def _finish_iteration(self) -> None:
+        self.mover.finish_iteration()
+        stats = self.stats
+        stats.seconds = time.perf_counter() - self.iteration_started
+        stats.ops = len(self.recorder.ops)
+        if self.device.type == "cuda":
+            stats.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.report.iterations.append(stats)
+        if not self.disabled and self.iteration == 1 and self.active is None:
+            self.recorder.stop()
+            classify_roles(self.recorder)
+            live = Workload(self.settings.job, 0, self.device.type, self.recorder.tensors, self.recorder.ops)
+            self._match(live)
+        if self.settings.report_path:
+            self.report.write(self.settings.report_path)
+
+    def _begin_iteration(self) -> None:
+        self._finish_iteration()
+        self.previous_planned = self.active is not None
+        self.iteration += 1
+        self.step_done = False
+        self.recipes.clear()
+        self.recipe_inputs.clear()
+        self.recorder = _LiveRecorder(self.device.type, self.registry)
+        self.active = None if self.disabled else self.ready
+        mode = "planned" if self.active else ("guarded" if self.iteration >= 2 else "recording")
+        self.stats = IterationStats(self.iteration, mode, self.active.plan.version if self.active else None)
+        self.iteration_started = time.perf_counter()
+
+    def finish(self) -> None:
+        """At exit: close the last iteration and write the report."""
+        if self.step_done:
+            self._finish_iteration()
+            self.step_done = False
+        elif self.settings.report_path:
+            self.report.write(self.settings.report_path)
+
+    # -- the hot path -------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.disabled or func.namespace == "profiler":
+            return func(*args, **kwargs)
+        started = time.perf_counter()
+        plan_op = rng = None
+        try:
+            if self.step_done and self.in_step == 0:
+                self._begin_iteration()
+            plan_op = self._expected_op(func)
+            self._ensure_resident(args, kwargs)
+            if self.recipe_inputs:
+                self._recompute_before_write(func, args, kwargs)
+            if plan_op is not None and self.active is not None and self.active.recompute.intersection(plan_op.outputs):
+                rng = self._rng_state()
+        except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
+            self._stand_down(exc)
+            return func(*args, **kwargs)
+        before_op = time.perf_counter()
+        out = self._run(func, args, kwargs)
+        after_op = time.perf_counter()
+        try:
+            self.recorder.phase = self._phase()
+            op = self.recorder.record(func, args, kwargs, out)
+            op.latency = after_op - before_op
+            if self.recipes and op.writes:
+                self._invalidate_recipes(op)
+            if plan_op is not None:
+                self._after_op(plan_op, op, func, args, kwargs, out, rng)
+            self._guard(op)
+            if self.registry.device_bytes > self.stats.peak_bytes and self.device.type != "cuda":
+                self.stats.peak_bytes = self.registry.device_bytes
+        except Exception as exc:  # noqa: BLE001
+            self._stand_down(exc)
+        self.stats.hook_seconds += (before_op - started) + (time.perf_counter() - after_op)
+        return out
+
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run the op; on CUDA an out-of-memory error evicts passively and retries."""
+        for attempt in range(3):
+            try:
+                return func(*args, **kwargs)
+            except torch.OutOfMemoryError:
+                if attempt == 2 or self.disabled:
+                    raise
+                self._say("out of memory: evicting passively and retrying the op")
+                self._evict(self.registry.device_bytes // 2, protected=set())
+        raise AssertionError("unreachable")
+
+    def _phase(self) -> str:
+        if self.in_step:
+            return "optimizer"
+        return "backward" if torch._C._current_autograd_node() is not None else "forward"
+
+    def _expected_op(self, func: Any) -> Op | None:
+        """The plan's op at this position, or None (and the plan dropped for this iteration) on divergence."""
+        if self.active is None:
+            return None
+        index = len(self.recorder.ops)
+        ops = self.active.ops
+        if index < len(ops) and ops[index].name == str(func):
+            return ops[index]
+        self._diverge(f"op {index} is {func}, the plan expected {ops[index].name if index < len(ops) else 'the end of the iteration'}")
+        return None
+
+    def _diverge(self, why: str) -> None:
+        self._say(f"the iteration diverged from the plan ({why}); the rest of it runs guarded")
+        self.active = None
+        self.stats.mode = "diverged"
+        self.ready = None
+        self.candidate = None
+
+    def _ensure_resident(self, args: tuple, kwargs: dict) -> None:
+        """Check before use (the paper's Executor): a missing input is fetched now, as a stall."""
+        for value in tree_leaves((args, kwargs)):
+            if isinstance(value, torch.Tensor) and value.device.type == self.device.type:
+                slot = self.registry.slots.get(id(value.untyped_storage()))
+                if slot is None:
+                    continue
+                if not slot.resident:
+                    started = time.perf_counter()
+                    self._fetch(slot)
+                    self.stats.stall_seconds += time.perf_counter() - started
+                elif slot.pending is not None:
+                    self.mover.wait(slot)
+                self.registry.touch(slot)
+
+    def _rng_state(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+
+    def _set_rng_state(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    # -- events -------------------------------------------------------------------------------
+    def _after_op(self, plan_op: Op, op: Op, func: Any, args: tuple, kwargs: dict, out: Any, rng: torch.Tensor | None) -> None:
+        if len(plan_op.inputs) != len(op.inputs) or len(plan_op.outputs) != len(op.outputs):
+            self._diverge(f"op {op.index} ({op.name}) accesses other tensors than planned")
+            return
+        key_of = self.recorder._key_of
+        for planned, live in zip(plan_op.inputs + plan_op.outputs, op.inputs + op.outputs):
+            self.keys[planned] = key_of[live]
+        assert self.active is not None
+        for planned in self.active.recompute.intersection(plan_op.outputs):
+            self._keep_recipe(self.keys[planned], func, args, kwargs, out, rng)
+        events = self.active.by_trigger.get(op.index, [])
+        if self.previous_planned:
+            events = events + self.active.next_by_trigger.get(op.index, [])
+        for event in events:
+            self._apply(event)
+
+    def _keep_recipe(self, key: int, func: Any, args: tuple, kwargs: dict, out: Any, rng: torch.Tensor | None) -> None:
+        """Only ops that write nothing in place can be replayed; their inputs are kept referenced."""
+        replay = _replayable(func, args)
+        if replay is None:
+            return
+        func, args = replay
+        results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for position, tensor in enumerate(results):
+            if id(tensor.untyped_storage()) == key:
+                self.recipes[key] = Recipe(func, args, kwargs, rng, position)
+                for value in tree_leaves((args, kwargs)):
+                    if isinstance(value, torch.Tensor):
+                        self.recipe_inputs[id(value.untyped_storage())].add(key)
+                return
+
+    def _recompute_before_write(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """A released tensor whose input is about to change in place is regenerated first."""
+        for value in tree_leaves(written_values(func, args, kwargs)):
+            if isinstance(value, torch.Tensor):
+                for dependent in list(self.recipe_inputs.get(id(value.untyped_storage()), ())):
+                    slot = self.registry.slots.get(dependent)
+                    if slot is not None and slot.recipe is not None:
+                        self._fetch(slot)
+
+    def _invalidate_recipes(self, op: Op) -> None:
+        """A replay is exact only if neither the tensor nor its inputs changed since it was made."""
+        for tid in op.writes:
+            key = self.recorder._key_of[tid]
+            self.recipes.pop(key, None)
+            for dependent in self.recipe_inputs.pop(key, ()):
+                self.recipes.pop(dependent, None)
+
+    def _apply(self, event: Event) -> None:
+        key = self.keys.get(event.tensor)
+        slot = self.registry.slots.get(key) if key is not None else None
+        if slot is None:
+            return  # already freed by PyTorch, or never seen: nothing to do
+        if event.kind in ("swap_out", "release"):
+            if not slot.resident or slot.nbytes == 0:
+                return
+            recipe = self.recipes.get(slot.key) if event.kind == "release" else None
+            if recipe is not None:
+                storage = slot.storage()
+                if storage is None:
+                    return
+                storage.resize_(0)
+                slot.recipe = recipe
+                self.registry.mark_absent(slot)
+            elif not self._swap_out(slot):
+                return
+        elif not slot.resident:  # swap_in or recompute: bring it back ahead of its use
+            self._fetch(slot)
+        else:
+            return
+        self.stats.events[event.kind] += 1
+
+    def _swap_out(self, slot: Slot) -> bool:
+        storage = slot.storage()
+        if storage is None:
+            return False
+        try:
+            self.mover.swap_out(slot, storage)
+        except RuntimeError:  # e.g. a storage that is not resizable (from numpy): leave it alone
+            slot.extra["pinned"] = True
+            return False
+        self.registry.mark_absent(slot)
+        self.stats.swap_out_bytes += slot.nbytes
+        return True
+
+    def _fetch(self, slot: Slot) -> None:
+        storage = slot.storage()
+        if storage is None:
+            return
+        if slot.recipe is not None:
+            self._recompute(slot, storage)
+        else:
+            self.mover.swap_in(slot, storage)
+            self.stats.swap_in_bytes += slot.nbytes
+        slot.passive = False
+        self.registry.mark_resident(slot)
+
+    def _recompute(self, slot: Slot, storage: torch.UntypedStorage) -> None:
+        """Replay the op with the random state it first ran with: dropout draws the same numbers."""
+        recipe: Recipe = slot.recipe
+        self._ensure_resident(recipe.args, recipe.kwargs)
+        if recipe.rng is not None:
+            current = self._rng_state()
+            self._set_rng_state(recipe.rng)
+        try:
+            out = recipe.func(*recipe.args, **recipe.kwargs)
+        finally:
+            if recipe.rng is not None:
+                self._set_rng_state(current)
+        source = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)][recipe.position].untyped_storage()
+        storage.resize_(slot.nbytes)
+        storage.copy_(source)
+        slot.recipe = None
+        self.recipes.pop(slot.key, None)  # its inputs need not outlive this
+        self.stats.recompute_bytes += slot.nbytes
+
+    # -- budget guard -------------------------------------------------------------------------
+    def _guard(self, op: Op) -> None:
+        if self.budget is None or self.registry.device_bytes <= self.budget:
+            return
+        protected = {self.recorder._key_of[t] for t in op.inputs + op.outputs}
+        self._evict(self.registry.device_bytes - self.budget, protected)
+
+    def _evict(self, need: int, protected: set[int]) -> None:
+        """Capuchin's passive mode: swap out the least recently used tensors until `need` bytes are free."""
+        freed = 0
+        for key in list(self.registry.lru):
+            if freed >= need:
+                break
+            slot = self.registry.slots.get(key)
+            if slot is None or key in protected or slot.nbytes < MIN_EVICT_BYTES or slot.extra.get("pinned"):
+                continue
+            if self._swap_out(slot):
+                slot.passive = True
+                freed += slot.nbytes
+                self.stats.passive_evictions += 1
+
+    # -- failure ------------------------------------------------------------------------------
+    def _stand_down(self, exc: BaseException) -> None:
+        """Tensile's own failure: bring everything back and let training go on without it."""
+        if self.disabled:
+            return
+        self.disabled = True
+        reason = f"{type(exc).__name__}: {exc}"
+        log.exception("tensile: the hook failed and stands down; training continues without Tensile")
+        self.report.stood_down = reason
+        self.stats.mode = "stood_down"
+        with _disable_current_modes():
+            for slot in self.registry.absent():
+                try:
+                    self._fetch(slot)
+                except Exception:  # noqa: BLE001 - keep restoring the others
+                    log.exception("tensile: could not restore a tensor")
+        self.active = self.ready = None
+
+    def restore_all(self) -> None:
+        """Before anything reads storages outside the dispatcher (state_dict, torch.save)."""
+        with _disable_current_modes():
+            for slot in self.registry.absent():
+                self._fetch(slot)
+
+    def _storage_freed(self, key: int) -> None:
+        self.recipes.pop(key, None)
+        self.recorder._on_free(key)

@@ -1,0 +1,130 @@
+"""Moving storages between the device and host memory, and freeing them in place.
+
+The tensor objects keep their identity: a storage is copied out and resized to zero bytes, and
+later resized back and copied in. On the CPU device copies are synchronous (the same logic, for
+tests and GPU-less machines). On CUDA, copies run on one side stream per direction, ordered by
+events (never host sleeps), into pinned host buffers taken from a pool so that pinning does not
+serialise the copies.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from tensile.runtime_hook.storages import Slot
+
+
+class HostBufferPool:
+    """Reusable host buffers by size: allocated once, pinned on CUDA."""
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self.free: dict[int, list[torch.Tensor]] = defaultdict(list)
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self.free[nbytes]:
+            return self.free[nbytes].pop()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+
+    def put(self, buffer: torch.Tensor) -> None:
+        self.free[buffer.numel()].append(buffer)
+
+
+class CpuMover:
+    """Synchronous copies: swap-out returns once the storage is freed; swap-in once it is back."""
+
+    def __init__(self) -> None:
+        self.pool = HostBufferPool(pinned=False)
+
+    def swap_out(self, slot: Slot, storage: torch.UntypedStorage) -> None:
+        slot.host = self.pool.get(slot.nbytes)
+        slot.host.untyped_storage().copy_(storage)
+        storage.resize_(0)
+
+    def swap_in(self, slot: Slot, storage: torch.UntypedStorage) -> None:
+        """Copy back and give the host buffer up: the tensor may change before its next swap-out."""
+        storage.resize_(slot.nbytes)
+        assert slot.host is not None
+        storage.copy_(slot.host.untyped_storage())
+        self.drop_host(slot)
+
+    def wait(self, slot: Slot) -> None:
+        """Nothing is in flight on the CPU."""
+
+    def drop_host(self, slot: Slot) -> None:
+        if slot.host is not None:
+            self.pool.put(slot.host)
+            slot.host = None
+
+    def finish_iteration(self) -> None:
+        """Nothing is in flight on the CPU."""
+
+
+class CudaMover(CpuMover):
+    """Side streams and events: the compute stream waits on an event only when it needs the tensor."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pool = HostBufferPool(pinned=True)
+        self.device = device
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        self.returning: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # buffers still read by a copy
+
+    def swap_out(self, slot: Slot, storage: torch.UntypedStorage) -> None:
+        self._collect_returned()
+        compute = torch.cuda.current_stream(self.device)
+        slot.host = self.pool.get(slot.nbytes)
+        ready = torch.cuda.Event()
+        ready.record(compute)
+        self.d2h.wait_event(ready)
+        with torch.cuda.stream(self.d2h):
+            slot.host.untyped_storage().copy_(storage, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(self.d2h)
+        # the memory goes back to the allocator only once the copy has read it
+        compute.wait_event(copied)
+        storage.resize_(0)
+
+    def swap_in(self, slot: Slot, storage: torch.UntypedStorage) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        storage.resize_(slot.nbytes)  # allocated on the compute stream, which last freed it
+        allocated = torch.cuda.Event()
+        allocated.record(compute)
+        self.h2d.wait_event(allocated)
+        assert slot.host is not None
+        with torch.cuda.stream(self.h2d):
+            storage.copy_(slot.host.untyped_storage(), non_blocking=True)
+        arrived = torch.cuda.Event()
+        arrived.record(self.h2d)
+        slot.pending = arrived
+        self.returning.append((arrived, slot.host))
+        slot.host = None
+
+    def drop_host(self, slot: Slot) -> None:
+        """Return the buffer once no copy reads it any more."""
+        if slot.host is not None:
+            done = torch.cuda.Event()
+            done.record(self.d2h)
+            self.returning.append((done, slot.host))
+            slot.host = None
+
+    def _collect_returned(self) -> None:
+        still = []
+        for event, buffer in self.returning:
+            if event.query():
+                self.pool.put(buffer)
+            else:
+                still.append((event, buffer))
+        self.returning = still
+
+    def wait(self, slot: Slot) -> None:
+        if slot.pending is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.pending)
+            slot.pending = None
+
+    def finish_iteration(self) -> None:
+        """The Executor waits for the iteration's unfinished transfers at its end (paper, §III)."""
+        torch.cuda.current_stream(self.device).wait_stream(self.d2h)
+        torch.cuda.current_stream(self.device).wait_stream(self.h2d)

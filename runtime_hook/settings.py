@@ -1,0 +1,53 @@
+"""The hook's settings, from TENSILE_* environment variables (set by `tensile run` or the operator)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HookSettings:
+    job: str
+    plan_path: str | None = None  # a plan JSON (tensile forecast --save-plan)
+    workload_path: str | None = None  # the workload the plan was made for
+    memory_budget: float | None = None  # bytes, or a fraction (<= 1) of the vanilla peak
+    agent_url: str | None = None
+    token: str | None = None
+    gpu: str | None = None
+    report_path: str | None = None
+    max_swap_rate: float | None = None
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> HookSettings:
+        env = os.environ if environ is None else environ
+        budget = env.get("TENSILE_MEMORY_BUDGET")
+        rate = env.get("TENSILE_MAX_SWAP_RATE")
+        return cls(
+            job=env.get("TENSILE_JOB", "local"),
+            plan_path=env.get("TENSILE_PLAN") or None,
+            workload_path=env.get("TENSILE_WORKLOAD") or None,
+            memory_budget=parse_budget(budget, "TENSILE_MEMORY_BUDGET") if budget else None,
+            agent_url=env.get("TENSILE_AGENT") or None,
+            token=env.get("TENSILE_TOKEN") or None,
+            gpu=env.get("TENSILE_GPU") or None,
+            report_path=env.get("TENSILE_REPORT") or None,
+            max_swap_rate=float(rate) if rate else None,
+        )
+
+
+def parse_budget(text: str, field: str) -> float:
+    """'0.6' is 60% of the vanilla peak; '2e9' or '2000000000' is bytes."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{field}: '{text}' is not a number of bytes or a fraction of the vanilla peak (e.g. 0.6)") from None
+    if value <= 0:
+        raise ValueError(f"{field}: must be positive (was {text})")
+    return value
+
+
+def budget_bytes(budget: float | None, vanilla_peak: int) -> int | None:
+    if budget is None:
+        return None
+    return int(budget * vanilla_peak) if budget <= 1.0 else int(budget)

@@ -1,0 +1,84 @@
+"""Every live device storage the hook has seen: residency, host copy, bytes on the device.
+
+One weakref finalizer per storage for its whole life (not one per iteration), so a long training
+run does not accumulate watchers. Device bytes count resident storages only; the hook's own host
+buffers are never counted.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(eq=False)
+class Slot:
+    key: int
+    ref: weakref.ref
+    nbytes: int
+    resident: bool = True
+    host: torch.Tensor | None = None  # host copy while swapped out (kept until the storage dies)
+    recipe: Any = None  # how to recompute it when it was released
+    pending: Any = None  # an in-flight transfer (CUDA event) to wait for before use
+    passive: bool = False  # evicted by the budget guard rather than by the plan
+    extra: dict = field(default_factory=dict)
+
+    def storage(self) -> torch.UntypedStorage | None:
+        return self.ref()
+
+
+class StorageRegistry:
+    def __init__(self, on_free: Callable[[int], None] | None = None) -> None:
+        self.slots: dict[int, Slot] = {}
+        self.device_bytes = 0
+        self.lru: OrderedDict[int, None] = OrderedDict()  # resident keys, least recently used first
+        self.on_free = on_free
+        self.release_host: Callable[[torch.Tensor], None] | None = None
+
+    def watch(self, storage: torch.UntypedStorage) -> Slot:
+        key = id(storage)
+        slot = self.slots.get(key)
+        if slot is None:
+            slot = Slot(key, weakref.ref(storage), storage.nbytes())
+            self.slots[key] = slot
+            self.device_bytes += slot.nbytes
+            self.lru[key] = None
+            weakref.finalize(storage, self._freed, key)
+        return slot
+
+    def _freed(self, key: int) -> None:
+        slot = self.slots.pop(key, None)
+        if slot is None:
+            return
+        if slot.resident:
+            self.device_bytes -= slot.nbytes
+        self.lru.pop(key, None)
+        if slot.host is not None and self.release_host is not None:
+            self.release_host(slot.host)
+        slot.host = slot.recipe = None
+        if self.on_free is not None:
+            self.on_free(key)
+
+    def touch(self, slot: Slot) -> None:
+        if slot.resident:
+            self.lru.move_to_end(slot.key)
+
+    def mark_absent(self, slot: Slot) -> None:
+        if slot.resident:
+            slot.resident = False
+            self.device_bytes -= slot.nbytes
+            self.lru.pop(slot.key, None)
+
+    def mark_resident(self, slot: Slot) -> None:
+        if not slot.resident:
+            slot.resident = True
+            self.device_bytes += slot.nbytes
+            self.lru[slot.key] = None
+
+    def absent(self) -> list[Slot]:
+        return [slot for slot in self.slots.values() if not slot.resident]

@@ -1,0 +1,87 @@
+"""Faults never cost correctness: wrong, stale or missing plans and undersized budgets cost time
+only, training ends bit-identical, and the report says what happened."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import tracing_models
+from tensile.plan import EVENT_KINDS, Event, Plan
+from tensile.workload import Workload
+from test_hook_correctness import aggressive_plan, assert_identical, deterministic, train  # noqa: F401
+
+
+def wrong_plan(workload: Workload, budget: int | None = None) -> Plan:
+    """Events of every kind on random tensors at random ops: swap-ins before swap-outs, releases of
+    tensors used later, recomputes of tensors written in place, cross-iteration swap-ins of anything."""
+    rng = random.Random(7)
+    ids = list(workload.tensors)
+    events = [
+        Event("job", rng.choice(EVENT_KINDS), rng.choice(ids), rng.randrange(len(workload.ops)), 0.0, rng.random() < 0.2)
+        for _ in range(4 * len(workload.ops))
+    ]
+    return Plan("job", 9, workload.signature, events)
+
+
+def test_a_deliberately_wrong_plan_costs_time_not_correctness():
+    plain, _ = train(tracing_models.views, 4)
+    hooked, report = train(tracing_models.views, 4, planner=wrong_plan)
+    assert_identical(plain, hooked)
+    planned = [it for it in report.iterations if it.mode == "planned"]
+    assert planned and all(it.stall_seconds > 0 for it in planned)
+    assert report.stood_down is None
+
+
+def test_no_plan_runs_guarded_and_says_so():
+    plain, _ = train(tracing_models.tied, 4)
+    hooked, report = train(tracing_models.tied, 4, planner=lambda workload, budget: None)
+    assert_identical(plain, hooked)
+    assert any("no plan" in m for m in report.messages)
+    assert all(it.mode in ("recording", "guarded") for it in report.iterations)
+
+
+def test_a_stale_plan_is_replaced_by_one_from_the_live_iteration():
+    from tensile.forecast import trace_workload
+    from tensile.runtime_hook import activate, deactivate
+    from tensile.runtime_hook.settings import HookSettings
+
+    stale_workload = trace_workload("examples/tiny_mlp.py:build", 16, optimizer=None, device="cpu", live=True)
+    stale = aggressive_plan(stale_workload)
+    plain, _ = train(tracing_models.views, 4)
+    executor = activate(HookSettings(job="job"), stale, stale_workload, planner=aggressive_plan, device=torch.device("cpu"))
+    try:
+        torch.manual_seed(1234)
+        model, batch, loss_fn, make_optimizer = tracing_models.views(4)
+        optimizer = make_optimizer(model.parameters())
+        for _ in range(5):
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model, batch).backward()
+            optimizer.step()
+        from test_hook_correctness import state_of
+
+        hooked = state_of(model, [optimizer])
+    finally:
+        deactivate()
+    assert_identical(plain, hooked)
+    report = executor.report
+    assert report.signature_match is False
+    assert report.plan_source == "local"
+    assert any("signature mismatch" in m for m in report.messages)
+    assert [it.mode for it in report.iterations][2:] == ["planned"] * (len(report.iterations) - 2)
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.2])
+def test_an_undersized_budget_evicts_passively_and_stays_under_it(budget):
+    plain, _ = train(tracing_models.views, 16)
+    hooked, report = train(tracing_models.views, 16, planner=lambda workload, b: None, budget=budget)
+    assert_identical(plain, hooked)
+    assert report.memory_budget_bytes is not None
+    guarded = [it for it in report.iterations if it.iteration >= 2]
+    assert guarded and all(it.passive_evictions > 0 for it in guarded)
+    # an op's own inputs and outputs cannot be evicted while it runs: the report states that slack
+    assert report.guard_slack_bytes > 0
+    assert all(it.peak_bytes <= report.memory_budget_bytes + report.guard_slack_bytes for it in guarded)
+    assert all(it.peak_bytes < report.vanilla_peak_bytes for it in guarded)
