@@ -59,21 +59,18 @@ def full_forecast() -> int:
     return vanilla.peak_bytes
 
 
-def timed(fn) -> list[float]:  # type: ignore[no-untyped-def]
-    times = []
-    for _ in range(REPEATS):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return times
+def timed(fn) -> float:  # type: ignore[no-untyped-def]
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
 
 
 def main() -> None:
     bare_trace(), full_forecast()  # imports and first-call caches out of the way
     bare, full = [], []
     for _ in range(REPEATS):  # interleaved, so machine noise hits both alike
-        bare += timed(bare_trace)[:1]
-        full += timed(full_forecast)[:1]
+        bare.append(timed(bare_trace))
+        full.append(timed(full_forecast))
     bare_median, full_median = statistics.median(bare), statistics.median(full)
     result = {
         "model": MODEL,
