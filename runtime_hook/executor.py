@@ -32,6 +32,7 @@ from tensile.workload import Op, Workload
 
 log = logging.getLogger("tensile.hook")
 MIN_EVICT_BYTES = 4096  # smaller storages are not worth a transfer
+MAX_DIVERGED = 3  # iterations in a row that leave the plan before it is made again
 Planner = Callable[[Workload, "int | None"], "Plan | None"]
 
 
@@ -118,6 +119,8 @@ class PlanExecutor(TorchDispatchMode):
         self.budget: int | None = None
         self.vanilla_peak: int | None = None
         self.candidate: ActivePlan | None = None  # offered, not yet matched against a live iteration
+        self.match_at = 1  # the iteration whose recording is matched against the plan (0 is a warm-up)
+        self.diverged_in_a_row = 0
         if plan is not None and plan_workload is not None:
             self._offer(plan, plan_workload, "file")
 
@@ -185,7 +188,7 @@ class PlanExecutor(TorchDispatchMode):
             stats.peak_bytes = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         self.report.iterations.append(stats)
-        if not self.disabled and self.iteration == 1 and self.active is None:
+        if not self.disabled and self.iteration == self.match_at:
             self.recorder.stop()
             classify_roles(self.recorder)
             live = Workload(self.settings.job, 0, self.device.type, self.recorder.tensors, self.recorder.ops)
@@ -196,13 +199,19 @@ class PlanExecutor(TorchDispatchMode):
     def _begin_iteration(self) -> None:
         self._finish_iteration()
         self.previous_planned = self.active is not None
+        self.diverged_in_a_row = self.diverged_in_a_row + 1 if self.stats.mode == "diverged" else 0
+        if self.diverged_in_a_row >= MAX_DIVERGED:
+            self._say(f"{MAX_DIVERGED} iterations in a row diverged from the plan: planning again from the next one")
+            self.ready = self.candidate = None
+            self.match_at = self.iteration + 1
+            self.diverged_in_a_row = 0
         self.iteration += 1
         self.step_done = False
         self.recipes.clear()
         self.recipe_inputs.clear()
         self.recorder = _LiveRecorder(self.device.type, self.registry)
         self.active = None if self.disabled else self.ready
-        mode = "planned" if self.active else ("guarded" if self.iteration >= 2 else "recording")
+        mode = "planned" if self.active else ("recording" if self.iteration <= self.match_at else "guarded")
         self.stats = IterationStats(self.iteration, mode, self.active.plan.version if self.active else None)
         self.iteration_started = time.perf_counter()
 
@@ -222,10 +231,11 @@ class PlanExecutor(TorchDispatchMode):
         started = time.perf_counter()
         plan_op = rng = None
         try:
-            if self.step_done and self.in_step == 0:
+            leaves = tree_leaves((args, kwargs))
+            if self.step_done and self._starts_iteration(leaves):
                 self._begin_iteration()
             plan_op = self._expected_op(func)
-            self._ensure_resident(args, kwargs)
+            self._ensure_resident(leaves)
             if self.recipe_inputs:
                 self._recompute_before_write(func, args, kwargs)
             if plan_op is not None and self.active is not None and self.active.recompute.intersection(plan_op.outputs):
@@ -264,6 +274,19 @@ class PlanExecutor(TorchDispatchMode):
                 self._evict(self.registry.device_bytes // 2, protected=set())
         raise AssertionError("unreachable")
 
+    def _starts_iteration(self, leaves: list[Any]) -> bool:
+        """After the step(s): the first forward op on tensors that require grad starts the next one.
+
+        Not simply "the first op after a step": a GradScaler and several optimizers run ops between
+        and after the steps; those stay with the iteration they belong to.
+        """
+        return (
+            self.in_step == 0
+            and torch.is_grad_enabled()
+            and torch._C._current_autograd_node() is None
+            and any(isinstance(v, torch.Tensor) and v.requires_grad for v in leaves)
+        )
+
     def _phase(self) -> str:
         if self.in_step:
             return "optimizer"
@@ -281,15 +304,14 @@ class PlanExecutor(TorchDispatchMode):
         return None
 
     def _diverge(self, why: str) -> None:
+        """The rest of this iteration runs guarded; the plan is tried again at the next one."""
         self._say(f"the iteration diverged from the plan ({why}); the rest of it runs guarded")
         self.active = None
         self.stats.mode = "diverged"
-        self.ready = None
-        self.candidate = None
 
-    def _ensure_resident(self, args: tuple, kwargs: dict) -> None:
+    def _ensure_resident(self, leaves: list[Any]) -> None:
         """Check before use (the paper's Executor): a missing input is fetched now, as a stall."""
-        for value in tree_leaves((args, kwargs)):
+        for value in leaves:
             if isinstance(value, torch.Tensor) and value.device.type == self.device.type:
                 slot = self.registry.slots.get(id(value.untyped_storage()))
                 if slot is None:
@@ -412,7 +434,7 @@ class PlanExecutor(TorchDispatchMode):
     def _recompute(self, slot: Slot, storage: torch.UntypedStorage) -> None:
         """Replay the op with the random state it first ran with: dropout draws the same numbers."""
         recipe: Recipe = slot.recipe
-        self._ensure_resident(recipe.args, recipe.kwargs)
+        self._ensure_resident(tree_leaves((recipe.args, recipe.kwargs)))
         if recipe.rng is not None:
             current = self._rng_state()
             self._set_rng_state(recipe.rng)

@@ -129,3 +129,55 @@ def test_training_under_an_aggressive_plan_is_bit_identical(case):
         assert it.swap_out_bytes > 0 and it.swap_in_bytes > 0
     assert sum(it.events["recompute"] for it in planned) > 0
     assert sum(it.recompute_bytes for it in planned) > 0
+
+
+def _run_amp_two_optimizers(hooked: bool) -> tuple[dict, HookReport | None]:
+    """bf16 autocast, a GradScaler whose first steps overflow (skipped steps), two optimizers."""
+    executor = activate(HookSettings(job="job"), planner=aggressive_plan, device=torch.device("cpu")) if hooked else None
+    try:
+        torch.manual_seed(1234)
+        model, batch, loss_fn, _ = tracing_models.views(8)
+        params = list(model.parameters())
+        optimizers = [torch.optim.SGD(params[:2], lr=0.1, momentum=0.9), torch.optim.Adam(params[2:], lr=1e-3)]
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # inf at first: those steps are skipped
+        for _ in range(STEPS + 3):
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(model, batch)
+            scaler.scale(loss).backward()
+            for optimizer in optimizers:
+                scaler.step(optimizer)
+            scaler.update()
+        return state_of(model, optimizers), executor.report if executor else None
+    finally:
+        if executor is not None:
+            deactivate()
+
+
+def test_amp_with_skipped_steps_and_two_optimizers_is_bit_identical():
+    plain, _ = _run_amp_two_optimizers(False)
+    hooked, report = _run_amp_two_optimizers(True)
+    assert_identical(plain, hooked)
+    assert report.stood_down is None
+    assert any(it.mode == "planned" for it in report.iterations)
+
+
+def test_tensile_run_trains_an_unmodified_script_bit_identically(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = str(EXAMPLES / "train_mlp.py")
+    plain, hooked, report = tmp_path / "plain.pt", tmp_path / "hooked.pt", tmp_path / "report.json"
+    subprocess.run([sys.executable, script, "--steps", "6", "--save", str(plain)], check=True, timeout=300)
+    tensile = [sys.executable, "-m", "tensile.cli", "run", "--report", str(report), "--"]
+    subprocess.run([*tensile, sys.executable, script, "--steps", "6", "--save", str(hooked)], check=True, timeout=300)
+    a, b = torch.load(plain), torch.load(hooked)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    data = json.loads(report.read_text())
+    assert data["job"] == "local" and len(data["iterations"]) >= 5
+    for key in ("vanilla_peak_bytes", "scheduled_peak_bytes", "plan_version", "signature_match", "iterations"):
+        assert key in data
+    for key in ("peak_bytes", "seconds", "stall_seconds", "swap_out_bytes", "swap_in_bytes", "recompute_bytes", "events", "hook_seconds"):
+        assert key in data["iterations"][0]

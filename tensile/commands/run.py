@@ -1,0 +1,89 @@
+"""`tensile run`: run an unmodified training command under the Tensile hook (local mode)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+
+import tensile.runtime_hook
+from tensile.errors import TensileUserError
+from tensile.runtime_hook.settings import parse_budget
+from tensile.workload_io import load_workload
+
+SITE_DIR = Path(tensile.runtime_hook.__file__).parent / "site"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("run", help="run a training command under the Tensile hook", description=__doc__)
+    parser.add_argument("--job", default="local", help="job name shown in reports and metrics")
+    parser.add_argument("--memory-budget", help="bytes, or a fraction of the vanilla peak (e.g. 0.6)")
+    parser.add_argument("--workload", help="the workload the plan is for (tensile forecast --save)")
+    parser.add_argument("--plan", help="a plan for that workload (tensile forecast --save-plan); default: plan in-process")
+    parser.add_argument("--agent", help="node agent URL; without it the hook plans in-process")
+    parser.add_argument("--token", help="the job's token for the agent")
+    parser.add_argument("--max-swap-rate", type=float)
+    parser.add_argument("--report", help="write the hook's JSON report here")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
+    parser.set_defaults(run=run)
+
+
+def hook_environment(args: argparse.Namespace) -> dict[str, str]:
+    """The TENSILE_* variables and PYTHONPATH that switch the hook on in the child process."""
+    env = dict(os.environ)
+    env["TENSILE_JOB"] = args.job
+    python_path = [str(SITE_DIR), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in python_path if p)
+    optional = {
+        "TENSILE_MEMORY_BUDGET": args.memory_budget,
+        "TENSILE_WORKLOAD": args.workload,
+        "TENSILE_PLAN": args.plan,
+        "TENSILE_AGENT": args.agent,
+        "TENSILE_TOKEN": args.token,
+        "TENSILE_MAX_SWAP_RATE": None if args.max_swap_rate is None else str(args.max_swap_rate),
+        "TENSILE_REPORT": args.report,
+    }
+    env.update({k: v for k, v in optional.items() if v})
+    return env
+
+
+def _check(args: argparse.Namespace) -> list[str]:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise TensileUserError("tensile run needs a command after '--', e.g. tensile run -- python train.py")
+    if args.memory_budget:
+        try:
+            parse_budget(args.memory_budget, "--memory-budget")
+        except ValueError as exc:
+            raise TensileUserError(str(exc)) from None
+    if args.plan and not args.workload:
+        raise TensileUserError("--plan needs --workload: the workload the plan was made for")
+    if args.workload:
+        load_workload(args.workload)  # a malformed file is reported here, not in the child
+    return command
+
+
+def run(args: argparse.Namespace) -> int:
+    command = _check(args)
+    console = Console(stderr=True)
+    report = args.report
+    if report is None:
+        report = args.report = str(Path(tempfile.mkdtemp(prefix="tensile-")) / "report.json")
+    returncode = subprocess.call(command, env=hook_environment(args))
+    if Path(report).exists():
+        data = json.loads(Path(report).read_text())
+        planned = sum(1 for it in data["iterations"] if it["mode"] == "planned")
+        peaks = [it["peak_bytes"] for it in data["iterations"]]
+        console.print(
+            f"tensile: {len(data['iterations'])} iterations, {planned} under plan "
+            f"(source: {data['plan_source'] or 'none'}), peak {max(peaks, default=0) / 2**20:,.1f} MiB; report: {report}"
+        )
+        if data.get("stood_down"):
+            console.print(f"[yellow]tensile: the hook stood down: {data['stood_down']}[/]")
+    return returncode
