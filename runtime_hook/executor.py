@@ -61,6 +61,14 @@ def _replayable(func: Any, args: tuple) -> tuple[Any, tuple] | None:
     return func, args
 
 
+class _OpFailed(Exception):
+    """The user's op raised: re-raise its error as it is."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class _LiveRecorder(Recorder):
     """The tracer's Recorder, with storages watched once for their whole life by the registry."""
 
@@ -73,17 +81,33 @@ class _LiveRecorder(Recorder):
 
 
 class ActivePlan:
-    """A plan indexed for the hot path: events by trigger op, and the tensors to recompute."""
+    """A plan indexed for the hot path: events by trigger op, recompute targets, and for each op
+    the plan tensors first seen there (so live storages can be bound to plan ids by position)."""
 
     def __init__(self, plan: Plan, workload: Workload) -> None:
         self.plan = plan
-        self.ops: list[Op] = workload.ops
-        self.workload = workload
+        self.names = [op.name for op in workload.ops]
         self.by_trigger: dict[int, list[Event]] = defaultdict(list)
         self.next_by_trigger: dict[int, list[Event]] = defaultdict(list)
         for event in plan.events:
             (self.next_by_trigger if event.next_iteration else self.by_trigger)[event.trigger].append(event)
         self.recompute = {e.tensor for e in plan.events if e.kind == "recompute"}
+        needed = {e.tensor for e in plan.events}
+        needed |= {workload.tensors[t].reuses for t in needed if t in workload.tensors and workload.tensors[t].reuses is not None}
+        self.capture: dict[int, list[tuple[int, str, int]]] = defaultdict(list)  # op -> (tensor, where, position)
+        seen: set[int] = set()
+        for op in workload.ops:
+            new_outputs = [t for t in op.outputs if workload.tensors[t].reuses is None]
+            for where, tensors in (("in", op.inputs), ("out", new_outputs)):
+                for position, tensor in enumerate(tensors):
+                    if tensor in needed and tensor not in seen:
+                        seen.add(tensor)
+                        self.capture[op.index].append((tensor, where, position))
+            for tensor in op.outputs:
+                reused = workload.tensors[tensor].reuses
+                if tensor in needed and tensor not in seen and reused is not None:
+                    seen.add(tensor)
+                    self.capture[op.index].append((tensor, "reuse", reused))
 
 
 class PlanExecutor(TorchDispatchMode):
@@ -119,6 +143,8 @@ class PlanExecutor(TorchDispatchMode):
         self.budget: int | None = None
         self.vanilla_peak: int | None = None
         self.candidate: ActivePlan | None = None  # offered, not yet matched against a live iteration
+        self.op_index = 0  # position in the iteration (fast path)
+        self.names: dict[Any, str] = {}  # op -> its name, cached: str(op) is costly per call
         self.match_at = 1  # the iteration whose recording is matched against the plan (0 is a warm-up)
         self.diverged_in_a_row = 0
         if plan is not None and plan_workload is not None:
@@ -183,7 +209,7 @@ class PlanExecutor(TorchDispatchMode):
         self.mover.finish_iteration()
         stats = self.stats
         stats.seconds = time.perf_counter() - self.iteration_started
-        stats.ops = len(self.recorder.ops)
+        stats.ops = len(self.recorder.ops) if self.iteration == self.match_at else self.op_index
         if self.device.type == "cuda":
             stats.peak_bytes = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -209,7 +235,9 @@ class PlanExecutor(TorchDispatchMode):
         self.step_done = False
         self.recipes.clear()
         self.recipe_inputs.clear()
-        self.recorder = _LiveRecorder(self.device.type, self.registry)
+        self.op_index = 0
+        if self.iteration == self.match_at:
+            self.recorder = _LiveRecorder(self.device.type, self.registry)
         self.active = None if self.disabled else self.ready
         mode = "planned" if self.active else ("recording" if self.iteration <= self.match_at else "guarded")
         self.stats = IterationStats(self.iteration, mode, self.active.plan.version if self.active else None)
@@ -229,20 +257,22 @@ class PlanExecutor(TorchDispatchMode):
         if self.disabled or func.namespace == "profiler":
             return func(*args, **kwargs)
         started = time.perf_counter()
-        plan_op = rng = None
         try:
             leaves = tree_leaves((args, kwargs))
             if self.step_done and self._starts_iteration(leaves):
                 self._begin_iteration()
-            plan_op = self._expected_op(func)
-            self._ensure_resident(leaves)
-            if self.recipe_inputs:
-                self._recompute_before_write(func, args, kwargs)
-            if plan_op is not None and self.active is not None and self.active.recompute.intersection(plan_op.outputs):
-                rng = self._rng_state()
+            if self.iteration == self.match_at:
+                return self._dispatch_recording(func, args, kwargs, leaves, started)
+            return self._dispatch_fast(func, args, kwargs, leaves, started)
+        except _OpFailed as failure:
+            raise failure.error from None
         except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
             self._stand_down(exc)
             return func(*args, **kwargs)
+
+    def _dispatch_recording(self, func: Any, args: tuple, kwargs: dict, leaves: list[Any], started: float) -> Any:
+        """The iteration the plan is matched against: recorded in full with the tracer's Recorder."""
+        self._ensure_resident(leaves)
         before_op = time.perf_counter()
         out = self._run(func, args, kwargs)
         after_op = time.perf_counter()
@@ -250,28 +280,98 @@ class PlanExecutor(TorchDispatchMode):
             self.recorder.phase = self._phase()
             op = self.recorder.record(func, args, kwargs, out)
             op.latency = after_op - before_op
-            if self.recipes and op.writes:
-                self._invalidate_recipes(op)
-            if plan_op is not None:
-                self._after_op(plan_op, op, func, args, kwargs, out, rng)
-            self._guard(op)
-            if self.registry.device_bytes > self.stats.peak_bytes and self.device.type != "cuda":
-                self.stats.peak_bytes = self.registry.device_bytes
-        except Exception as exc:  # noqa: BLE001
+            self._after_accounting({self.recorder._key_of[t] for t in op.inputs + op.outputs})
+        except Exception as exc:  # noqa: BLE001 - the op ran: keep its result, stand down
             self._stand_down(exc)
         self.stats.hook_seconds += (before_op - started) + (time.perf_counter() - after_op)
         return out
 
+    def _dispatch_fast(self, func: Any, args: tuple, kwargs: dict, leaves: list[Any], started: float) -> Any:
+        """Every other iteration: check inputs, run, watch new storages, fire this op's events."""
+        index = self.op_index
+        self.op_index += 1
+        active = self.active
+        if active is not None and (index >= len(active.names) or active.names[index] != self._name(func)):
+            self._diverge(f"op {index} is {func}, the plan expected {active.names[index] if index < len(active.names) else 'the end of the iteration'}")
+            active = None
+        device_type = self.device.type
+        arg_keys = list(dict.fromkeys(id(v.untyped_storage()) for v in leaves if isinstance(v, torch.Tensor) and v.device.type == device_type))
+        self._ensure_keys_resident(arg_keys)
+        if self.recipe_inputs:
+            self._recompute_before_write(func, args, kwargs)
+        rng = self._rng_state() if active is not None and index in active.capture and active.recompute else None
+        before_op = time.perf_counter()
+        out = self._run(func, args, kwargs)
+        after_op = time.perf_counter()
+        try:
+            self._after_fast(active, index, arg_keys, func, args, kwargs, out, rng)
+        except Exception as exc:  # noqa: BLE001 - the op ran: keep its result, stand down
+            self._stand_down(exc)
+        self.stats.hook_seconds += (before_op - started) + (time.perf_counter() - after_op)
+        return out
+
+    def _after_fast(self, active: ActivePlan | None, index: int, arg_keys: list[int], func: Any, args: tuple,
+                    kwargs: dict, out: Any, rng: torch.Tensor | None) -> None:
+        device_type = self.device.type
+        new_keys = []
+        for value in tree_leaves(out):
+            if isinstance(value, torch.Tensor) and value.device.type == device_type:
+                storage = value.untyped_storage()
+                if id(storage) not in self.registry.slots:
+                    self.registry.watch(storage)
+                    new_keys.append(id(storage))
+        if self.recipes:
+            self._invalidate_recipes(func, args, kwargs)
+        if active is not None:
+            self._bind(active, index, arg_keys, new_keys, func, args, kwargs, out, rng)
+            events = active.by_trigger.get(index, [])
+            if self.previous_planned:
+                events = events + active.next_by_trigger.get(index, [])
+            for event in events:
+                self._apply(event)
+        self._after_accounting({*arg_keys, *new_keys})
+
+    def _name(self, func: Any) -> str:
+        name = self.names.get(func)
+        if name is None:
+            name = self.names[func] = str(func)
+        return name
+
+    def _after_accounting(self, protected: set[int]) -> None:
+        if self.budget is not None and self.registry.device_bytes > self.budget:
+            self._evict(self.registry.device_bytes - self.budget, protected)
+        if self.device.type != "cuda" and self.registry.device_bytes > self.stats.peak_bytes:
+            self.stats.peak_bytes = self.registry.device_bytes
+
+    def _bind(self, active: ActivePlan, index: int, arg_keys: list[int], new_keys: list[int], func: Any,
+              args: tuple, kwargs: dict, out: Any, rng: torch.Tensor | None) -> None:
+        """Plan tensor ids first seen at this op get their live storages, by position."""
+        for tensor, where, position in active.capture.get(index, ()):
+            if where == "reuse":
+                key = self.keys.get(position)
+            else:
+                keys = arg_keys if where == "in" else new_keys
+                key = keys[position] if position < len(keys) else None
+            if key is None:
+                continue
+            self.keys[tensor] = key
+            if tensor in active.recompute and where == "out":
+                self._keep_recipe(key, func, args, kwargs, out, rng)
+
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """Run the op; on CUDA an out-of-memory error evicts passively and retries."""
+        """Run the op; on CUDA an out-of-memory error evicts passively and retries.
+
+        The op's own errors are the user's: they pass through untouched, not as a hook failure."""
         for attempt in range(3):
             try:
                 return func(*args, **kwargs)
-            except torch.OutOfMemoryError:
-                if attempt == 2 or self.disabled:
-                    raise
+            except torch.OutOfMemoryError as exc:
+                if attempt == 2:
+                    raise _OpFailed(exc) from None
                 self._say("out of memory: evicting passively and retrying the op")
                 self._evict(self.registry.device_bytes // 2, protected=set())
+            except Exception as exc:
+                raise _OpFailed(exc) from None
         raise AssertionError("unreachable")
 
     def _starts_iteration(self, leaves: list[Any]) -> bool:
@@ -292,17 +392,6 @@ class PlanExecutor(TorchDispatchMode):
             return "optimizer"
         return "backward" if torch._C._current_autograd_node() is not None else "forward"
 
-    def _expected_op(self, func: Any) -> Op | None:
-        """The plan's op at this position, or None (and the plan dropped for this iteration) on divergence."""
-        if self.active is None:
-            return None
-        index = len(self.recorder.ops)
-        ops = self.active.ops
-        if index < len(ops) and ops[index].name == str(func):
-            return ops[index]
-        self._diverge(f"op {index} is {func}, the plan expected {ops[index].name if index < len(ops) else 'the end of the iteration'}")
-        return None
-
     def _diverge(self, why: str) -> None:
         """The rest of this iteration runs guarded; the plan is tried again at the next one."""
         self._say(f"the iteration diverged from the plan ({why}); the rest of it runs guarded")
@@ -310,19 +399,23 @@ class PlanExecutor(TorchDispatchMode):
         self.stats.mode = "diverged"
 
     def _ensure_resident(self, leaves: list[Any]) -> None:
+        device_type = self.device.type
+        self._ensure_keys_resident([id(v.untyped_storage()) for v in leaves if isinstance(v, torch.Tensor) and v.device.type == device_type])
+
+    def _ensure_keys_resident(self, keys: list[int]) -> None:
         """Check before use (the paper's Executor): a missing input is fetched now, as a stall."""
-        for value in leaves:
-            if isinstance(value, torch.Tensor) and value.device.type == self.device.type:
-                slot = self.registry.slots.get(id(value.untyped_storage()))
-                if slot is None:
-                    continue
-                if not slot.resident:
-                    started = time.perf_counter()
-                    self._fetch(slot)
-                    self.stats.stall_seconds += time.perf_counter() - started
-                elif slot.pending is not None:
-                    self.mover.wait(slot)
-                self.registry.touch(slot)
+        slots = self.registry.slots
+        for key in keys:
+            slot = slots.get(key)
+            if slot is None:
+                continue
+            if not slot.resident:
+                started = time.perf_counter()
+                self._fetch(slot)
+                self.stats.stall_seconds += time.perf_counter() - started
+            elif slot.pending is not None:
+                self.mover.wait(slot)
+            self.registry.touch(slot)
 
     def _rng_state(self) -> torch.Tensor:
         return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
@@ -334,22 +427,6 @@ class PlanExecutor(TorchDispatchMode):
             torch.set_rng_state(state)
 
     # -- events -------------------------------------------------------------------------------
-    def _after_op(self, plan_op: Op, op: Op, func: Any, args: tuple, kwargs: dict, out: Any, rng: torch.Tensor | None) -> None:
-        if len(plan_op.inputs) != len(op.inputs) or len(plan_op.outputs) != len(op.outputs):
-            self._diverge(f"op {op.index} ({op.name}) accesses other tensors than planned")
-            return
-        key_of = self.recorder._key_of
-        for planned, live in zip(plan_op.inputs + plan_op.outputs, op.inputs + op.outputs):
-            self.keys[planned] = key_of[live]
-        assert self.active is not None
-        for planned in self.active.recompute.intersection(plan_op.outputs):
-            self._keep_recipe(self.keys[planned], func, args, kwargs, out, rng)
-        events = self.active.by_trigger.get(op.index, [])
-        if self.previous_planned:
-            events = events + self.active.next_by_trigger.get(op.index, [])
-        for event in events:
-            self._apply(event)
-
     def _keep_recipe(self, key: int, func: Any, args: tuple, kwargs: dict, out: Any, rng: torch.Tensor | None) -> None:
         """Only ops that write nothing in place can be replayed; their inputs are kept referenced."""
         replay = _replayable(func, args)
@@ -374,10 +451,12 @@ class PlanExecutor(TorchDispatchMode):
                     if slot is not None and slot.recipe is not None:
                         self._fetch(slot)
 
-    def _invalidate_recipes(self, op: Op) -> None:
+    def _invalidate_recipes(self, func: Any, args: tuple, kwargs: dict) -> None:
         """A replay is exact only if neither the tensor nor its inputs changed since it was made."""
-        for tid in op.writes:
-            key = self.recorder._key_of[tid]
+        for value in tree_leaves(written_values(func, args, kwargs)):
+            if not isinstance(value, torch.Tensor):
+                continue
+            key = id(value.untyped_storage())
             self.recipes.pop(key, None)
             for dependent in self.recipe_inputs.pop(key, ()):
                 self.recipes.pop(dependent, None)
@@ -451,12 +530,6 @@ class PlanExecutor(TorchDispatchMode):
         self.stats.recompute_bytes += slot.nbytes
 
     # -- budget guard -------------------------------------------------------------------------
-    def _guard(self, op: Op) -> None:
-        if self.budget is None or self.registry.device_bytes <= self.budget:
-            return
-        protected = {self.recorder._key_of[t] for t in op.inputs + op.outputs}
-        self._evict(self.registry.device_bytes - self.budget, protected)
-
     def _evict(self, need: int, protected: set[int]) -> None:
         """Capuchin's passive mode: swap out the least recently used tensors until `need` bytes are free."""
         freed = 0
@@ -497,4 +570,5 @@ class PlanExecutor(TorchDispatchMode):
 
     def _storage_freed(self, key: int) -> None:
         self.recipes.pop(key, None)
-        self.recorder._on_free(key)
+        if self.iteration == self.match_at:
+            self.recorder._on_free(key)

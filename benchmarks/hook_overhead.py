@@ -1,0 +1,129 @@
+"""Hook overhead, measured side by side in one run (no timed assertions anywhere else):
+
+1. a model of many tiny ops, where Python overhead dominates: iteration time with the hook and an
+   empty plan against the same loop without Tensile (target: at most 1.3x);
+2. ResNet-50 (batch from --batch-size, 16 by default) under a full plan: `hook_seconds` per iteration
+   (time spent inside the hook itself, target: at most 2 ms) and the iteration time ratio.
+
+Run: .venv/bin/python benchmarks/hook_overhead.py [--batch-size N]  -> benchmarks/results/hook_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from tensile.plan import Plan
+from tensile.runtime_hook import activate, deactivate
+from tensile.runtime_hook.settings import HookSettings
+from tensile.workload import Workload
+from tensile.zoo import build_zoo_parts
+
+RESULTS = Path(__file__).parent / "results" / "hook_overhead.json"
+
+
+def tiny_ops_model(batch_size: int) -> tuple:
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(100)]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
+    batch = (torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,)))
+
+    def loss_fn(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    return model, batch, loss_fn, lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def empty_plan(workload: Workload, budget: int | None) -> Plan:
+    return Plan("bench", 1, workload.signature, [])
+
+
+def full_plan(workload: Workload, budget: int | None) -> Plan | None:
+    from tensile.runtime_hook.plan_source import local_planner
+
+    return local_planner(HookSettings(job="bench", memory_budget=0.6))(workload, budget)
+
+
+def timed_iterations(parts: tuple, steps: int, planner=None, budget: float | None = None) -> tuple[list[float], list]:  # type: ignore[no-untyped-def]
+    executor = activate(HookSettings(job="bench", memory_budget=budget), planner=planner, device=torch.device("cpu")) if planner else None
+    try:
+        model, batch, loss_fn, make_optimizer = parts
+        optimizer = make_optimizer(model.parameters())
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model, batch).backward()
+            optimizer.step()
+            times.append(time.perf_counter() - started)
+        return times, (executor.report.iterations if executor else [])
+    finally:
+        if executor is not None:
+            deactivate()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    console = Console()
+    rows = []
+    # 1. tiny ops, empty plan; interleave repeats so noise hits both alike
+    plain_times, hooked_times, hook_seconds = [], [], []
+    for _ in range(3):
+        plain, _ = timed_iterations(tiny_ops_model(4), 30)
+        hooked, iterations = timed_iterations(tiny_ops_model(4), 30, planner=empty_plan)
+        plain_times += plain[5:]
+        hooked_times += hooked[5:]
+        hook_seconds += [it.hook_seconds for it in iterations if it.mode == "planned"]
+    tiny = {
+        "case": "tiny ops (100 x Linear 16 + tanh), empty plan",
+        "plain_seconds": statistics.median(plain_times),
+        "hooked_seconds": statistics.median(hooked_times),
+        "hook_seconds_per_iteration": statistics.median(hook_seconds),
+        "target_ratio": 1.3,
+    }
+    tiny["ratio"] = tiny["hooked_seconds"] / tiny["plain_seconds"]
+    rows.append(tiny)
+    # 2. ResNet-50 under a full plan
+    plain, _ = timed_iterations(build_zoo_parts("resnet50", args.batch_size, device="cpu"), args.steps)
+    hooked, iterations = timed_iterations(build_zoo_parts("resnet50", args.batch_size, device="cpu"), args.steps, planner=full_plan, budget=0.6)
+    planned = [it for it in iterations if it.mode == "planned"]
+    resnet = {
+        "case": f"resnet50 batch {args.batch_size}, full plan (budget 0.6)",
+        "plain_seconds": statistics.median(plain[2:]),
+        "hooked_seconds": statistics.median([it.seconds for it in planned]) if planned else None,
+        "hook_seconds_per_iteration": statistics.median([it.hook_seconds for it in planned]) if planned else None,
+        "planned_iterations": len(planned),
+        "events_per_iteration": planned[-1].events if planned else None,
+        "target_hook_seconds": 0.002,
+    }
+    if resnet["hooked_seconds"]:
+        resnet["ratio"] = resnet["hooked_seconds"] / resnet["plain_seconds"]
+    rows.append(resnet)
+    table = Table(title="Runtime hook overhead (CPU)")
+    for column in ("case", "plain s/iter", "hooked s/iter", "ratio", "hook s/iter"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            row["case"], f"{row['plain_seconds']:.4f}",
+            "-" if row["hooked_seconds"] is None else f"{row['hooked_seconds']:.4f}",
+            f"{row.get('ratio', float('nan')):.2f}x",
+            "-" if row["hook_seconds_per_iteration"] is None else f"{row['hook_seconds_per_iteration'] * 1e3:.2f} ms",
+        )
+    console.print(table)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"device": f"cpu ({platform.machine()})", "torch": torch.__version__, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
