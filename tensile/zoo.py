@@ -28,7 +28,9 @@ _torchvision_ops: list[torch.library.Library] = []
 
 
 def _torchvision():  # type: ignore[no-untyped-def]
-    """torchvision here is a CUDA build whose C++ ops do not load; its models work once nms is defined."""
+    """torchvision here is a CUDA build whose C++ ops do not load; its models work once nms is defined.
+
+    timm and transformers import torchvision too, so every zoo builder goes through here first."""
     if not _torchvision_ops:
         try:
             torch.ops.torchvision.nms.default
@@ -59,18 +61,21 @@ def _inception_v3() -> torch.nn.Module:
 
 
 def _inception_v4() -> torch.nn.Module:
+    _torchvision()
     import timm
 
     return timm.create_model("inception_v4", pretrained=False)
 
 
 def _bert_base() -> torch.nn.Module:
+    _torchvision()
     from transformers import BertConfig, BertForMaskedLM
 
     return BertForMaskedLM(BertConfig(attn_implementation="eager"))
 
 
 def _gpt2() -> torch.nn.Module:
+    _torchvision()
     from transformers import GPT2Config, GPT2LMHeadModel
 
     return GPT2LMHeadModel(GPT2Config(attn_implementation="eager"))

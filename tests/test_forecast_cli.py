@@ -81,3 +81,21 @@ def test_malformed_workload_file_exits_without_traceback(tmp_path):
     assert result.returncode == 2
     assert "field 'batch_size'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("model", list(ZOO))
+def test_every_zoo_model_forecasts(traced, model):
+    workload = traced(model, 1)
+    assert workload.model == model and len(workload.ops) > 100
+    assert any(t.role == "activation" for t in workload.tensors.values())
+    assert any(t.reuses is not None for t in workload.tensors.values())
+
+
+def test_a_fresh_process_forecasts_a_transformers_model():
+    """timm and transformers import torchvision, whose C++ ops do not load here: the zoo copes."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tensile.cli", "forecast", "--model", "gpt2", "--batch-size", "1", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["model"] == "gpt2"

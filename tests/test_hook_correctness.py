@@ -181,3 +181,27 @@ def test_tensile_run_trains_an_unmodified_script_bit_identically(tmp_path):
         assert key in data
     for key in ("peak_bytes", "seconds", "stall_seconds", "swap_out_bytes", "swap_in_bytes", "recompute_bytes", "events", "hook_seconds"):
         assert key in data["iterations"][0]
+
+
+# small inputs keep every op of the model (the same graph) at a fraction of the CPU time
+ZOO_INPUTS = {
+    "resnet50": (3, 64, 64), "vgg16": (3, 32, 32), "inception_v3": (3, 80, 80), "inception_v4": (3, 80, 80),
+    "densenet121": (3, 64, 64), "bert_base": (16,), "gpt2": (16,),
+}
+
+
+@pytest.mark.parametrize("model", list(ZOO_INPUTS))
+def test_zoo_models_train_bit_identically_under_an_aggressive_plan(model):
+    from tensile.zoo import build_zoo_parts
+
+    def build(batch_size: int):
+        net, batch, loss_fn, _ = build_zoo_parts(model, batch_size, device="cpu", input_shape=ZOO_INPUTS[model])
+        return net, batch, loss_fn, lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+
+    plain, _ = train(build, 2)
+    hooked, report = train(build, 2, planner=aggressive_plan)
+    assert_identical(plain, hooked)
+    planned = [it for it in report.iterations if it.mode == "planned"]
+    assert len(planned) >= 3 and report.stood_down is None
+    assert all(it.events["swap_out"] and it.events["recompute"] for it in planned)
+    assert min(it.peak_bytes for it in planned) < report.vanilla_peak_bytes
