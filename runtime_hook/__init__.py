@@ -48,7 +48,7 @@ def activate(
     if _active is not None:
         raise RuntimeError("the Tensile hook is already active in this process")
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = _default_device()
     executor = PlanExecutor(settings, device, plan, plan_workload, planner)
     pre = register_optimizer_step_pre_hook(executor.step_pre_hook)
     post = register_optimizer_step_post_hook(executor.step_post_hook)
@@ -80,4 +80,9 @@ def activate_from_env() -> PlanExecutor:
 
     settings = HookSettings.from_env()
     plan, workload = load_plan_files(settings)
-    return activate(settings, plan, workload, local_planner(settings))
+    device = _default_device()
+    return activate(settings, plan, workload, local_planner(settings, device), device)
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from tensile.plan import Plan
 from tensile.runtime_hook.executor import Planner
 from tensile.runtime_hook.settings import HookSettings
@@ -21,12 +23,26 @@ def load_plan_files(settings: HookSettings) -> tuple[Plan | None, Workload | Non
     return plan, load_workload(settings.workload_path)
 
 
-def local_planner(settings: HookSettings) -> Planner:
-    """Plan in-process with the core planner (no agent): for one job alone on its device."""
+def local_planner(settings: HookSettings, device: torch.device) -> Planner:
+    """Plan in-process with the core planner (no agent): one job alone on its device, from the
+    live iteration's measured op latencies."""
 
     def plan(workload: Workload, budget: int | None) -> Plan | None:
-        from tensile.planner import plan_single_job
+        from tensile.planner import plan_job
 
-        return plan_single_job(workload, job=settings.job, memory_budget=budget, max_swap_rate=settings.max_swap_rate)
+        return plan_job(workload, host_link_bandwidth(device), budget, name=settings.job).plans[settings.job]
 
     return plan
+
+
+def host_link_bandwidth(device: torch.device) -> float:
+    """Bytes/s per direction between host and device: the preset for a known GPU, else a default."""
+    from tensile.devices import PRESETS
+
+    if device.type != "cuda":
+        return PRESETS["cpu"].host_link_bandwidth
+    name = torch.cuda.get_device_name(device).lower()
+    for key, spec in PRESETS.items():
+        if key in name:
+            return spec.host_link_bandwidth
+    return PRESETS["a6000"].host_link_bandwidth

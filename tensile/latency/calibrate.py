@@ -1,0 +1,189 @@
+"""`tensile calibrate`'s work: measure probe steps on the local device, fit the prior, train, save.
+
+Three things are learned from the same measurements: the roofline figures (a large matmul, a large
+copy, a tiny op), the host time between ops per phase (bare iteration time minus the sum of its
+op times, regressed on op counts), and per family an MLP for log(measured / roofline).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tensile.errors import TensileUserError
+from tensile.latency.device import cpu_key, cpu_name, gpu_utilization
+from tensile.latency.families import FAMILIES, family_of, features
+from tensile.latency.measure import StepTiming, measure_roofline, measure_step
+from tensile.latency.prior import Roofline, compute_seconds
+from tensile.latency.probes import Probe, build_step, make_grid
+from tensile.latency.store import LatencyModel, save_model, slug
+from tensile.latency.train import fit_mlp
+from tensile.workload import PHASES
+
+MIN_SAMPLES = 8  # a family with fewer measured ops keeps the prior
+
+
+@dataclass(slots=True)
+class Measured:
+    probe: Probe
+    timing: StepTiming
+
+
+def local_device(device: str) -> tuple[str, str, str]:
+    """(torch device type, file key, display name) of the device this process can measure."""
+    if device == "cpu":
+        return "cpu", cpu_key(), cpu_name()
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise TensileUserError("--device cuda: no CUDA device is visible to PyTorch here; calibrate on the GPU "
+                                   "machine, or use --device cpu")
+        name = torch.cuda.get_device_name(0)
+        return "cuda", slug(name), name
+    raise TensileUserError(f"--device must be cpu or cuda (was '{device}')")
+
+
+def measure_probes(probes: Iterable[Probe], device_type: str, *, timed: int = 3, plain: int = 2,
+                   budget_s: float | None = None, on_probe=None) -> list[Measured]:  # type: ignore[no-untyped-def]
+    """Measure each probe's iteration op by op; stop early (keeping what is measured) past budget_s."""
+    start = time.perf_counter()
+    results = []
+    for probe in probes:
+        if budget_s is not None and time.perf_counter() - start > budget_s:
+            break
+        try:
+            step = build_step(probe, device_type)
+            utilization = (gpu_utilization() or 0.0) if device_type == "cuda" else 0.0
+            results.append(Measured(probe, measure_step(step, device_type, timed, plain, utilization=utilization)))
+            del step
+        except torch.OutOfMemoryError:  # a probe too large for this device: skip it, keep calibrating
+            if device_type == "cuda":
+                torch.cuda.empty_cache()
+        if on_probe is not None:
+            on_probe(probe)
+    return results
+
+
+def fit_gaps(measured: list[Measured]) -> dict[str, float]:
+    """Host seconds per op in each phase: bare phase time minus its summed op times, over its op count.
+
+    The median over probes, so one probe's timing noise (milliseconds on a big op) cannot swamp a
+    gap of microseconds; never negative.
+    """
+    gaps = {}
+    for phase in PHASES:
+        estimates = []
+        for m in measured:
+            in_phase = [s for op, s in zip(m.timing.ops, m.timing.seconds) if op.phase == phase]
+            if in_phase and phase in m.timing.phase_seconds:
+                estimates.append((m.timing.phase_seconds[phase] - sum(in_phase)) / len(in_phase))
+        gaps[phase] = max(float(np.median(estimates)), 0.0) if estimates else 0.0
+    return gaps
+
+
+def family_samples(measured: list[Measured]) -> dict[str, tuple[list, list[float], list[float]]]:
+    """family -> (ops, measured seconds, utilizations), from every op of every measured iteration."""
+    samples: dict[str, tuple[list, list[float], list[float]]] = defaultdict(lambda: ([], [], []))
+    for m in measured:
+        for op, seconds in zip(m.timing.ops, m.timing.seconds):
+            family = family_of(op)
+            if family is not None and seconds > 0:
+                ops, values, utils = samples[family]
+                ops.append(op)
+                values.append(seconds)
+                utils.append(m.timing.utilization)
+    return dict(samples)
+
+
+def training_arrays(ops: list, seconds: list[float], utils: list[float], family: str,
+                    roofline: Roofline) -> tuple[np.ndarray, np.ndarray]:
+    x = np.array([features(op, family, u) for op, u in zip(ops, utils)], dtype=np.float64)
+    base = np.array([compute_seconds(op, roofline, family) for op in ops])
+    return x, np.log(np.asarray(seconds)) - np.log(base)
+
+
+def fit_model(measured: list[Measured], roofline: Roofline, key: str, name: str, kind: str, meta: dict,
+              steps: int = 1500, on_family=None) -> LatencyModel:  # type: ignore[no-untyped-def]
+    """Gaps, the view-op constant and one MLP per family with enough samples."""
+    roofline = Roofline(roofline.flops_per_second, roofline.bytes_per_second, roofline.op_overhead,
+                        fit_gaps(measured) if kind == "cpu" else {})
+    samples = family_samples(measured)
+    counts = {f: len(s[0]) for f, s in samples.items()}
+    view = samples.pop("view", None)
+    view_seconds = float(np.median(view[1])) if view else None
+    families = {}
+    for family in FAMILIES:
+        if family in samples and len(samples[family][0]) >= MIN_SAMPLES:
+            x, y = training_arrays(*samples[family], family, roofline)
+            families[family] = fit_mlp(x, y, steps=steps, seed=FAMILIES.index(family))
+        if on_family is not None:
+            on_family(family)
+    meta = {**meta, "samples": counts}
+    return LatencyModel(key, name, kind, roofline, families, view_seconds, meta)
+
+
+def calibrate(device: str = "cpu", quick: bool = False, model_dir: str | os.PathLike | None = None,
+              progress: bool = True, budget_s: float | None = 480.0, threads: int | None = None,
+              ) -> tuple[LatencyModel, Path]:
+    """Measure the grid on the local device, train, save; returns the model and its file.
+
+    `threads` sets torch's CPU threads for the measurements (default: as jobs get them); on an
+    oversubscribed CPU, 1 thread avoids OpenMP barrier stalls that make timings meaningless.
+    """
+    device_type, key, name = local_device(device)
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        if threads < 1:
+            raise TensileUserError(f"--threads must be at least 1 (was {threads})")
+        torch.set_num_threads(threads)
+    try:
+        return _calibrate(device_type, key, name, quick, model_dir, progress, budget_s)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _calibrate(device_type: str, key: str, name: str, quick: bool, model_dir: str | os.PathLike | None,
+               progress: bool, budget_s: float | None) -> tuple[LatencyModel, Path]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    started = time.perf_counter()
+    probes = make_grid("quick" if quick else "default", seed=0, device_type=device_type)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  disable=not progress, transient=False) as bar:
+        task = bar.add_task("roofline", total=1)
+        flops, bandwidth, tiny = measure_roofline(device_type, quick=quick)
+        bar.update(task, advance=1)
+        task = bar.add_task(f"measuring {len(probes)} probe steps on {name}", total=len(probes))
+        measured = measure_probes(probes, device_type, timed=2 if quick else 3, plain=1 if quick else 2,
+                                  budget_s=budget_s, on_probe=lambda _: bar.update(task, advance=1))
+        task = bar.add_task("training family models", total=len(FAMILIES))
+        meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "grid": "quick" if quick else "default",
+                "probes": len(measured), "probes_planned": len(probes), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        model = fit_model(measured, Roofline(flops, bandwidth, tiny), key, name, device_type, meta,
+                          steps=300 if quick else 1500, on_family=lambda _: bar.update(task, advance=1))
+    model.meta["calibration_seconds"] = round(time.perf_counter() - started, 1)
+    return model, save_model(model, model_dir)
+
+
+def describe(model: LatencyModel) -> list[tuple[str, str]]:
+    """Rows for the command's summary table."""
+    r = model.roofline
+    rows = [("device", f"{model.device_name} ({model.device_key})"),
+            ("matmul rate", f"{r.flops_per_second / 1e9:,.1f} GFLOP/s"),
+            ("copy bandwidth", f"{r.bytes_per_second / 1e9:,.1f} GB/s"),
+            ("per-op floor", f"{r.op_overhead * 1e6:,.1f} us"),
+            ("host gap per op", ", ".join(f"{k} {v * 1e6:,.1f} us" for k, v in r.gaps.items()) or "hidden (GPU)")]
+    samples = model.meta.get("samples", {})
+    for family in FAMILIES:
+        status = "MLP" if family in model.families else "prior"
+        rows.append((f"  {family}", f"{status}, {samples.get(family, 0)} measured ops"))
+    if model.view_seconds is not None and math.isfinite(model.view_seconds):
+        rows.append(("  view ops", f"{model.view_seconds * 1e6:,.1f} us each ({samples.get('view', 0)} measured)"))
+    return rows

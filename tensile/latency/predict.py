@@ -1,0 +1,108 @@
+"""Op latencies for a whole workload: the calibrated model where one exists, the prior otherwise."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from tensile.latency.device import gpu_utilization, resolve_target
+from tensile.latency.families import family_of, features
+from tensile.latency.prior import Roofline, compute_seconds, gap_seconds, prior_seconds
+from tensile.latency.store import LatencyModel, load_model, model_path
+from tensile.workload import Op, Workload
+
+
+class UncalibratedWarning(UserWarning):
+    """No calibrated latency model for the device: latencies come from the roofline prior."""
+
+
+_CACHE: dict[tuple[str, int, int], LatencyModel] = {}
+
+
+def find_model(device: str, model_dir: str | os.PathLike | None = None) -> tuple[LatencyModel | None, Path, Roofline]:
+    """(calibrated model or None, the file it is or would be in, the fallback prior's roofline)."""
+    target = resolve_target(device, model_dir)
+    path = model_path(target.key, model_dir)
+    if not path.exists():
+        return None, path, target.prior
+    stat = path.stat()
+    cache_key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    if cache_key not in _CACHE:
+        _CACHE[cache_key] = load_model(path, expect_key=target.key)
+    return _CACHE[cache_key], path, target.prior
+
+
+def predict_seconds(ops: Sequence[Op], model: LatencyModel | None, prior: Roofline | None = None,
+                    utilization: float = 0.0, include_gaps: bool = True) -> np.ndarray:
+    """Latency of each op in seconds; ops of one family are predicted together (one MLP pass).
+
+    `include_gaps=False` leaves out the host time between ops: the op's own time, as measured alone.
+    """
+    if model is None:
+        if prior is None:
+            raise ValueError("need a calibrated model or a prior roofline")
+        roofline = prior if include_gaps else Roofline(prior.flops_per_second, prior.bytes_per_second, prior.op_overhead)
+        return np.array([prior_seconds(op, roofline) for op in ops], dtype=np.float64)
+    roofline = model.roofline
+    if not include_gaps:
+        roofline = Roofline(roofline.flops_per_second, roofline.bytes_per_second, roofline.op_overhead)
+    out = np.empty(len(ops), dtype=np.float64)
+    by_family: dict[str, list[int]] = defaultdict(list)
+    for i, op in enumerate(ops):
+        family = family_of(op)
+        if family == "view" and model.view_seconds is not None:
+            out[i] = model.view_seconds + gap_seconds(op, roofline)
+        elif family in model.families:
+            by_family[family].append(i)
+        else:
+            out[i] = prior_seconds(op, roofline)
+    for family, indices in by_family.items():
+        mlp = model.families[family]
+        x = np.array([features(ops[i], family, utilization) for i in indices], dtype=np.float64)
+        base = np.array([compute_seconds(ops[i], roofline, family) for i in indices])
+        gaps = np.array([gap_seconds(ops[i], roofline) for i in indices])
+        out[indices] = base * np.exp(mlp.log_correction(x)) + gaps
+    return out
+
+
+def assign_latencies(workload: Workload, device: str = "cpu", model_dir: str | os.PathLike | None = None,
+                     utilization: float | None = None) -> str:
+    """Fill op.latency (seconds) for every op; return "calibrated" or "prior" (which one was used).
+
+    `device`: "cpu", "cuda" or a GPU preset name. Without a model file for it, the roofline prior is
+    used and an UncalibratedWarning says how to calibrate; a damaged file raises TensileUserError.
+    `utilization` (0..1) defaults to the GPU's current NVML reading, 0 on a CPU or without NVML.
+    """
+    model, path, prior = find_model(device, model_dir)
+    if model is None:
+        warnings.warn(
+            f"no calibrated latency model for device '{device}' ({path} does not exist): op latencies come "
+            f"from the roofline prior. Run `tensile calibrate --device {'cuda' if device != 'cpu' else 'cpu'}` "
+            f"on that device to calibrate",
+            UncalibratedWarning,
+            stacklevel=2,
+        )
+    if utilization is None:
+        utilization = (gpu_utilization() or 0.0) if model is not None and model.kind == "cuda" else 0.0
+    seconds = predict_seconds(workload.ops, model, prior, utilization)
+    for op, value in zip(workload.ops, seconds):
+        op.latency = float(value) if math.isfinite(value) else 0.0
+    return "prior" if model is None else "calibrated"
+
+
+def iteration_seconds(workload: Workload) -> float:
+    """Predicted (or corrected) time of one training iteration: the sum of its op latencies."""
+    return float(sum(op.latency for op in workload.ops))
+
+
+def predict_iteration_seconds(workload: Workload, device: str = "cpu",
+                              model_dir: str | os.PathLike | None = None) -> tuple[float, str]:
+    """Assign latencies, then return (iteration seconds, "calibrated" | "prior") for forecast output."""
+    source = assign_latencies(workload, device, model_dir)
+    return iteration_seconds(workload), source

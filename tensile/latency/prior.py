@@ -1,0 +1,78 @@
+"""The roofline prior: what an op costs from its FLOPs, the bytes it moves and a fixed per-op cost.
+
+It needs no measurements of the op itself, so it answers for any op on any device with a rate and a
+bandwidth (a preset, or the figures `tensile calibrate` measured); the learned model corrects it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from tensile.devices import DeviceSpec
+from tensile.latency.families import _numel, base_name, dtype_bytes, family_of
+from tensile.workload import Op
+
+# Framework time between ops on the host (Python, autograd engine, the optimizer's loop): on a CPU it
+# adds to the iteration; on a GPU the host runs ahead of the device, so it is hidden.
+DEFAULT_CPU_GAPS = {"forward": 15e-6, "backward": 15e-6, "optimizer": 25e-6}
+DEFAULT_CPU_OVERHEAD = 4e-6
+DEFAULT_CUDA_OVERHEAD = 5e-6  # kernel launch + small-kernel floor
+
+
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    """A device as the prior sees it: peak-ish rates, a per-op floor, and per-phase host gaps."""
+
+    flops_per_second: float
+    bytes_per_second: float
+    op_overhead: float  # seconds every op costs however small (dispatch / launch)
+    gaps: dict[str, float] = field(default_factory=dict)  # phase -> seconds of host time between ops
+
+    @classmethod
+    def from_spec(cls, spec: DeviceSpec, kind: str) -> Roofline:
+        """A preset's datasheet figures; CPU presets get host gaps, GPUs hide them."""
+        if kind == "cpu":
+            return cls(spec.flops_per_second, spec.memory_bandwidth, DEFAULT_CPU_OVERHEAD, dict(DEFAULT_CPU_GAPS))
+        return cls(spec.flops_per_second, spec.memory_bandwidth, DEFAULT_CUDA_OVERHEAD, {})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Roofline:
+        return cls(float(data["flops_per_second"]), float(data["bytes_per_second"]), float(data["op_overhead"]),
+                   {str(k): float(v) for k, v in dict(data.get("gaps", {})).items()})
+
+
+def effective_bytes(op: Op, family: str | None = None) -> float:
+    """Bytes the op really moves: views move none; an embedding reads only the rows it gathers."""
+    family = family if family is not None else family_of(op)
+    if family == "view":
+        return 0.0
+    if family == "embedding" and len(op.shapes) >= 2:
+        elem = dtype_bytes(op)
+        if base_name(op.name) == "embedding":
+            rows, dim = _numel(op.shapes[1]), op.shapes[0][-1]
+            return float(rows * dim * elem * 2 + rows * 8)
+        grad = _numel(op.shapes[0])
+        ints = [p for p in op.params if isinstance(p, int) and not isinstance(p, bool)]
+        table = (ints[0] if ints else 0) * op.shapes[0][-1]
+        return float(grad * elem * 2 + table * elem)
+    return float(op.bytes_moved)
+
+
+def compute_seconds(op: Op, roofline: Roofline, family: str | None = None) -> float:
+    """The op's own time: the slower of compute and memory traffic, plus the per-op floor."""
+    family = family if family is not None else family_of(op)
+    work = max(op.flops / roofline.flops_per_second, effective_bytes(op, family) / roofline.bytes_per_second)
+    return work + roofline.op_overhead
+
+
+def gap_seconds(op: Op, roofline: Roofline) -> float:
+    """Host time the framework spends around this op that the iteration pays for."""
+    return roofline.gaps.get(op.phase, 0.0)
+
+
+def prior_seconds(op: Op, roofline: Roofline) -> float:
+    """Roofline latency of one op as it runs inside a training iteration."""
+    return compute_seconds(op, roofline) + gap_seconds(op, roofline)

@@ -1,0 +1,139 @@
+"""The learned correction: training, the model file, and what happens when the file is missing or bad."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+from tensile.errors import TensileUserError
+from tensile.latency import UncalibratedWarning, assign_latencies, iteration_seconds, predict_iteration_seconds
+from tensile.latency.device import cpu_key
+from tensile.latency.families import feature_count
+from tensile.latency.mlp import FamilyMLP
+from tensile.latency.prior import Roofline
+from tensile.latency.store import LatencyModel, load_model, model_path, save_model
+from tensile.latency.train import fit_mlp
+from tensile.workload import Op, TensorInfo, Workload
+
+ROOF = Roofline(5e10, 1e10, 3e-6, {"forward": 1e-5, "backward": 1e-5, "optimizer": 2e-5})
+
+
+def small_workload() -> Workload:
+    ops = [
+        Op(0, "aten.convolution.default", "forward", (0, 1), (2,), shapes=((2, 3, 32, 32), (16, 3, 3, 3)),
+           dtypes=("float32", "float32"), params=(None, 1, 1, 1, 1, 1, 1, False, 0, 0, 1), flops=2.6e7, bytes_moved=90_000),
+        Op(1, "aten.relu_.default", "forward", (2,), (), shapes=((2, 16, 32, 32),), dtypes=("float32",), bytes_moved=262_144),
+        Op(2, "aten.view.default", "forward", (2,), (), shapes=((2, 16, 32, 32),), dtypes=("float32",), params=(2, -1),
+           bytes_moved=262_144),
+        Op(3, "aten.mm.default", "backward", (2,), (3,), shapes=((2, 16384), (16384, 10)), dtypes=("float32",) * 2,
+           flops=655_360, bytes_moved=790_000),
+        Op(4, "aten.add_.Tensor", "optimizer", (1,), (), shapes=((16, 3, 3, 3), (16, 3, 3, 3)), dtypes=("float32",) * 2,
+           params=(1.0,), bytes_moved=5184),
+        Op(5, "aten.nll_loss_forward.default", "forward", (3,), (), shapes=((2, 10), (2,)), bytes_moved=100),
+    ]
+    tensors = {i: TensorInfo(i, 1024, "activation", "float32") for i in range(4)}
+    return Workload("tiny", 2, "cpu", tensors, ops)
+
+
+def synthetic_model(key: str) -> LatencyModel:
+    """A model whose conv and elementwise MLPs apply a constant correction of x2 (zero weights, bias log 2)."""
+    families = {}
+    for family in ("conv", "elementwise"):
+        n = feature_count(family)
+        rng = np.random.default_rng(0)
+        layers = [(rng.normal(size=(8, n)) * 0.0, np.zeros(8)), (np.zeros((1, 8)), np.array([np.log(2.0)]))]
+        families[family] = FamilyMLP(rng.normal(size=n), np.ones(n) + rng.uniform(size=n), layers, samples=64)
+    return LatencyModel(key, "test cpu", "cpu", ROOF, families, view_seconds=1e-6, meta={"threads": 1})
+
+
+def test_training_recovers_a_known_function():
+    rng = np.random.default_rng(1)
+    x = rng.uniform(-2, 2, size=(600, 4))
+    truth = lambda x: 0.8 * x[:, 0] - 0.5 * x[:, 1] ** 2 + 0.3 * x[:, 0] * x[:, 2]  # noqa: E731 - x[:, 3] is noise-free junk
+    mlp = fit_mlp(x[:500], truth(x[:500]), steps=1500)
+    predicted = mlp.log_correction(x[500:])
+    residual = predicted - truth(x[500:])
+    assert np.sqrt(np.mean(residual**2)) < 0.1 * np.std(truth(x[500:]))
+
+
+def test_save_load_round_trip(tmp_path):
+    model = synthetic_model("cpu-test")
+    path = save_model(model, tmp_path)
+    assert path == model_path("cpu-test", tmp_path) and path.stat().st_size < 5 * 1024**2
+    loaded = load_model(path, expect_key="cpu-test")
+    assert loaded.roofline == model.roofline and loaded.view_seconds == model.view_seconds
+    x = np.random.default_rng(2).normal(size=(40, feature_count("matmul")))
+    trained = fit_mlp(x, x[:, 0] - x[:, 1], hidden=(8, 8, 8), steps=100)
+    model.families["matmul"] = trained
+    path = save_model(model, tmp_path)
+    reloaded = load_model(path).families["matmul"]
+    np.testing.assert_allclose(reloaded.log_correction(x), trained.log_correction(x), rtol=1e-4, atol=1e-5)
+
+
+def test_calibrated_model_applies_its_correction(tmp_path):
+    save_model(synthetic_model(cpu_key()), tmp_path)
+    workload = small_workload()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncalibratedWarning)
+        assert assign_latencies(workload, "cpu", tmp_path) == "calibrated"
+    conv, relu, view, mm, add, nll = workload.ops
+    base = max(conv.flops / ROOF.flops_per_second, conv.bytes_moved / ROOF.bytes_per_second) + ROOF.op_overhead
+    assert conv.latency == pytest.approx(2 * base + 1e-5, rel=0.05)  # learned x2, plus the forward gap
+    assert view.latency == pytest.approx(1e-6 + 1e-5)  # the measured view constant
+    assert nll.latency == pytest.approx(ROOF.op_overhead + 100 / 1e10 + 1e-5)  # no family: the prior
+    assert iteration_seconds(workload) == pytest.approx(sum(op.latency for op in workload.ops))
+
+
+def test_missing_model_falls_back_to_prior_with_a_warning(tmp_path):
+    workload = small_workload()
+    with pytest.warns(UncalibratedWarning, match="tensile calibrate"):
+        seconds, source = predict_iteration_seconds(workload, "cpu", tmp_path)
+    assert source == "prior" and seconds > 0 and all(op.latency > 0 for op in workload.ops)
+    with pytest.warns(UncalibratedWarning, match="tensile calibrate --device cuda"):
+        assert assign_latencies(workload, "h100", tmp_path) == "prior"
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "json", "version", "shapes", "device"])
+def test_bad_model_file_is_an_error_naming_it(tmp_path, damage):
+    path = save_model(synthetic_model(cpu_key()), tmp_path)
+    data = json.loads(gzip.decompress(path.read_bytes()))
+    if damage == "garbage":
+        path.write_bytes(b"\x00not a model")
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:200])
+    elif damage == "json":
+        path.write_bytes(gzip.compress(b"{not json"))
+    else:
+        if damage == "version":
+            data["version"] = 999
+        elif damage == "shapes":
+            data["families"]["conv"]["layers"][0]["weight"] = [[1.0, 2.0]]
+        elif damage == "device":
+            data["device_key"] = "cpu-some-other-processor"
+        path.write_bytes(gzip.compress(json.dumps(data).encode()))
+    with pytest.raises(TensileUserError, match=str(path)):
+        assign_latencies(small_workload(), "cpu", tmp_path)
+
+
+def test_unknown_device_is_a_user_error(tmp_path):
+    with pytest.raises(TensileUserError, match="unknown latency device"):
+        assign_latencies(small_workload(), "tpu", tmp_path)
+
+
+def test_prediction_needs_no_torch(tmp_path):
+    """Predicting (prior and calibrated) imports numpy only: the planner side runs without torch."""
+    save_model(synthetic_model(cpu_key()), tmp_path)
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from tests.test_latency_model import small_workload\n"
+        "from tensile.latency import assign_latencies\n"
+        f"print(assign_latencies(small_workload(), 'cpu', {str(tmp_path)!r}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "calibrated"

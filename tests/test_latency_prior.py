@@ -1,0 +1,106 @@
+"""The roofline prior and the op-family features, on ops with known shapes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tensile.devices import PRESETS
+from tensile.latency.families import FAMILIES, conv_geometry, family_of, feature_count, features
+from tensile.latency.prior import Roofline, compute_seconds, effective_bytes, prior_seconds
+from tensile.latency.probes import Probe, build_step, make_grid
+from tensile.tracer import trace_step
+from tensile.workload import Op
+
+ROOF = Roofline(flops_per_second=1e11, bytes_per_second=1e10, op_overhead=2e-6,
+                gaps={"forward": 10e-6, "backward": 20e-6, "optimizer": 30e-6})
+
+
+def op(name: str, shapes=(), params=(), phase="forward", flops=0.0, bytes_moved=0, dtypes=None) -> Op:
+    return Op(0, name, phase, (), (), shapes=tuple(shapes), dtypes=dtypes or tuple("float32" for _ in shapes),
+              params=tuple(params), flops=flops, bytes_moved=bytes_moved)
+
+
+def test_compute_bound_matmul_is_flops_over_rate_plus_floor_and_gap():
+    mm = op("aten.mm.default", [(1024, 1024), (1024, 1024)], flops=2 * 1024**3, bytes_moved=3 * 4 * 1024**2)
+    assert compute_seconds(mm, ROOF) == pytest.approx(2 * 1024**3 / 1e11 + 2e-6)
+    assert prior_seconds(mm, ROOF) == pytest.approx(2 * 1024**3 / 1e11 + 2e-6 + 10e-6)
+
+
+def test_memory_bound_elementwise_is_bytes_over_bandwidth():
+    add = op("aten.add.Tensor", [(1 << 20,), (1 << 20,)], phase="backward", bytes_moved=3 * 4 << 20)
+    assert prior_seconds(add, ROOF) == pytest.approx((3 * 4 << 20) / 1e10 + 2e-6 + 20e-6)
+
+
+def test_views_move_no_bytes_and_cost_the_floor():
+    view = op("aten.view.default", [(4096, 4096)], bytes_moved=2 * 4 * 4096**2)
+    assert family_of(view) == "view"
+    assert effective_bytes(view) == 0
+    assert compute_seconds(view, ROOF) == pytest.approx(2e-6)
+
+
+def test_embedding_reads_only_gathered_rows():
+    emb = op("aten.embedding.default", [(30522, 768), (2, 128)], params=(0,), bytes_moved=30522 * 768 * 4,
+             dtypes=("float32", "int64"))
+    assert effective_bytes(emb) == 256 * 768 * 4 * 2 + 256 * 8
+
+
+def test_preset_prior_for_cpu_and_gpu():
+    cpu = Roofline.from_spec(PRESETS["cpu"], "cpu")
+    gpu = Roofline.from_spec(PRESETS["h100"], "cuda")
+    assert cpu.gaps and not gpu.gaps
+    assert gpu.flops_per_second == PRESETS["h100"].flops_per_second
+
+
+@pytest.mark.parametrize(("name", "phase", "family"), [
+    ("aten.convolution.default", "forward", "conv"),
+    ("aten.convolution_backward.default", "backward", "conv"),
+    ("aten.addmm.default", "forward", "matmul"),
+    ("aten.bmm.default", "backward", "matmul"),
+    ("aten.native_batch_norm_backward.default", "backward", "norm"),
+    ("aten.native_layer_norm.default", "forward", "norm"),
+    ("aten.max_pool2d_with_indices.default", "forward", "pool"),
+    ("aten.relu_.default", "forward", "elementwise"),
+    ("aten.add_.Tensor", "forward", "elementwise"),
+    ("aten.add_.Tensor", "optimizer", "optimizer"),
+    ("aten._foreach_lerp_.Scalar", "optimizer", "optimizer"),
+    ("aten._softmax_backward_data.default", "backward", "softmax"),
+    ("aten.embedding_dense_backward.default", "backward", "embedding"),
+    ("aten.cat.default", "forward", "copy"),
+    ("aten.transpose.int", "forward", "view"),
+    ("aten.nll_loss_forward.default", "forward", None),
+])
+def test_family_of(name, phase, family):
+    assert family_of(op(name, phase=phase)) == family
+
+
+def test_conv_geometry_from_traced_arguments():
+    fwd = op("aten.convolution.default", [(2, 3, 224, 224), (64, 3, 7, 7)], params=(None, 2, 2, 3, 3, 1, 1, False, 0, 0, 1))
+    g = conv_geometry(fwd)
+    assert (g["n"], g["cin"], g["h"], g["cout"], g["kh"], g["kw"], g["stride"], g["padding"], g["groups"]) == (
+        2, 3, 224, 64, 7, 7, 2, 3, 1)
+    bwd = op("aten.convolution_backward.default", [(2, 2048, 7, 7), (2, 512, 7, 7), (2048, 512, 1, 1)],
+             params=(0, 1, 1, 0, 0, 1, 1, False, 0, 0, 1, True, True, False))
+    g = conv_geometry(bwd)
+    assert (g["cin"], g["cout"], g["backward"], g["mask_in"], g["mask_w"], g["mask_b"]) == (512, 2048, 1.0, 1.0, 1.0, 0.0)
+
+
+def test_every_family_appears_in_probe_traces_with_fixed_length_features():
+    """Trace the quick probe grid on meta: each family's features have one length, all finite."""
+    seen = set()
+    for probe in [*make_grid("quick"), Probe("conv", tuple(sorted({
+            "n": 1, "cin": 8, "cout": 16, "h": 9, "kh": 3, "kw": 3, "stride": 1, "pad": "same", "groups": 1, "bn": True,
+            "relu": True, "pool": "max", "cat": True, "grad_input": True}.items())), "adam", True)]:
+        workload = trace_step(build_step(probe, "meta"), model_name=probe.kind, batch_size=1, target_device="cpu")
+        for o in workload.ops:
+            family = family_of(o)
+            if family in FEATURES_FAMILIES:
+                vector = features(o, family, 0.5)
+                assert len(vector) == feature_count(family), (o.name, family)
+                assert all(math.isfinite(v) for v in vector)
+                seen.add(family)
+    assert seen == set(FAMILIES)
+
+
+FEATURES_FAMILIES = set(FAMILIES)
