@@ -1,6 +1,7 @@
-"""Forecast speed: trace + analysis of ResNet-50 at batch 16 (target < 3 s, not counting interpreter
-and torch start-up), and the whole forecast against a bare meta-device trace of the same step that
-only records op names (target: at most 1.6x), measured side by side in one run.
+"""Forecast speed: the whole forecast of ResNet-50 at batch 16 — trace, latencies, peak analysis and
+TENSILE plan — (target < 3 s, not counting interpreter and torch start-up), against a bare
+meta-device trace of the same step that only records op names (target: at most 1.6x), measured
+side by side in one run.
 
 Run: .venv/bin/python benchmarks/forecast_speed.py   (writes benchmarks/results/forecast_speed.json)
 """
@@ -17,9 +18,8 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tensile.commands.forecast import forecast_summary
+from tensile.commands.forecast import make_forecast
 from tensile.forecast import trace_workload
-from tensile.peak import analyze_vanilla
 from tensile.tracer import TrainingStep
 from tensile.zoo import build_zoo_parts
 
@@ -53,10 +53,9 @@ def bare_trace() -> int:
 
 
 def full_forecast() -> int:
-    workload = trace_workload(MODEL, BATCH, device="cuda")
-    vanilla = analyze_vanilla(workload)
-    forecast_summary(workload, vanilla)
-    return vanilla.peak_bytes
+    """What `tensile forecast` does: trace, latencies, vanilla peak, TENSILE plan, summary."""
+    summary, _, _ = make_forecast(trace_workload(MODEL, BATCH, device="cuda"), "a6000")
+    return summary["vanilla_peak_bytes"]
 
 
 def timed(fn) -> float:  # type: ignore[no-untyped-def]

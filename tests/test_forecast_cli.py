@@ -23,8 +23,11 @@ def run_json(capsys, *args: str) -> dict:
 
 def test_json_has_the_promised_fields(capsys):
     out = run_json(capsys, "--model", MLP, "--batch-size", "8")
-    for key in ("model", "batch_size", "device", "ops", "vanilla_peak_bytes", "peak_op_index", "peak_phase", "bytes_by_role"):
+    for key in ("model", "batch_size", "device", "ops", "vanilla_peak_bytes", "peak_op_index", "peak_phase", "bytes_by_role",
+                "scheduled_peak_bytes", "msr", "predicted_eor", "predicted_iteration_seconds", "latency_source"):
         assert key in out
+    assert out["latency_source"] in ("prior", "calibrated") and out["predicted_iteration_seconds"] > 0
+    assert out["scheduled_peak_bytes"] <= out["vanilla_peak_bytes"]
     assert out["device"] == "cuda" and out["batch_size"] == 8 and out["ops"] > 10
     assert sum(out["bytes_by_role"].values()) == out["vanilla_peak_bytes"]
 
@@ -99,3 +102,19 @@ def test_a_fresh_process_forecasts_a_transformers_model():
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["model"] == "gpt2"
+
+
+def test_memory_budget_and_saved_plan(capsys, tmp_path):
+    plan_path = tmp_path / "plan.json"
+    out = run_json(capsys, "--model", "resnet50", "--batch-size", "4", "--memory-budget", "0.7", "--save-plan", str(plan_path))
+    assert out["memory_budget_bytes"] == int(0.7 * out["vanilla_peak_bytes"])
+    assert out["msr"] > 0.2 and out["scheduled_peak_bytes"] < out["vanilla_peak_bytes"]
+    plan = json.loads(plan_path.read_text())
+    assert len(plan["events"]) == out["plan_events"] > 0
+    assert {"kind", "tensor", "trigger", "delay"} <= set(plan["events"][0])
+    assert plan["signature"] == out["signature"]
+
+
+def test_bad_memory_budget_names_the_option(capsys):
+    assert main(["forecast", "--model", MLP, "--memory-budget", "lots"]) == 2
+    assert "--memory-budget" in capsys.readouterr().err

@@ -5,12 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import warnings
 
 from rich.console import Console
 from rich.table import Table
 
+from tensile.devices import PRESETS, device_preset
 from tensile.forecast import DEVICES, DTYPES, OPTIMIZERS, trace_workload
-from tensile.peak import PeakResult, analyze_vanilla
+from tensile.latency import UncalibratedWarning, assign_latencies, iteration_seconds
+from tensile.peak import PeakResult, analyze_plan, analyze_vanilla
+from tensile.plan import Plan
+from tensile.planner import GpuPlan, plan_job, resolve_budget
 from tensile.workload import ROLES, Workload
 from tensile.workload_io import load_workload, save_workload
 
@@ -29,6 +34,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", choices=DEVICES, default="cuda", help="the device the forecast is for")
     parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per optimizer step")
     parser.add_argument("--live", action="store_true", help="trace a real CPU iteration instead of the meta device")
+    parser.add_argument("--gpu", choices=sorted(PRESETS), help="device preset for latencies and PCIe (default: a6000 for cuda, cpu for cpu)")
+    parser.add_argument("--memory-budget", help="plan for this budget: bytes (12GiB) or a fraction of the vanilla peak (0.6); default: the lowest peak")
+    parser.add_argument("--save-plan", metavar="PLAN.json", help="save the TENSILE plan (events: kind, tensor, trigger op, delay)")
     parser.add_argument("--save", metavar="WORKLOAD.json", help="save the traced workload (.gz compresses)")
     parser.add_argument("--plot", metavar="TIMELINE.png", help="write the memory timeline")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -45,9 +53,10 @@ def _load(args: argparse.Namespace) -> Workload:
     )
 
 
-def forecast_summary(workload: Workload, vanilla: PeakResult) -> dict:
+def forecast_summary(workload: Workload, vanilla: PeakResult, latency_source: str, gpu_plan: GpuPlan, plan: Plan) -> dict:
     """The forecast as one JSON-able object (the keys other tools rely on)."""
     peak_op = workload.ops[vanilla.peak_op] if vanilla.peak_op >= 0 else None
+    assert plan.forecast is not None
     return {
         "model": workload.model,
         "batch_size": workload.batch_size,
@@ -63,6 +72,16 @@ def forecast_summary(workload: Workload, vanilla: PeakResult) -> dict:
         "peak_op": peak_op.name if peak_op else None,
         "peak_phase": vanilla.peak_phase,
         "bytes_by_role": vanilla.bytes_by_role,
+        "latency_source": latency_source,
+        "predicted_iteration_seconds": iteration_seconds(workload),
+        "scheduled_peak_bytes": plan.forecast.scheduled_peak_bytes,
+        "msr": plan.forecast.msr,
+        "predicted_eor": plan.forecast.predicted_eor,
+        "memory_budget_bytes": gpu_plan.budget_bytes,
+        "fits": gpu_plan.fits,
+        "plan_message": gpu_plan.message,
+        "plan_events": len(plan.events),
+        "plan_seconds": gpu_plan.seconds,
     }
 
 
@@ -74,6 +93,10 @@ def _table(summary: dict) -> Table:
     for role in ROLES:
         table.add_row(f"  {role}", f"{summary['bytes_by_role'][role] / MIB:,.1f} MiB")
     table.add_row("peak at", f"op {summary['peak_op_index']} ({summary['peak_op']}, {summary['peak_phase']})")
+    table.add_row("scheduled peak (TENSILE)", f"{summary['scheduled_peak_bytes'] / MIB:,.1f} MiB")
+    table.add_row("MSR / predicted EOR", f"{summary['msr']:.3f} / {summary['predicted_eor']:.3f}")
+    table.add_row("plan", f"{summary['plan_events']:,} events; {summary['plan_message']}")
+    table.add_row("predicted iteration", f"{summary['predicted_iteration_seconds'] * 1e3:,.1f} ms ({summary['latency_source']} latencies)")
     table.add_row("ops", f"{summary['ops']:,}")
     table.add_row("FLOPs per iteration", f"{summary['flops'] / 1e9:,.1f} GFLOP")
     table.add_row("optimizer / dtype", f"{summary['optimizer']} / {summary['dtype']}")
@@ -81,26 +104,52 @@ def _table(summary: dict) -> Table:
     return table
 
 
+def _preset(args: argparse.Namespace, workload: Workload) -> str:
+    return args.gpu or ("a6000" if workload.device == "cuda" else "cpu")
+
+
+def make_forecast(workload: Workload, preset: str, memory_budget: str | None = None) -> tuple[dict, Plan, PeakResult]:
+    """Latencies, vanilla peak analysis and the TENSILE plan for one traced workload."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UncalibratedWarning)
+        latency_source = assign_latencies(workload, device=preset if workload.device == "cuda" else "cpu")
+    for warning in caught:
+        Console(stderr=True).print(f"[yellow]note:[/] {warning.message}", highlight=False)
+    vanilla = analyze_vanilla(workload)
+    budget = resolve_budget(memory_budget, vanilla.peak_bytes) if memory_budget else None
+    gpu_plan = plan_job(workload, device_preset(preset).host_link_bandwidth, budget)
+    plan = gpu_plan.plans["job"]
+    return forecast_summary(workload, vanilla, latency_source, gpu_plan, plan), plan, vanilla
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=args.json)
     started = time.perf_counter()
     with console.status("tracing one training iteration..."):
         workload = _load(args)
-    vanilla = analyze_vanilla(workload)
-    summary = forecast_summary(workload, vanilla)
+    preset = _preset(args, workload)
+    with console.status("planning swaps and recomputations..."):
+        summary, plan, vanilla = make_forecast(workload, preset, args.memory_budget)
+    summary["gpu"] = preset
     summary["seconds"] = round(time.perf_counter() - started, 3)
     if args.save:
         save_workload(workload, args.save)
+    if args.save_plan:
+        with open(args.save_plan, "w") as handle:
+            json.dump(plan.to_dict(), handle, indent=1)
     if args.plot:
         from tensile.plots import plot_timeline
 
-        plot_timeline(workload, {"vanilla": vanilla}, args.plot, f"{workload.model} batch {workload.batch_size}: memory per op")
+        scheduled = analyze_plan(workload, plan.events, device_preset(preset).host_link_bandwidth)
+        plot_timeline(
+            workload, {"vanilla": vanilla, "TENSILE": scheduled}, args.plot,
+            f"{workload.model} batch {workload.batch_size} on {preset}: memory per op",
+        )
     if args.json:
         print(json.dumps(summary))
     else:
         console.print(_table(summary))
-        if args.save:
-            console.print(f"workload saved to {args.save}")
-        if args.plot:
-            console.print(f"timeline written to {args.plot}")
+        for path, what in ((args.save, "workload"), (args.save_plan, "plan"), (args.plot, "timeline plot")):
+            if path:
+                console.print(f"{what} written to {path}")
     return 0
