@@ -32,6 +32,7 @@ from tensile.workload import Op, Workload
 log = logging.getLogger("tensile.hook")
 MIN_EVICT_BYTES = 4096  # smaller storages are not worth a transfer
 MAX_DIVERGED = 3  # iterations in a row that leave the plan before it is made again
+FREED_SOON_OPS = 8  # a release this close to PyTorch's own free of the tensor is left to PyTorch
 Planner = Callable[[Workload, "int | None"], "Plan | None"]
 
 
@@ -108,6 +109,12 @@ class ActivePlan:
         for event in plan.events:
             (self.next_by_trigger if event.next_iteration else self.by_trigger)[event.trigger].append(event)
         self.recompute = {e.tensor for e in plan.events if e.kind == "recompute"}
+        # releases PyTorch itself does within a few ops: no need to act (or to copy, for safety)
+        self.freed_soon = {
+            e.tensor for e in plan.events
+            if e.kind == "release" and e.tensor in workload.tensors
+            and (freed := workload.tensors[e.tensor].freed_after) is not None and freed - e.trigger <= FREED_SOON_OPS
+        }
         needed = {e.tensor for e in plan.events}
         needed |= {workload.tensors[t].reuses for t in needed if t in workload.tensors and workload.tensors[t].reuses is not None}
         self.capture: dict[int, list[tuple[int, str, int]]] = defaultdict(list)  # op -> (tensor, where, position)
@@ -474,6 +481,10 @@ class PlanExecutor(TorchDispatchMode):
                 self.recipes.pop(dependent, None)
 
     def _apply(self, event: Event) -> None:
+        """Fire one event. A release without a recipe keeps a host copy: if the plan is wrong and
+        the tensor is read again, it comes back instead of being lost."""
+        if event.kind == "release" and event.tensor in self.active.freed_soon and event.tensor not in self.active.recompute:
+            return
         key = self.keys.get(event.tensor)
         slot = self.registry.slots.get(key) if key is not None else None
         if slot is None:
