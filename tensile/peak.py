@@ -2,7 +2,8 @@
 
 Without a plan, memory is freed when PyTorch frees it (the tracer records that), so the vanilla
 peak is what the caching allocator sees. A plan contributes further changes (releases, swaps,
-recomputes) on the same axis; the sweep below is shared by both.
+recomputes) on the same axis; the sweep below is shared by both. Under a plan, memory is charged per
+op: a tensor counts for an op unless it is off the device for the whole of that op.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from tensile.plan import Event
+from tensile.timeline import Slot, Timeline, build_slots, slot_of, transfer_seconds
 from tensile.workload import ROLES, Workload
 
 # Order of changes that share one instant: allocations first, so a peak is never missed.
@@ -59,11 +62,11 @@ def sweep(
     """Walk the changes in time order and keep the highest footprint (Algorithm 1, lines 2-34).
 
     `op_starts` places ops on the time axis (default: op k starts at time k). An updated tensor
-    (one that `reuses` another's memory) allocates nothing, and its predecessor frees nothing when
-    it hands the memory over.
+    (one that `reuses` another's memory) takes that memory over when it is allocated while its
+    predecessor is resident, so neither allocates nor frees anything; allocated while the predecessor
+    is away (swapped out), it needs memory of its own.
     """
     tensors = workload.tensors
-    handed_over = set(workload.successor_of())
     alive: set[int] = set(workload.resident if initial is None else initial)
     used = sum(tensors[t].size for t in alive)
     peak, peak_op, peak_time, peak_alive = used, -1, -1.0, set(alive)
@@ -80,14 +83,15 @@ def sweep(
             if change.tensor in alive:
                 continue
             alive.add(change.tensor)
-            if tensor.reuses is None:
+            if tensor.reuses is not None and tensor.reuses in alive:
+                alive.discard(tensor.reuses)  # the hand-over: same memory, new name
+            else:
                 used += tensor.size
         else:
             if change.tensor not in alive:
                 continue
             alive.discard(change.tensor)
-            if change.tensor not in handed_over:
-                used -= tensor.size
+            used -= tensor.size
         timeline.append((change.time, used))
         if used > peak:
             peak, peak_op, peak_time, peak_alive = used, change.op, change.time, set(alive)
@@ -104,3 +108,110 @@ def sweep(
 def analyze_vanilla(workload: Workload) -> PeakResult:
     """The vanilla forecast: the peak of one iteration without any scheduling."""
     return sweep(workload, vanilla_changes(workload))
+
+
+def plan_timeline(workload: Workload, events: Iterable[Event], slowdown: float = 1.0) -> Timeline:
+    """The iteration's op times once the plan's recomputations run on the compute stream."""
+    extra: dict[int, float] = {}
+    for event in events:
+        if event.kind == "recompute":
+            creator = workload.ops[workload.tensors[event.tensor].created_by]
+            extra[event.trigger] = extra.get(event.trigger, 0.0) + creator.latency
+    return Timeline([op.latency for op in workload.ops], slowdown, extra)
+
+
+def absent_ranges(
+    workload: Workload, events: Iterable[Event], bandwidth: float, timeline: Timeline, slots: dict[int, Slot]
+) -> dict[int, list[tuple[int, int]]]:
+    """Per slot root, the op ranges (folded into one iteration) the plan keeps it off the device.
+
+    A release frees the tensor after its trigger op until a recompute before a later op brings it
+    back (or for good: activity analysis). A swap-out frees it when its copy ends; the next swap-in
+    of the slot, in cyclic order, brings it back when its copy starts. Ops count per whole op."""
+    n = timeline.n
+    root_of = slot_of(slots)
+    per_slot: dict[int, list[Event]] = {}
+    for event in events:
+        per_slot.setdefault(root_of[event.tensor], []).append(event)
+    result: dict[int, list[tuple[int, int]]] = {}
+    for root, slot_events in per_slot.items():
+        slot = slots[root]
+        ranges: list[tuple[int, int]] = []
+        releases = sorted(e.trigger for e in slot_events if e.kind == "release")
+        recomputes = sorted(e.trigger for e in slot_events if e.kind == "recompute")
+        for a in releases:
+            later = [r for r in recomputes if r > a]
+            ranges.append((a + 1, later[0] if later else slot.last))
+        duration = transfer_seconds(slot.size, bandwidth)
+
+        def at(e: Event) -> float:
+            return timeline.end(e.trigger + (n if e.next_iteration else 0)) + e.delay
+
+        outs = sorted(at(e) for e in slot_events if e.kind == "swap_out")
+        ins = sorted(at(e) for e in slot_events if e.kind == "swap_in")
+        for gone in outs:
+            gone += duration
+            later_ins = [t for t in ins if t >= gone] or [t + timeline.period for t in ins if t + timeline.period >= gone]
+            if later_ins:
+                k1, k2 = timeline.absent_ops(gone, later_ins[0])
+            else:
+                k1, k2 = timeline.first_op_from(gone), slot.last
+            ranges.append((k1, k2))
+        folded = []
+        for lo, hi in ranges:
+            hi = min(hi, 2 * n - 1)
+            if lo > hi:
+                continue
+            if lo < n:
+                folded.append((lo, min(hi, n - 1)))
+            if hi >= n:
+                folded.append((max(lo, n) - n, hi - n))
+        result[root] = folded
+    return result
+
+
+def presence_pieces(slot: Slot, absent: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Maximal op runs within [slot.first, slot.last] where the slot is on the device."""
+    gone = sorted(absent)
+    pieces: list[tuple[int, int]] = []
+    k = slot.first
+    for lo, hi in gone:
+        if hi < k:
+            continue
+        if lo > k:
+            pieces.append((k, min(lo - 1, slot.last)))
+        k = max(k, hi + 1)
+        if k > slot.last:
+            break
+    if k <= slot.last:
+        pieces.append((k, slot.last))
+    return [p for p in pieces if p[0] <= p[1]]
+
+
+def plan_changes(workload: Workload, slots: dict[int, Slot], absent: dict[int, list[tuple[int, int]]]) -> tuple[list[Change], list[int]]:
+    """Memory changes (op-index axis, as vanilla_changes) and the initial residents under a plan."""
+    n = len(workload.ops)
+    changes: list[Change] = []
+    initial: list[int] = []
+    for root, slot in slots.items():
+        resident = workload.tensors[root].created_by < 0
+        end_freed = workload.tensors[slot.names[-1]].freed_after is not None
+        for p1, p2 in presence_pieces(slot, absent.get(root, [])):
+            if p1 == 0 and resident:
+                initial.append(root)
+            else:
+                changes.append(Change(p1, ALLOC, slot.name_at(p1), p1))
+            if slot.successor is not None and p1 < slot.handover <= p2:
+                changes.append(Change(slot.handover, ALLOC, slot.successor, slot.handover))
+            if p2 < n - 1 or end_freed:
+                changes.append(Change(p2 + 0.5, FREE, slot.name_at(p2), p2))
+    return changes, initial
+
+
+def analyze_plan(workload: Workload, events: Iterable[Event], bandwidth: float, slowdown: float = 1.0) -> PeakResult:
+    """Algorithm 1 over a plan: the scheduled peak a forecast states (replaying a plan reproduces it)."""
+    events = list(events)
+    timeline = plan_timeline(workload, events, slowdown)
+    slots = build_slots(workload)
+    changes, initial = plan_changes(workload, slots, absent_ranges(workload, events, bandwidth, timeline, slots))
+    return sweep(workload, changes, initial)

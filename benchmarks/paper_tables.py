@@ -1,0 +1,167 @@
+"""Reproduce the structure of the TENSILE paper's Table III, Fig. 6 and Table IV in simulation (A6000 preset).
+
+TENSILE is planned for the paper's memory saving (a GPU budget of (1 - paper MSR) x vanilla peak):
+swaps first, recomputation where swaps cannot reach it. Capuchin gets each job's TENSILE peak as its
+budget, as in the paper. Writes benchmarks/results/paper_tables.json and .md.
+
+    python benchmarks/paper_tables.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from tensile.compare import compare
+from tensile.devices import device_preset
+from tensile.forecast import trace_workload
+from tensile.latency import assign_latencies
+from tensile.peak import analyze_vanilla
+from tensile.planner import JobSpec
+
+MODELS = ("vgg16", "inception_v3", "inception_v4", "resnet50", "densenet121")
+PAPER_TABLE_III = {  # MSR, EOR, CBR per method
+    "vgg16": {"vdnn": (0.1109, 1.7835, 0.0622), "capuchin": (0.2558, 1.8304, 0.1398), "tensile": (0.2670, 1.6287, 0.1639)},
+    "inception_v3": {"vdnn": (0.1633, 2.5184, 0.0648), "capuchin": (0.4331, 2.7745, 0.1561), "tensile": (0.4361, 1.6468, 0.2648)},
+    "inception_v4": {"vdnn": (0.1903, 2.5028, 0.0760), "capuchin": (0.5129, 3.2362, 0.1585), "tensile": (0.5154, 1.4281, 0.3609)},
+    "resnet50": {"vdnn": (0.1733, 2.2981, 0.0754), "capuchin": (0.3859, 2.2320, 0.1729), "tensile": (0.4258, 1.5540, 0.2740)},
+    "densenet121": {"vdnn": (0.1381, 2.6148, 0.0528), "capuchin": (0.4860, 3.4400, 0.1413), "tensile": (0.5135, 1.1678, 0.4397)},
+}
+PAPER_TABLE_IV = {"vdnn": (0.0580, 1.6297, 0.0356), "capuchin": (0.1150, 7.6545, 0.0150), "tensile": (0.1565, 1.1589, 0.1350)}
+POLICIES = ("vanilla", "vdnn", "capuchin", "tensile")
+RESULTS = Path(__file__).parent / "results"
+
+
+def run_case(name: str, workloads: list[tuple[str, object]], paper_msr: float, device) -> dict:
+    jobs = [JobSpec(job, w) for job, w in workloads]
+    vanilla = sum(analyze_vanilla(w).peak_bytes for _, w in workloads)
+    budget = int((1.0 - paper_msr) * vanilla)
+    comparison = compare(jobs, device, POLICIES, budget_bytes=budget)
+    rows = {r["policy"]: r for r in comparison.rows if r["job"] == "*"}
+    return {
+        "case": name,
+        "jobs": [job for job, _ in workloads],
+        "budget_bytes": budget,
+        "fits": comparison.gpu_plan.fits,
+        "plan_seconds": comparison.plan_seconds,
+        "gpu": {p: {k: rows[p][k] for k in ("vanilla_peak_bytes", "peak_bytes", "msr", "eor", "cbr")} for p in POLICIES},
+        "per_job": [r for r in comparison.rows if r["job"] != "*"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="Fig. 6 with 1 and 2 copies only")
+    args = parser.parse_args()
+    console = Console()
+    device = device_preset("a6000")
+    workloads = {}
+    started = time.perf_counter()
+    copies = (1, 2) if args.quick else (1, 2, 3, 4)
+    with Progress(console=console) as progress:
+        task = progress.add_task("tracing", total=len(MODELS) * (1 + len(copies)) + 1)
+        for model in MODELS:
+            workload = trace_workload(model, 16)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                source = assign_latencies(workload, "a6000")
+            workloads[model] = workload
+            progress.advance(task)
+        results = {"latencies": source, "table_iii": [], "fig_6": [], "table_iv": None}
+        for model in MODELS:
+            progress.update(task, description=f"Table III {model}")
+            results["table_iii"].append(run_case(model, [(model, workloads[model])], PAPER_TABLE_III[model]["tensile"][0], device))
+            progress.advance(task)
+        for model in MODELS:
+            for n in copies:
+                progress.update(task, description=f"Fig. 6 {model} x{n}")
+                jobs = [(f"{model}#{i + 1}", workloads[model]) for i in range(n)]
+                results["fig_6"].append(run_case(f"{model} x{n}", jobs, PAPER_TABLE_III[model]["tensile"][0], device))
+                progress.advance(task)
+        progress.update(task, description="Table IV mixed")
+        results["table_iv"] = run_case("mixed", [(m, workloads[m]) for m in MODELS], PAPER_TABLE_IV["tensile"][0], device)
+        progress.advance(task)
+    results["seconds"] = time.perf_counter() - started
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "paper_tables.json").write_text(json.dumps(results, indent=1))
+    (RESULTS / "paper_tables.md").write_text(markdown(results))
+    table = Table(title="Simulated on the A6000 preset (GPU rows)")
+    for column in ("case", "policy", "MSR", "EOR", "CBR", "paper MSR/EOR/CBR"):
+        table.add_column(column)
+    for case in [*results["table_iii"], *results["fig_6"], results["table_iv"]]:
+        paper = PAPER_TABLE_III.get(case["case"], PAPER_TABLE_IV if case["case"] == "mixed" else {})
+        for policy in POLICIES[1:]:
+            g = case["gpu"][policy]
+            ref = paper.get(policy)
+            table.add_row(case["case"], policy, f"{g['msr']:.3f}", f"{g['eor']:.3f}", f"{g['cbr']:.3f}", " / ".join(f"{x:.3f}" for x in ref) if ref else "")
+    console.print(table)
+    console.print(f"wrote {RESULTS / 'paper_tables.md'} in {results['seconds']:.0f} s")
+
+
+def _row(case: dict, paper: dict | None) -> list[str]:
+    lines = []
+    best_baseline = max(case["gpu"][p]["cbr"] for p in ("vdnn", "capuchin"))
+    for policy in POLICIES[1:]:
+        g = case["gpu"][policy]
+        ref = paper.get(policy) if paper else None
+        ref_text = " / ".join(f"{x:.4f}" for x in ref) if ref else "-"
+        lines.append(f"| {case['case']} | {policy} | {g['msr']:.4f} | {g['eor']:.4f} | {g['cbr']:.4f} | {ref_text} |")
+    status = "yes" if case["gpu"]["tensile"]["cbr"] > best_baseline else "**no**"
+    lines.append(f"| {case['case']} | TENSILE CBR above both baselines | {status} | | | |")
+    return lines
+
+
+def markdown(results: dict) -> str:
+    header = ["| case | policy | MSR | EOR | CBR | paper MSR / EOR / CBR |", "|---|---|---|---|---|---|"]
+    out = [
+        "# TENSILE paper tables in simulation (RTX A6000 preset)",
+        "",
+        f"Op latencies: {results['latencies']} (no calibrated latency model for the A6000 here: roofline prior). "
+        "Batch 16, Adam, float32. Metrics per GPU: MSR and EOR of the sum of the jobs' peaks and iteration times, "
+        "measured from the second simulated iteration on. TENSILE is planned for a GPU budget of "
+        "(1 - the paper's TENSILE MSR) x vanilla; Capuchin gets each job's TENSILE peak as its budget.",
+        "",
+        "## Table III: single job",
+        "",
+        *header,
+    ]
+    msr_ok = []
+    for case in results["table_iii"]:
+        out += _row(case, PAPER_TABLE_III[case["case"]])
+        msr_ok.append((case["case"], case["gpu"]["tensile"]["msr"], PAPER_TABLE_III[case["case"]]["tensile"][0]))
+    out += ["", "TENSILE MSR against the paper's: " + ", ".join(f"{m} {a:.3f} vs {p:.3f} ({'met' if a >= p else 'below'})" for m, a, p in msr_ok), ""]
+    out += ["## Fig. 6: one to four co-located copies", "", *header]
+    for case in results["fig_6"]:
+        out += _row(case, None)
+    out += ["", "## Table IV: the five models mixed on one GPU", "", *header, *_row(results["table_iv"], PAPER_TABLE_IV), ""]
+    out += [
+        "## Where the simulation and the paper differ, and why",
+        "",
+        "- **Speed of the framework.** The paper ran its own tinyflow-based framework, where an iteration is several "
+        "times slower than PyTorch on the same GPU; here op latencies are what an A6000 would take under the roofline "
+        "prior. Faster compute leaves less time to hide transfers behind, so swapping alone saves less than in the paper "
+        "and TENSILE reaches the paper's MSR with recomputation, which costs time (EOR > 1).",
+        "- **What is in memory.** Our workloads are traced from PyTorch with Adam: parameters, two optimizer states, "
+        "gradients, and PyTorch's own activation lifetimes (in-place ReLU after batch norm makes those outputs "
+        "impossible to recompute by replaying one op). The paper's VMP comes from its framework's allocator.",
+        "- **Capuchin and vDNN** are re-implementations in the simulator from their papers, as the TENSILE authors did; "
+        "Capuchin's first (passive, measured) iteration is not in the steady-state EOR.",
+        "- **Co-located jobs** start their iterations together and are slowed by processor sharing with 10% overlap; "
+        "the paper measured real contention. The planner books each job's transfers on the circle of its own period, "
+        "so copies of one model stay conflict-free while mixed models collide sometimes (passive stalls in the simulator).",
+        "- **Metrics for several jobs** follow the paper's MP = sum of the jobs' peaks.",
+        "",
+        f"Whole run: {results['seconds']:.0f} s.",
+    ]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""`tensile simulate`: co-located training jobs on one simulated GPU under vanilla, vDNN, Capuchin and TENSILE."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from tensile.compare import POLICIES, Comparison, compare
+from tensile.devices import PRESETS, device_preset
+from tensile.errors import TensileUserError
+from tensile.forecast import trace_workload
+from tensile.latency import assign_latencies
+from tensile.planner import JobSpec, resolve_budget
+from tensile.workload import Workload
+
+MIB = 1024**2
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("simulate", help="simulate co-located jobs on one GPU under each policy", description=__doc__)
+    parser.add_argument("--job", action="append", required=True, metavar="MODEL[:BATCH]", help="a job (repeat for more); batch defaults to 16")
+    parser.add_argument("--gpu", default="a6000", choices=sorted(k for k in PRESETS if k != "cpu"))
+    parser.add_argument("--policy", default=",".join(POLICIES), help=f"comma-separated, from {','.join(POLICIES)}")
+    parser.add_argument("--max-swap-rate", action="append", default=[], metavar="J=R", help="job name or 1-based index J may hold share R of the GPU's swaps")
+    parser.add_argument("--memory-budget", help="plan TENSILE for this GPU budget: bytes (12GiB) or a fraction of the vanilla peak")
+    parser.add_argument("--optimizer", default="adam")
+    parser.add_argument("--iterations", type=int, default=3, help="iterations per job (the first is not measured)")
+    parser.add_argument("--overlap", type=float, default=0.1, help="compute overlap of co-running jobs, 0 (time slicing) to 1")
+    parser.add_argument("--plot", metavar="DIR", help="write memory timelines and metrics as PNG")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.set_defaults(run=run)
+
+
+def _parse_jobs(texts: list[str]) -> list[tuple[str, str, int]]:
+    """(name, model, batch) per --job; repeated jobs get #2, #3..."""
+    jobs = []
+    counts: dict[str, int] = {}
+    for text in texts:
+        model, _, batch = text.rpartition(":") if text.rpartition(":")[2].isdigit() else (text, "", "16")
+        base = f"{model}:{batch}"
+        counts[base] = counts.get(base, 0) + 1
+        jobs.append((base if counts[base] == 1 else f"{base}#{counts[base]}", model, int(batch)))
+    return jobs
+
+
+def _swap_rates(texts: list[str], names: list[str]) -> dict[str, float]:
+    rates = {}
+    for text in texts:
+        key, sep, value = text.partition("=")
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = -1.0
+        if not sep or not 0.0 < rate <= 1.0:
+            raise TensileUserError(f"--max-swap-rate '{text}': expected J=R with R in (0, 1]")
+        if key.isdigit() and 1 <= int(key) <= len(names):
+            key = names[int(key) - 1]
+        if key not in names:
+            raise TensileUserError(f"--max-swap-rate '{text}': no job '{key}'; jobs are {', '.join(names)}")
+        rates[key] = rate
+    return rates
+
+
+def _load(jobs: list[tuple[str, str, int]], gpu: str, optimizer: str, console: Console) -> tuple[dict[tuple[str, int], Workload], str]:
+    traced: dict[tuple[str, int], Workload] = {}
+    source = ""
+    for _, model, batch in jobs:
+        if (model, batch) in traced:
+            continue
+        with console.status(f"tracing {model} batch {batch}..."):
+            workload = trace_workload(model, batch, optimizer=optimizer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            source = assign_latencies(workload, gpu)
+        traced[(model, batch)] = workload
+    return traced, source
+
+
+def _tables(comparison: Comparison, gpu: str) -> list[Table]:
+    tables = []
+    for policy in dict.fromkeys(r["policy"] for r in comparison.rows):
+        table = Table(title=f"{policy} on {gpu}")
+        for column in ("job", "vanilla peak", "peak", "MSR", "EOR", "CBR"):
+            table.add_column(column, justify="left" if column == "job" else "right")
+        for row in (r for r in comparison.rows if r["policy"] == policy):
+            table.add_row(
+                "GPU (sum)" if row["job"] == "*" else row["job"],
+                f"{row['vanilla_peak_bytes'] / MIB:,.0f} MiB",
+                f"{row['peak_bytes'] / MIB:,.0f} MiB",
+                f"{row['msr']:.3f}",
+                f"{row['eor']:.3f}",
+                f"{row['cbr']:.3f}",
+                style="bold" if row["job"] == "*" else None,
+            )
+        tables.append(table)
+    return tables
+
+
+def _plot(comparison: Comparison, directory: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for policy, result in comparison.simulations.items():
+        fig, ax = plt.subplots(figsize=(11, 4.5))
+        series: dict[str, tuple[list[float], list[float]]] = {}
+        for t, job, used in result.timeline:
+            xs, ys = series.setdefault(job, ([], []))
+            xs.append(t * 1e3)
+            ys.append(used / MIB)
+        for job, (xs, ys) in series.items():
+            ax.step(xs, ys, where="post", lw=1, label=job)
+        ax.set_xlabel("time (ms)")
+        ax.set_ylabel("device memory in use (MiB)")
+        ax.set_title(f"{policy}: memory per job")
+        ax.legend(loc="upper right", fontsize=8)
+        fig.tight_layout()
+        path = out / f"memory_{policy}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    totals = [r for r in comparison.rows if r["job"] == "*"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    for ax, metric in zip(axes, ("msr", "eor", "cbr")):
+        ax.bar([r["policy"] for r in totals], [r[metric] for r in totals], color="#4b8bbe")
+        ax.set_title(metric.upper())
+    fig.tight_layout()
+    path = out / "metrics.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+    return paths
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=args.json)
+    policies = tuple(p.strip() for p in args.policy.split(",") if p.strip())
+    if args.iterations < 2:
+        raise TensileUserError("--iterations must be at least 2 (the first iteration is not measured)")
+    if not 0.0 <= args.overlap <= 1.0:
+        raise TensileUserError("--overlap must be between 0 and 1")
+    device = device_preset(args.gpu)
+    jobs = _parse_jobs(args.job)
+    names = [name for name, _, _ in jobs]
+    rates = _swap_rates(args.max_swap_rate, names)
+    traced, source = _load(jobs, args.gpu, args.optimizer, console)
+    specs = [JobSpec(name, traced[(model, batch)], rates.get(name, 1.0)) for name, model, batch in jobs]
+    budget = None
+    if args.memory_budget:
+        from tensile.peak import analyze_vanilla
+
+        budget = resolve_budget(args.memory_budget, sum(analyze_vanilla(s.workload).peak_bytes for s in specs))
+    with console.status("simulating...") as status:
+        comparison = compare(specs, device, policies, args.overlap, args.iterations, budget, progress=lambda text: status.update(text + "..."))
+    plots = _plot(comparison, args.plot) if args.plot else []
+    if args.json:
+        print(json.dumps({"gpu": args.gpu, "latencies": source, "rows": comparison.rows, "plan_seconds": comparison.plan_seconds}))
+        return 0
+    for table in _tables(comparison, device.name):
+        console.print(table)
+    if comparison.gpu_plan is not None:
+        console.print(f"TENSILE planned in {comparison.plan_seconds:.3f} s: {comparison.gpu_plan.message}")
+    console.print(f"op latencies: {source}")
+    for path in plots:
+        console.print(f"plot written to {path}")
+    return 0

@@ -1,0 +1,63 @@
+"""Random small training-iteration workloads (forward DAG, mirrored backward, optimizer updates) for invariant tests."""
+
+from __future__ import annotations
+
+import random
+
+from tensile.workload import Op, TensorInfo, Workload
+
+
+def random_workload(seed: int, layers: int = 12) -> Workload:
+    """A random DAG network: params and an optimizer state per layer updated across the iteration boundary."""
+    rng = random.Random(seed)
+    tensors: dict[int, TensorInfo] = {}
+    ops: list[Op] = []
+    ids = iter(range(10**6))
+
+    def tensor(size: int, role: str, created_by: int) -> int:
+        tid = next(ids)
+        tensors[tid] = TensorInfo(tid, size, role, "float32", created_by)
+        return tid
+
+    def op(name: str, phase: str, inputs: tuple[int, ...], outputs: tuple[int, ...], writes: tuple[int, ...] = ()) -> int:
+        index = len(ops)
+        ops.append(Op(index, name, phase, inputs, outputs, writes, latency=rng.uniform(0.2e-3, 2e-3), flops=1e9))
+        return index
+
+    x = tensor(rng.randrange(1, 8) << 20, "input", -1)
+    params = [tensor(rng.randrange(1, 16) << 20, "param", -1) for _ in range(layers)]
+    states = [tensor(tensors[p].size, "optimizer_state", -1) for p in params]
+    acts = [x]
+    for layer in range(layers):
+        inputs = tuple(rng.sample(acts, min(len(acts), rng.choice((1, 1, 2)))))
+        out = tensor(rng.randrange(2, 64) << 20, "activation", len(ops))
+        op("aten.convolution.default" if rng.random() < 0.6 else "aten.add.Tensor", "forward", (*inputs, params[layer]), (out,))
+        acts.append(out)
+    loss = tensor(512, "activation", len(ops))
+    op("aten.sum.default", "forward", (acts[-1],), (loss,))
+    grads = []
+    for layer in reversed(range(layers)):
+        forward = ops[layer]
+        temp = tensor(rng.randrange(1, 32) << 20, "temporary", len(ops))
+        grad = tensor(tensors[params[layer]].size, "gradient", len(ops))
+        op("aten.convolution_backward.default", "backward", forward.inputs, (temp, grad))
+        grads.append((layer, grad))
+    for layer, grad in grads:
+        new_state = tensor(tensors[states[layer]].size, "optimizer_state", len(ops))
+        tensors[new_state].reuses = states[layer]
+        op("aten.lerp_.Scalar", "optimizer", (states[layer], grad), (new_state,), (states[layer],))
+        new_param = tensor(tensors[params[layer]].size, "param", len(ops))
+        tensors[new_param].reuses = params[layer]
+        op("aten.addcdiv_.default", "optimizer", (params[layer], new_state), (new_param,), (params[layer],))
+    last_use: dict[int, int] = {}
+    for o in ops:
+        for t in (*o.inputs, *o.outputs):
+            last_use[t] = o.index
+    for t in tensors.values():
+        if t.role in ("activation", "temporary"):
+            t.freed_after = last_use[t.id]
+        elif t.role == "gradient":
+            t.freed_after = None if rng.random() < 0.5 else last_use[t.id]
+        elif t.created_by < 0 and t.role != "input":
+            t.freed_after = next(o.index for o in ops if t.id in o.writes)
+    return Workload(f"random{seed}", 1, "cuda", tensors, ops)

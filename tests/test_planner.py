@@ -1,0 +1,184 @@
+"""The TENSILE planner's invariants, on random small DAG workloads and on the zoo models."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+
+from dag_workloads import random_workload
+from tensile.devices import device_preset
+from tensile.peak import absent_ranges, analyze_plan, analyze_vanilla, plan_timeline
+from tensile.plan import Plan
+from tensile.planner import GpuPlan, JobSpec, co_run_slowdown, plan_gpu, resolve_budget
+from tensile.simulator import SimJob, simulate
+from tensile.errors import TensileUserError
+from tensile.timeline import build_slots, slot_of
+from tensile.workload import Workload
+
+BANDWIDTH = 2e9  # slow enough that the copy channels are contended in small workloads
+DEVICE = dataclasses.replace(device_preset("a6000"), host_link_bandwidth=BANDWIDTH)
+ZOO = ("vgg16", "inception_v3", "inception_v4", "resnet50", "densenet121", "bert_base", "gpt2")
+
+
+def check_invariants(result: GpuPlan, workloads: dict[str, Workload], bandwidth: float, slowdown: float = 1.0) -> None:
+    for name, plan in result.plans.items():
+        workload = workloads[name]
+        slots = build_slots(workload)
+        root_of = slot_of(slots)
+        replayed = Plan.from_dict(plan.to_dict())
+        timeline = plan_timeline(workload, replayed.events, slowdown)
+        absent = absent_ranges(workload, replayed.events, bandwidth, timeline, slots)
+        # no event overlaps an access of its tensor: the slot is on the device for every access
+        for root, ranges in absent.items():
+            for lo, hi in ranges:
+                assert not any(lo <= a <= hi for a in slots[root].accesses), (name, root, lo, hi)
+        # every swap-in has an earlier swap-out of the same slot (cyclically, across the boundary)
+        n, period = len(workload.ops), timeline.period
+        by_slot: dict[int, list[tuple[float, str]]] = {}
+        for e in replayed.events:
+            if e.kind in ("swap_out", "swap_in"):
+                at = timeline.end(e.trigger + (n if e.next_iteration else 0)) + e.delay
+                by_slot.setdefault(root_of[e.tensor], []).append((at, e.kind))
+        for root, swaps in by_slot.items():
+            swaps.sort()
+            assert [k for _, k in swaps].count("swap_in") == [k for _, k in swaps].count("swap_out")
+            if swaps[0][1] == "swap_in":  # the swap-out of the previous iteration
+                assert swaps[-1][1] == "swap_out"
+            kinds = [k for _, k in swaps]
+            assert all(a != b for a, b in zip(kinds, kinds[1:])), (root, swaps)  # out, in, out, in...
+        # a recomputed tensor's inputs are on the device when it is recomputed
+        for e in replayed.events:
+            if e.kind == "recompute":
+                creator = workload.ops[workload.tensors[e.tensor].created_by]
+                for t in creator.inputs:
+                    r = root_of[t]
+                    for k in (e.trigger, e.trigger + 1):
+                        assert slots[r].first <= k <= slots[r].last
+                        assert not any(lo <= k <= hi for lo, hi in absent.get(r, ())), (e, t)
+        # replaying the plan through Algorithm 1 reproduces the forecast, never above vanilla
+        replay = analyze_plan(workload, replayed.events, bandwidth, slowdown)
+        assert replay.peak_bytes == plan.forecast.scheduled_peak_bytes
+        assert plan.forecast.scheduled_peak_bytes <= analyze_vanilla(workload).peak_bytes
+    assert result.scheduled_peak_bytes <= result.vanilla_peak_bytes
+    # transfers in one direction never overlap on the GPU (each job's on the circle of its period)
+    periods = {name: plan.forecast.predicted_iteration_seconds for name, plan in result.plans.items()}
+    for direction in ("d2h", "h2d"):
+        pieces = []
+        for t in result.transfers:
+            if t.direction != direction:
+                continue
+            base = t.start % periods[t.job]
+            end = base + (t.end - t.start)
+            pieces += [(base, min(end, periods[t.job]))] + ([(0.0, end - periods[t.job])] if end > periods[t.job] else [])
+        pieces.sort()
+        for (a0, b0), (a1, b1) in zip(pieces, pieces[1:]):
+            assert a1 >= b0 - 1e-9, (direction, (a0, b0), (a1, b1))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_invariants_single_job_random(seed):
+    workload = random_workload(seed)
+    result = plan_gpu([JobSpec("a", workload)], BANDWIDTH)
+    check_invariants(result, {"a": workload}, BANDWIDTH)
+    assert result.fits
+    assert any(e.kind == "swap_out" for e in result.plans["a"].events)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_invariants_with_recompute_and_budget(seed):
+    workload = random_workload(seed, layers=16)
+    vanilla = analyze_vanilla(workload).peak_bytes
+    result = plan_gpu([JobSpec("a", workload)], BANDWIDTH, budget_bytes=int(0.5 * vanilla))
+    check_invariants(result, {"a": workload}, BANDWIDTH)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_invariants_several_jobs_share_the_channels(seed):
+    workloads = {f"j{i}": random_workload(seed * 10 + i, layers=8 + 2 * i) for i in range(3)}
+    slowdown = co_run_slowdown(3, 0.1)
+    result = plan_gpu([JobSpec(n, w) for n, w in workloads.items()], BANDWIDTH, slowdown=slowdown)
+    check_invariants(result, workloads, BANDWIDTH, slowdown)
+
+
+def test_replay_matches_the_planner_and_the_simulator():
+    workload = random_workload(3)
+    result = plan_gpu([JobSpec("a", workload)], BANDWIDTH)
+    plan = result.plans["a"]
+    sim = simulate([SimJob("a", workload, plan)], DEVICE).jobs["a"]
+    assert sim.stall_seconds == 0
+    assert sim.peak_bytes == plan.forecast.scheduled_peak_bytes
+    assert sim.steady_iteration_seconds == pytest.approx(plan.forecast.predicted_iteration_seconds)
+
+
+def test_vanilla_simulation_matches_algorithm_1():
+    for seed in range(4):
+        workload = random_workload(seed)
+        sim = simulate([SimJob("a", workload)], DEVICE).jobs["a"]
+        assert sim.peak_bytes == analyze_vanilla(workload).peak_bytes
+        assert sim.steady_iteration_seconds == pytest.approx(sum(op.latency for op in workload.ops))
+
+
+def test_recomputation_costs_time_in_the_simulator():
+    workload = random_workload(1, layers=16)
+    vanilla = analyze_vanilla(workload).peak_bytes
+    plan = plan_gpu([JobSpec("a", workload)], BANDWIDTH, budget_bytes=int(0.4 * vanilla)).plans["a"]
+    if not any(e.kind == "recompute" for e in plan.events):
+        pytest.skip("no recomputation chosen for this workload")
+    sim = simulate([SimJob("a", workload, plan)], DEVICE).jobs["a"]
+    assert sim.recompute_seconds > 0
+    assert sim.peak_bytes <= plan.forecast.scheduled_peak_bytes
+    assert sim.steady_iteration_seconds == pytest.approx(plan.forecast.predicted_iteration_seconds + plan.forecast.predicted_extra_seconds)
+
+
+def test_cannot_fit_answers_with_the_lowest_reachable_peak():
+    workload = random_workload(2)
+    result = plan_gpu([JobSpec("a", workload)], BANDWIDTH, budget_bytes=1024)
+    assert not result.fits
+    assert "cannot fit" in result.message
+    assert f"{result.scheduled_peak_bytes / 1024**2:,.1f} MiB" in result.message
+    assert result.scheduled_peak_bytes < result.vanilla_peak_bytes
+
+
+def test_a_budget_stops_planning_early():
+    workload = random_workload(5)
+    lowest = plan_gpu([JobSpec("a", workload)], BANDWIDTH)
+    vanilla = lowest.vanilla_peak_bytes
+    budget = (vanilla + lowest.scheduled_peak_bytes) // 2
+    relaxed = plan_gpu([JobSpec("a", workload)], BANDWIDTH, budget_bytes=budget)
+    assert relaxed.fits and relaxed.scheduled_peak_bytes <= budget
+    assert len(relaxed.plans["a"].events) <= len(lowest.plans["a"].events)
+
+
+def test_max_swapping_rate_is_honoured():
+    workloads = {f"j{i}": random_workload(40 + i) for i in range(3)}
+    jobs = [JobSpec("j0", workloads["j0"], 0.2), JobSpec("j1", workloads["j1"]), JobSpec("j2", workloads["j2"])]
+    result = plan_gpu(jobs, BANDWIDTH)
+    swaps = {n: sum(e.kind == "swap_out" for e in p.events) for n, p in result.plans.items()}
+    assert swaps["j0"] <= 0.2 * sum(swaps.values()) + 1
+    with pytest.raises(TensileUserError):
+        plan_gpu([JobSpec("a", workloads["j0"], 0.0)], BANDWIDTH)
+
+
+def test_resolve_budget():
+    assert resolve_budget("0.5", 1000) == 500
+    assert resolve_budget("2GiB", 1) == 2 * 1024**3
+    assert resolve_budget("1500", 1000) == 1500
+    with pytest.raises(TensileUserError):
+        resolve_budget("lots", 1000)
+
+
+@pytest.mark.parametrize("model", ZOO)
+def test_invariants_on_zoo_models(model, traced):
+    from tensile.latency import assign_latencies
+
+    workload = traced(model, 2)
+    workload = dataclasses.replace(workload, ops=[dataclasses.replace(op) for op in workload.ops])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assign_latencies(workload, "a6000")
+    bandwidth = device_preset("a6000").host_link_bandwidth
+    vanilla = analyze_vanilla(workload).peak_bytes
+    result = plan_gpu([JobSpec(model, workload)], bandwidth, budget_bytes=int(0.5 * vanilla))
+    check_invariants(result, {model: workload}, bandwidth)

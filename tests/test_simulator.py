@@ -1,0 +1,75 @@
+"""Simulator, baselines, plan updating and `tensile simulate` on small workloads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from dag_workloads import random_workload
+from tensile.baselines.capuchin import CapuchinPolicy
+from tensile.baselines.vdnn import vdnn_job
+from tensile.cli import main
+from tensile.compare import compare
+from tensile.devices import device_preset
+from tensile.peak import analyze_vanilla
+from tensile.plan_update import PlanUpdater
+from tensile.planner import JobSpec
+from tensile.simulator import SimJob, simulate
+
+DEVICE = dataclasses.replace(device_preset("a6000"), host_link_bandwidth=2e9)
+
+
+def test_co_running_jobs_slow_each_other_down():
+    workload = random_workload(0)
+    alone = simulate([SimJob("a", workload)], DEVICE).jobs["a"].steady_iteration_seconds
+    together = simulate([SimJob("a", workload), SimJob("b", workload)], DEVICE, overlap=0.0).jobs["a"].steady_iteration_seconds
+    assert together == pytest.approx(2 * alone, rel=1e-6)
+
+
+def test_baselines_run_and_keep_capuchin_near_its_budget():
+    workload = random_workload(4)
+    vanilla = analyze_vanilla(workload).peak_bytes
+    budget = int(0.8 * vanilla)
+    capuchin = simulate([CapuchinPolicy("a", workload, budget, DEVICE.host_link_bandwidth).job()], DEVICE).jobs["a"]
+    assert capuchin.peak_bytes <= vanilla
+    vdnn = simulate([vdnn_job("a", workload)], DEVICE).jobs["a"]
+    assert vdnn.swap_out_bytes > 0 and vdnn.peak_bytes <= vanilla
+
+
+def test_compare_rows_and_gpu_row():
+    jobs = [JobSpec("a", random_workload(1)), JobSpec("b", random_workload(2))]
+    comparison = compare(jobs, DEVICE)
+    assert {(r["policy"], r["job"]) for r in comparison.rows} == {(p, j) for p in ("vanilla", "vdnn", "capuchin", "tensile") for j in ("a", "b", "*")}
+    tensile = {r["job"]: r for r in comparison.rows if r["policy"] == "tensile"}
+    assert tensile["*"]["vanilla_peak_bytes"] == tensile["a"]["vanilla_peak_bytes"] + tensile["b"]["vanilla_peak_bytes"]
+    assert tensile["*"]["msr"] > 0 and tensile["*"]["eor"] >= 1.0 - 1e-9
+
+
+def test_plan_updater_replans_on_drift_only():
+    workload = random_workload(6)
+    updater = PlanUpdater([JobSpec("a", workload)], 2e9, threshold=0.1)
+    assert updater.plan("a").version == 1
+    latencies = [op.latency for op in workload.ops]
+    assert not updater.observe("a", [x * 1.05 for x in latencies])
+    assert updater.observe("a", [x * 2.0 for x in latencies])
+    assert updater.plan("a").version == 2
+    assert updater.plan("a").forecast.predicted_iteration_seconds > sum(latencies) * 1.3
+    assert sum(op.latency for op in workload.ops) == pytest.approx(sum(latencies))  # the caller's workload is untouched
+
+
+def test_simulate_cli_json(capsys, tmp_path):
+    code = main(["simulate", "--job", "resnet50:2", "--job", "resnet50:2", "--max-swap-rate", "2=0.5", "--json", "--plot", str(tmp_path)])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan_seconds"] >= 0
+    rows = {(r["policy"], r["job"]): r for r in out["rows"]}
+    assert set(rows) >= {("tensile", "*"), ("capuchin", "resnet50:2#2"), ("vdnn", "resnet50:2"), ("vanilla", "*")}
+    assert set(out["rows"][0]) == {"policy", "job", "vanilla_peak_bytes", "peak_bytes", "msr", "eor", "cbr"}
+    assert (tmp_path / "metrics.png").exists() and (tmp_path / "memory_tensile.png").exists()
+
+
+def test_simulate_cli_bad_input(capsys):
+    assert main(["simulate", "--job", "resnet50:2", "--max-swap-rate", "x=2"]) == 2
+    assert "max-swap-rate" in capsys.readouterr().err
