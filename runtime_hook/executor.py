@@ -14,7 +14,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,14 +37,58 @@ Planner = Callable[[Workload, "int | None"], "Plan | None"]
 
 
 @dataclass
-class Recipe:
-    """How to regenerate a released tensor: its op, its inputs and the random state before it ran."""
+class Step:
+    """One op to replay, with the random state just before it first ran."""
 
     func: Any
     args: tuple
     kwargs: dict
     rng: torch.Tensor | None
-    position: int  # which tensor of the op's result
+
+    def replay(self, executor: PlanExecutor, key: int | None = None, result: torch.Tensor | None = None) -> Any:
+        """Run it again; with `key`, the storage it wrote is replaced by `result` (no version bump
+        on the user's tensor, which autograd may have saved)."""
+        args, kwargs = self.args, self.kwargs
+        if key is not None:
+            args, kwargs = _substitute((args, kwargs), key, result)
+        if self.rng is not None:
+            current = executor._rng_state()
+            executor._set_rng_state(self.rng)
+        try:
+            return self.func(*args, **kwargs)
+        finally:
+            if self.rng is not None:
+                executor._set_rng_state(current)
+
+
+@dataclass
+class Recipe:
+    """How to regenerate a released tensor: the op that made it, then the in-place ops that wrote
+    it afterwards (batch norm then an in-place ReLU), each with its random state."""
+
+    producer: Step
+    position: int  # which tensor of the producer's result
+    geometry: tuple  # (shape, stride, storage offset) of that tensor
+    then: list[Step] = field(default_factory=list)
+
+    def inputs(self, own_key: int | None = None) -> list[torch.Tensor]:
+        """The tensors the replay reads, other than the regenerated one itself."""
+        tensors = _tensors([(step.args, step.kwargs) for step in (self.producer, *self.then)])
+        return [t for t in tensors if id(t.untyped_storage()) != own_key]
+
+
+def _substitute(values: Any, key: int, replacement: Any) -> Any:
+    if isinstance(values, torch.Tensor):
+        return replacement if id(values.untyped_storage()) == key else values
+    if isinstance(values, (list, tuple)):
+        return type(values)(_substitute(v, key, replacement) for v in values)
+    if isinstance(values, dict):
+        return {k: _substitute(v, key, replacement) for k, v in values.items()}
+    return values
+
+
+def _geometry(tensor: torch.Tensor) -> tuple:
+    return (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
 
 
 def _replayable(func: Any, args: tuple) -> tuple[Any, tuple] | None:
@@ -320,21 +364,24 @@ class PlanExecutor(TorchDispatchMode):
         device_type = self.device.type
         arg_keys = list(dict.fromkeys(id(v.untyped_storage()) for v in leaves if v.device.type == device_type))
         self._ensure_keys_resident(arg_keys)
-        if self.recipe_inputs:
-            self._recompute_before_write(func, args, kwargs)
-        rng = self._rng_state() if active is not None and index in active.capture and active.recompute else None
+        written: list[int] = []
+        if self.recipes or self.recipe_inputs:
+            written = [id(t.untyped_storage()) for t in _tensors(written_values(func, args, kwargs))]
+            self._recompute_before_write(written)
+        wants_rng = (active is not None and index in active.capture and active.recompute) or any(k in self.recipes for k in written)
+        rng = self._rng_state() if wants_rng else None
         before_op = time.perf_counter()
         out = self._run(func, args, kwargs)
         after_op = time.perf_counter()
         try:
-            self._after_fast(active, index, arg_keys, func, args, kwargs, out, rng)
+            self._after_fast(active, index, arg_keys, written, func, args, kwargs, out, rng)
         except Exception as exc:  # noqa: BLE001 - the op ran: keep its result, stand down
             self._stand_down(exc)
         self.stats.hook_seconds += (before_op - started) + (time.perf_counter() - after_op)
         return out
 
-    def _after_fast(self, active: ActivePlan | None, index: int, arg_keys: list[int], func: Any, args: tuple,
-                    kwargs: dict, out: Any, rng: torch.Tensor | None) -> None:
+    def _after_fast(self, active: ActivePlan | None, index: int, arg_keys: list[int], written: list[int], func: Any,
+                    args: tuple, kwargs: dict, out: Any, rng: torch.Tensor | None) -> None:
         device_type = self.device.type
         new_keys = []
         for value in _tensors(out):
@@ -343,8 +390,8 @@ class PlanExecutor(TorchDispatchMode):
                 if id(storage) not in self.registry.slots:
                     self.registry.watch(storage)
                     new_keys.append(id(storage))
-        if self.recipes:
-            self._invalidate_recipes(func, args, kwargs)
+        if written:
+            self._update_recipes(written, func, args, kwargs, rng)
         if active is not None:
             self._bind(active, index, arg_keys, new_keys, func, args, kwargs, out, rng)
             events = active.by_trigger.get(index, [])
@@ -456,29 +503,47 @@ class PlanExecutor(TorchDispatchMode):
         if replay is None:
             return
         func, args = replay
-        results = _tensors(out)
-        for position, tensor in enumerate(results):
+        for position, tensor in enumerate(_tensors(out)):
             if id(tensor.untyped_storage()) == key:
-                self.recipes[key] = Recipe(func, args, kwargs, rng, position)
-                for value in _tensors((args, kwargs)):
+                recipe = Recipe(Step(func, args, kwargs, rng), position, _geometry(tensor))
+                self.recipes[key] = recipe
+                for value in recipe.inputs():
                     self.recipe_inputs[id(value.untyped_storage())].add(key)
                 return
 
-    def _recompute_before_write(self, func: Any, args: tuple, kwargs: dict) -> None:
+    def _recompute_before_write(self, written: list[int]) -> None:
         """A released tensor whose input is about to change in place is regenerated first."""
-        for value in _tensors(written_values(func, args, kwargs)):
-            for dependent in list(self.recipe_inputs.get(id(value.untyped_storage()), ())):
+        for key in written:
+            for dependent in list(self.recipe_inputs.get(key, ())):
                 slot = self.registry.slots.get(dependent)
-                if slot is not None and slot.recipe is not None:
+                if slot is not None and slot.recipe is not None and dependent != key:
                     self._fetch(slot)
 
-    def _invalidate_recipes(self, func: Any, args: tuple, kwargs: dict) -> None:
-        """A replay is exact only if neither the tensor nor its inputs changed since it was made."""
-        for value in _tensors(written_values(func, args, kwargs)):
-            key = id(value.untyped_storage())
-            self.recipes.pop(key, None)
-            for dependent in self.recipe_inputs.pop(key, ()):
+    def _update_recipes(self, written: list[int], func: Any, args: tuple, kwargs: dict, rng: torch.Tensor | None) -> None:
+        """An in-place op on a tensor with a recipe joins the recipe when it can be replayed on the
+        regenerated tensor alone; any other write makes the recipes that read the tensor invalid."""
+        for key in written:
+            recipe = self.recipes.get(key)
+            if recipe is not None and len(written) == 1 and self._chains(recipe, key, func, args, kwargs):
+                recipe.then.append(Step(func, args, kwargs, rng))
+                for value in _tensors((args, kwargs)):
+                    if id(value.untyped_storage()) != key:
+                        self.recipe_inputs[id(value.untyped_storage())].add(key)
+            else:
+                self.recipes.pop(key, None)
+            for dependent in self.recipe_inputs.pop(key, set()) - {key}:
                 self.recipes.pop(dependent, None)
+
+    @staticmethod
+    def _chains(recipe: Recipe, key: int, func: Any, args: tuple, kwargs: dict) -> bool:
+        if _replayable(func, args) is not None or "batch_norm" in str(func):
+            return False  # not in place, or in place on more than it says
+        written = [t for t in _tensors(written_values(func, args, kwargs))]
+        return (
+            len(written) == 1
+            and not any(isinstance(a, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in a) for a in args)
+            and _geometry(written[0]) == recipe.geometry
+        )
 
     def _apply(self, event: Event) -> None:
         """Fire one event. A release without a recipe keeps a host copy: if the plan is wrong and
@@ -534,20 +599,14 @@ class PlanExecutor(TorchDispatchMode):
         self.registry.mark_resident(slot)
 
     def _recompute(self, slot: Slot, storage: torch.UntypedStorage) -> None:
-        """Replay the op with the random state it first ran with: dropout draws the same numbers."""
+        """Replay the recipe with the random states it first ran with: dropout draws the same numbers."""
         recipe: Recipe = slot.recipe
-        self._ensure_resident(_tensors((recipe.args, recipe.kwargs)))
-        if recipe.rng is not None:
-            current = self._rng_state()
-            self._set_rng_state(recipe.rng)
-        try:
-            out = recipe.func(*recipe.args, **recipe.kwargs)
-        finally:
-            if recipe.rng is not None:
-                self._set_rng_state(current)
-        source = _tensors(out)[recipe.position].untyped_storage()
+        self._ensure_resident(recipe.inputs(own_key=slot.key))
+        result = _tensors(recipe.producer.replay(self))[recipe.position]
+        for step in recipe.then:
+            step.replay(self, slot.key, result)
         storage.resize_(slot.nbytes)
-        storage.copy_(source)
+        storage.copy_(result.untyped_storage())
         slot.recipe = None
         self.recipes.pop(slot.key, None)  # its inputs need not outlive this
         self.stats.recompute_bytes += slot.nbytes

@@ -205,3 +205,21 @@ def test_zoo_models_train_bit_identically_under_an_aggressive_plan(model):
     assert len(planned) >= 3 and report.stood_down is None
     assert all(it.events["swap_out"] and it.events["recompute"] for it in planned)
     assert min(it.peak_bytes for it in planned) < report.vanilla_peak_bytes
+
+
+def test_batch_norm_then_inplace_relu_is_recomputed_as_a_chain(monkeypatch):
+    """The in-place ReLU that wrote the batch-norm output is replayed on the regenerated tensor."""
+    from tensile.runtime_hook import executor
+
+    replayed: list[str] = []
+    original = executor.Step.replay
+
+    def replay(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        replayed.append(str(self.func))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(executor.Step, "replay", replay)
+    plain, _ = train(tracing_models.views, 4)
+    hooked, report = train(tracing_models.views, 4, planner=aggressive_plan)
+    assert_identical(plain, hooked)
+    assert "aten.relu_.default" in replayed and "aten.native_batch_norm.default" in replayed
