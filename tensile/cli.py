@@ -11,14 +11,14 @@ from rich.console import Console
 from tensile.errors import TensileUserError
 
 # Each module defines `add_parser(subparsers)` and a `run(args) -> int` set as the parser's default.
-COMMANDS = ("forecast", "run")
+COMMANDS = ("forecast", "run", "install-hook", "calibrate", "operator", "simulate")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tensile", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
-        importlib.import_module(f"tensile.commands.{name}").add_parser(subparsers)
+        importlib.import_module(f"tensile.commands.{name.replace('-', '_')}").add_parser(subparsers)
     return parser
 
 

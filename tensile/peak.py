@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tensile.plan import Event
-from tensile.timeline import Slot, Timeline, build_slots, slot_of, transfer_seconds
+from tensile.timeline import Slot, Timeline, build_slots, chain_latency, slot_of, transfer_seconds
 from tensile.workload import ROLES, Workload
 
 # Order of changes that share one instant: allocations first, so a peak is never missed.
@@ -110,13 +110,18 @@ def analyze_vanilla(workload: Workload) -> PeakResult:
     return sweep(workload, vanilla_changes(workload))
 
 
-def plan_timeline(workload: Workload, events: Iterable[Event], slowdown: float = 1.0) -> Timeline:
-    """The iteration's op times once the plan's recomputations run on the compute stream."""
+def plan_timeline(workload: Workload, events: Iterable[Event], slowdown: float = 1.0, slots: dict[int, Slot] | None = None) -> Timeline:
+    """The iteration's op times once the plan's recomputations run on the compute stream.
+
+    A recomputation fired after op k replays its tensor's chain (creator and in-place rewrites
+    before op k + 1) between op k and op k + 1."""
+    slots = slots if slots is not None else build_slots(workload)
+    root_of = slot_of(slots)
     extra: dict[int, float] = {}
     for event in events:
         if event.kind == "recompute":
-            creator = workload.ops[workload.tensors[event.tensor].created_by]
-            extra[event.trigger] = extra.get(event.trigger, 0.0) + creator.latency
+            chain = slots[root_of[event.tensor]].chain(event.trigger + 1)
+            extra[event.trigger] = extra.get(event.trigger, 0.0) + chain_latency(workload, chain)
     return Timeline([op.latency for op in workload.ops], slowdown, extra)
 
 
@@ -211,7 +216,7 @@ def plan_changes(workload: Workload, slots: dict[int, Slot], absent: dict[int, l
 def analyze_plan(workload: Workload, events: Iterable[Event], bandwidth: float, slowdown: float = 1.0) -> PeakResult:
     """Algorithm 1 over a plan: the scheduled peak a forecast states (replaying a plan reproduces it)."""
     events = list(events)
-    timeline = plan_timeline(workload, events, slowdown)
     slots = build_slots(workload)
+    timeline = plan_timeline(workload, events, slowdown, slots)
     changes, initial = plan_changes(workload, slots, absent_ranges(workload, events, bandwidth, timeline, slots))
     return sweep(workload, changes, initial)

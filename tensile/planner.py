@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from tensile.errors import TensileUserError
 from tensile.peak import analyze_plan, analyze_vanilla
 from tensile.plan import Event, Forecast, Plan
-from tensile.recompute import Recompute, recompute_option
+from tensile.recompute import Recompute, chain_inputs, msps, recompute_option
 from tensile.swap_scheduling import Channel, Transfer, gap_at, place_swap
 from tensile.timeline import Timeline, build_slots, slot_of, transfer_seconds
 from tensile.workload import Workload
 
+EPS = 1e-12
 MIN_SWAP_BYTES = 1024**2  # smaller tensors are not worth a transfer and an event
 MAX_ROUNDS = 100_000
 
@@ -94,6 +95,10 @@ class JobState:
         self.used_gaps: set[tuple[int, int]] = set()
         self.failed: set[tuple[int, int, int]] = set()
         self.events: list[Event] = []
+        self.outs: dict[int, list[tuple[float, float]]] = {}  # root -> its swap-out copies (base timeline)
+        self.cuts: list[float] = []  # where recomputations are inserted (base timeline)
+        self.extra_after: dict[int, float] = {}  # op -> recomputation seconds (unscaled) run after it
+        self.slowdown = slowdown
         self.swaps = 0
         self.recompute_seconds = 0.0
         diff = np.zeros(self.n + 1, dtype=np.int64)
@@ -108,6 +113,15 @@ class JobState:
         )
         self._candidates: Iterator[tuple[int, tuple[int, int, int]]] | None = None
         self._pending: tuple[int, tuple[int, int, int]] | None = None
+        self.recompute_order = sorted(
+            (
+                (msps(s.size, workload.ops[s.recomputable_by].latency), s.root)
+                for s in self.slots.values()
+                if s.recomputable_by is not None and not s.persistent and s.size >= min_swap_bytes
+            ),
+            reverse=True,
+        )
+        self._best: Recompute | None | bool = False  # False: not searched since memory last changed
 
     def _activity_analysis(self) -> None:
         """Release every non-persistent tensor right after its last access (the paper's first step)."""
@@ -147,12 +161,15 @@ class JobState:
             pieces.append((k1, min(k2, n - 1)))
         if k2 >= n:
             pieces.append((max(k1, n) - n, k2 - n))
+        ranges = self.absent.setdefault(root, [])
         for lo, hi in pieces:
+            for a, b in _uncovered(lo, hi, ranges):  # a range may overlap one planned before: charge once
+                self.mem[a : b + 1] -= self.slots[root].size
             if lo <= hi:
-                self.mem[lo : hi + 1] -= self.slots[root].size
-                self.absent.setdefault(root, []).append((lo, hi))
+                ranges.append((lo, hi))
         self._candidates = None
         self._pending = None
+        self._best = False
 
     def next_swap_candidate(self) -> tuple[int, tuple[int, int, int]] | None:
         """The largest slot on the device at the peak with a free gap around it (cached until memory changes)."""
@@ -176,7 +193,16 @@ class JobState:
             gap = gap_at(slot, p, self.n, cyclic)
             if gap is None or (root, gap[0]) in self.used_gaps or (root, gap[0], gap[2]) in self.failed:
                 continue
+            if self._pinned_in_gap(root, gap):  # a planned replay reads it there: it must stay
+                continue
             yield root, gap
+
+    def _pinned_in_gap(self, root: int, gap: tuple[int, int, int]) -> bool:
+        before, after, _ = gap
+        n = self.n
+        if after < n:
+            return self.pinned(root, before + 1, after - 1)
+        return self.pinned(root, before + 1, n - 1) or self.pinned(root, 0, after - n - 1)
 
     def add_swap(self, root: int, gap: tuple[int, int, int], out: float, back: float, bandwidth: float) -> None:
         slot = self.slots[root]
@@ -192,16 +218,58 @@ class JobState:
         for k in range(lo, hi + 1):
             self.arriving.setdefault(root, set()).add(k % self.n)
         self.swaps += 1
+        self.outs.setdefault(root, []).append((out, out + duration))
+
+    def _inside(self, k: int, lo: float, hi: float) -> bool:
+        """Op k (in one iteration) starts within [lo, hi) of the unrolled axis."""
+        t = self.timeline.start(k)
+        period = self.timeline.period
+        return any(lo - EPS <= t + q * period < hi for q in (-1, 0, 1, 2))
+
+    def cut_is_safe(self, choice: Recompute) -> bool:
+        """A recomputation moves the ops after it later, so a swap-out copy that spans its insertion
+        point frees its tensor up to the replay's length earlier, relative to those ops. That is
+        harmless (more memory saved, and no access lies in a swap's gap) unless a planned replay
+        reads the tensor there: refuse such a recomputation, for its own inputs and for earlier ones."""
+        x = self.timeline.start(choice.before)
+        period = self.timeline.period
+        cuts = [*self.cuts, x]
+        needs = [self.root_of[t] for _, t in chain_inputs(self.workload, self.slots[choice.slot], choice.chain)]
+        for root in needs:  # its inputs: no copy spanning any cut may free them at before-1 or before
+            for a, b in self.outs.get(root, ()):
+                for c in cuts:
+                    if any(a < c + q * period < b for q in (-1, 0, 1, 2)):
+                        if any(self._inside(k, c + q * period, b) for k in (choice.before - 1, choice.before) for q in (-1, 0, 1, 2)):
+                            return False
+        for root, copies in self.outs.items():  # earlier replays' inputs: the new cut must not free them
+            pins = self.pins.get(root)
+            if not pins:
+                continue
+            for a, b in copies:
+                for q in (-1, 0, 1, 2):
+                    c = x + q * period
+                    if a < c < b and any(self._inside(k, c, b) for k in pins):
+                        return False
+        return True
 
     def best_recompute(self) -> Recompute | None:
+        """The legal recomputation with the highest MSPS at this job's peak (cached until memory changes).
+
+        Candidates are visited by an upper bound of their MSPS (the creator alone, the shortest
+        chain), so the search stops as soon as no later one can beat the best found."""
+        if self._best is not False:
+            return self._best
         _, p = self.peak
         best: Recompute | None = None
-        for root, slot in self.slots.items():
-            if slot.recomputable_by is None or not self.present(root, p):
+        for bound, root in self.recompute_order:
+            if best is not None and bound <= best.msps:
+                break
+            if not self.present(root, p):
                 continue
-            option = recompute_option(self.workload, slot, p, self.usable, self.pinned, self.root_of, self.writers)
-            if option is not None and (best is None or option.msps > best.msps):
+            option = recompute_option(self.workload, self.slots[root], p, self.usable, self.pinned, self.root_of, self.writers)
+            if option is not None and (best is None or option.msps > best.msps) and self.cut_is_safe(option):
                 best = option
+        self._best = best
         return best
 
     def add_recompute(self, choice: Recompute) -> None:
@@ -209,9 +277,31 @@ class JobState:
         self.add_absent(choice.slot, choice.after + 1, choice.before - 1)
         self.events.append(Event(self.spec.name, "release", slot.name_at(choice.after), choice.after))
         self.events.append(Event(self.spec.name, "recompute", slot.name_at(choice.before - 1), choice.before - 1))
-        for tensor in self.workload.ops[slot.recomputable_by].inputs:
+        for _, tensor in chain_inputs(self.workload, slot, choice.chain):
             self.pins.setdefault(self.root_of[tensor], []).extend((choice.before - 1, choice.before))
         self.recompute_seconds += choice.seconds
+        self.cuts.append(self.timeline.start(choice.before))
+        self.extra_after[choice.before - 1] = self.extra_after.get(choice.before - 1, 0.0) + choice.seconds
+
+    def final_events(self, slowdown: float) -> list[Event]:
+        """The events, where a copy fired by the op a recomputation follows waits for the replay too."""
+        events = []
+        for e in self.events:
+            extra = self.extra_after.get(e.trigger, 0.0)
+            if extra and e.kind in ("swap_out", "swap_in"):
+                e = replace(e, delay=e.delay + extra * slowdown)
+            events.append(e)
+        return events
+
+
+def _uncovered(lo: int, hi: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of [lo, hi] that none of `ranges` covers."""
+    parts = [(lo, hi)]
+    for a, b in ranges:
+        parts = [piece for x, y in parts for piece in ((x, min(y, a - 1)), (max(x, b + 1), y)) if piece[0] <= piece[1]]
+        if not parts:
+            break
+    return parts
 
 
 def co_run_slowdown(jobs: int, overlap: float) -> float:
@@ -238,10 +328,11 @@ def plan_gpu(
     """Plan all jobs of one GPU together.
 
     With `budget_bytes` the planner stops once the GPU's peak fits it (fewer events, less risk);
-    without, it swaps as much as it can and recomputes only if the peak exceeds `capacity_bytes`
-    (the paper's Free_GPU_Memory). `slowdown` stretches op latencies for co-running jobs. Past
-    `stop_after_rounds` rounds, planning ends when three rounds in a row gained less than
-    `stop_gain` of the peak (the paper's stopping rule)."""
+    without, it plans for the lowest peak it can reach: swaps first, then recomputations by MSPS
+    until none is legal at any job's peak. `capacity_bytes` (the paper's Free_GPU_Memory) then only
+    decides `fits`. `slowdown` stretches op latencies for co-running jobs. Swapping pauses, past
+    `stop_after_rounds` swap rounds, when three in a row gained less than `stop_gain` of the peak
+    (the paper's stopping rule); a recomputation moves the peak and resumes it."""
     started = time.perf_counter()
     if not jobs:
         raise TensileUserError("no jobs to plan")
@@ -257,13 +348,13 @@ def plan_gpu(
     transfers: list[Transfer] = []
     history: list[int] = []
     rounds = 0
+    swaps_spent = False
 
     def total_peak() -> int:
         return sum(s.peak[0] for s in states)
 
-    while rounds < MAX_ROUNDS:  # Algorithm 2 rounds
-        if target is not None and total_peak() <= target:
-            break
+    def swap_round() -> bool | None:
+        """One Algorithm 2 round: True placed, False rejected, None when no job has a candidate left."""
         total_swaps = sum(s.swaps for s in states)
         options = []
         for state in states:
@@ -273,13 +364,12 @@ def plan_gpu(
             if candidate is not None:
                 options.append((state.slots[candidate[0]].size, state, candidate))
         if not options:
-            break
-        rounds += 1
+            return None
         _, state, (root, gap) = max(options, key=lambda o: o[0])
         placed = place_swap(state.timeline, gap, state.slots[root].size, bandwidth, d2h, h2d)
         if placed is None:
             state.reject(root, gap)
-            continue
+            return False
         out, back = placed
         duration = transfer_seconds(state.slots[root].size, bandwidth)
         d2h.book(out, duration, state.timeline.period)
@@ -287,24 +377,41 @@ def plan_gpu(
         transfers.append(Transfer(state.spec.name, root, "d2h", out, out + duration))
         transfers.append(Transfer(state.spec.name, root, "h2d", back, back + duration))
         state.add_swap(root, gap, out, back, bandwidth)
-        history.append(total_peak())
-        if len(history) > max(stop_after_rounds, 3) and history[-4] - history[-1] < stop_gain * history[-4]:
-            break
+        return True
 
-    limit = budget_bytes if budget_bytes is not None else capacity_bytes
-    while allow_recompute and limit is not None and total_peak() > limit and rounds < MAX_ROUNDS:
+    # Algorithm 3: swap while swaps lower the peak; when they are spent and the peak is still above the
+    # budget (or, without a budget, for the lowest peak), recompute the best MSPS at a job's peak. A
+    # recomputation moves the peak, so swapping is tried again at the new one before the next recompute.
+    while rounds < MAX_ROUNDS:
+        if target is not None and total_peak() <= target:
+            break
         rounds += 1
+        if not swaps_spent:
+            placed = swap_round()
+            if placed is None:
+                swaps_spent = True
+            elif placed:
+                history.append(total_peak())
+                if len(history) > max(stop_after_rounds, 3) and history[-4] - history[-1] < stop_gain * history[-4]:
+                    swaps_spent = True
+            continue
+        if not allow_recompute:
+            break
         choices = [(c, s) for s in states if (c := s.best_recompute()) is not None]
         if not choices:
             break
         choice, state = max(choices, key=lambda cs: cs[0].msps)
         state.add_recompute(choice)
+        swaps_spent = False
+        history.clear()
 
+    limit = budget_bytes if budget_bytes is not None else capacity_bytes
     plans: dict[str, Plan] = {}
     vanilla_total = scheduled_total = 0
     for state in states:
         workload = state.workload
         vanilla = analyze_vanilla(workload)
+        state.events = state.final_events(slowdown)
         scheduled = analyze_plan(workload, state.events, bandwidth, slowdown)
         forecast = Forecast(
             vanilla_peak_bytes=vanilla.peak_bytes,

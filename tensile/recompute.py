@@ -1,9 +1,13 @@
-"""Recomputation selection (TENSILE IV-D): release a tensor after one access, replay its op before the next.
+"""Recomputation selection (TENSILE IV-D): release a tensor after one access, replay it before the next.
 
-Only where swapping is spent. A recomputation is legal only when every input of the replayed op is
-on the device, unchanged, just before the access that needs the tensor, and stays so: the replay
-must not need a swap-in or another replay of its own (that would undo the swap plan). Among the
-legal ones, the highest MSPS (memory saving per second of recomputation, Capuchin's metric) wins.
+Only where swapping is spent. A tensor is replayed as a *chain*: the op that created it, then the
+in-place ops that wrote it afterwards (native_batch_norm then relu_, or add_ then relu_ in a residual
+block), each writing nothing but that tensor (timeline.py decides which tensors qualify). A
+recomputation is legal only when every other input of every op of the chain is on the device,
+unchanged since that op first ran, just before the access that needs the tensor, and stays so: the
+replay must not need a swap-in or another replay of its own (that would undo the swap plan). Among
+the legal ones, the highest MSPS (memory saving per second of recomputation, Capuchin's metric, with
+the chain's summed latency as the time) wins.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tensile.timeline import Slot
+from tensile.timeline import Slot, chain_latency
 from tensile.workload import Workload
 
 MIN_SECONDS = 1e-9
@@ -22,13 +26,20 @@ class Recompute:
     slot: int
     after: int  # release after this access
     before: int  # replay just before this access
-    seconds: float  # replay latency (unscaled)
+    seconds: float  # replay latency of the whole chain (unscaled)
     msps: float
+    chain: tuple[int, ...] = ()  # the ops replayed, creator first
 
 
 def msps(size: int, seconds: float) -> float:
     """Memory saving per second of recomputation."""
     return size / max(seconds, MIN_SECONDS)
+
+
+def chain_inputs(workload: Workload, slot: Slot, chain: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(op, tensor) for every input of the chain other than the recomputed slot itself."""
+    own = set(slot.names)
+    return [(k, t) for k in chain for t in workload.ops[k].inputs if t not in own]
 
 
 def recompute_option(
@@ -44,8 +55,7 @@ def recompute_option(
 
     `present(root, op)`: the slot is on the device with its data for op; `pinned(root, lo, hi)`: some planned
     replay needs the slot between ops lo and hi, so it may not go away there."""
-    creator = slot.recomputable_by
-    if creator is None or slot.persistent:
+    if slot.recomputable_by is None or slot.persistent:
         return None
     acc = slot.accesses
     i = next((j for j, a in enumerate(acc) if a > p), None)
@@ -54,11 +64,12 @@ def recompute_option(
     after, before = acc[i - 1], acc[i]
     if pinned(slot.root, after + 1, before - 1):
         return None
-    op = workload.ops[creator]
-    for tensor in op.inputs:
+    chain = slot.chain(before)
+    for k, tensor in chain_inputs(workload, slot, chain):
         root = root_of[tensor]
         if root == slot.root or not (present(root, before - 1) and present(root, before)):
             return None
-        if any(creator < w < before for w in writers.get(tensor, ())):
+        if any(k < w < before for w in writers.get(tensor, ())):
             return None
-    return Recompute(slot.root, after, before, op.latency, msps(slot.size, op.latency))
+    seconds = chain_latency(workload, chain)
+    return Recompute(slot.root, after, before, seconds, msps(slot.size, seconds), chain)

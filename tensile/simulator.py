@@ -100,6 +100,7 @@ class _JobRun:
         self.waiting_since: float | None = None
         self.wait_root: int | None = None
         self.stalls: dict[int, float] = {}
+        self.chain_inputs: dict[int, list[int]] = {}  # root -> inputs of the chain its recompute replays
         self.iteration_started = 0.0
         self.iteration_ends: list[float] = []
         self.peaks: list[int] = [0]
@@ -325,7 +326,7 @@ class Simulator:
                 job.result.passive_swap_ins += 1
                 return root
             if state == RELEASED:
-                job.tasks.appendleft(("recompute", root, self._creator(job, root).latency))
+                job.tasks.appendleft(self._recompute_task(job, root, k))
                 return root
             raise RuntimeError(f"job {job.name}: op {k} ({op.name}) needs tensor {root}, which was never created")
         size = sum(job.slots[job.root_of[t]].size for t in op.outputs if job.root_of[t] == t or not job.holds(job.root_of[t]))
@@ -334,23 +335,28 @@ class Simulator:
         return None
 
     def _recompute_blocker(self, job: _JobRun, root: int) -> int | None:
-        creator = self._creator(job, root)
-        for t in creator.inputs:
+        inputs = job.chain_inputs[root]
+        for t in inputs:
             r = job.root_of[t]
             if job.state[r] not in (PRESENT, OUT_FLIGHT):
                 if job.state[r] == HOST and r not in job.queued:
                     self._request(job, r, "h2d", passive=True)
                     job.result.passive_swap_ins += 1
                 elif job.state[r] == RELEASED:
-                    job.tasks.appendleft(("recompute", r, self._creator(job, r).latency))
+                    job.tasks.appendleft(self._recompute_task(job, r, job.k))
                 return r
-        if not self._room(job, job.slots[root].size, {job.root_of[t] for t in creator.inputs}):
+        if not self._room(job, job.slots[root].size, {job.root_of[t] for t in inputs}):
             return root
         return None
 
     @staticmethod
-    def _creator(job: _JobRun, root: int):  # noqa: ANN205 - an Op
-        return job.ops[job.tensors[root].created_by]
+    def _recompute_task(job: _JobRun, root: int, before: int) -> tuple[str, int, float]:
+        """Replay the slot's chain (creator, then its in-place rewrites before op `before`)."""
+        slot = job.slots[root]
+        chain = slot.chain(before)
+        own = set(slot.names)
+        job.chain_inputs[root] = [t for k in chain for t in job.ops[k].inputs if t not in own]
+        return ("recompute", root, sum(job.ops[k].latency for k in chain))
 
     def _finish_task(self, job: _JobRun) -> None:
         kind, index, _ = job.current
@@ -391,7 +397,7 @@ class Simulator:
                 self._free(job, root, RELEASED)
         elif event.kind == "recompute":
             if state == RELEASED:
-                job.tasks.append(("recompute", root, self._creator(job, root).latency))
+                job.tasks.append(self._recompute_task(job, root, event.trigger + 1))
 
     def _end_iteration(self, job: _JobRun) -> None:
         """Non-persistent tensors go; persistent slots keep their place (or their host copy)."""

@@ -38,6 +38,14 @@ class Slot:
     handover: int = -1  # op that creates the successor
     recomputable_by: int | None = None  # creating op, when it can be replayed
     names: tuple[int, ...] = field(default=())
+    rewrites: tuple[int, ...] = ()  # in-place ops that write the tensor after it is made (replayed after the creator)
+
+    def chain(self, before: int) -> tuple[int, ...]:
+        """The ops a recomputation just before op `before` replays: the creator, then the in-place
+        writes it has had by then (e.g. native_batch_norm, add_, relu_). Empty when not recomputable."""
+        if self.recomputable_by is None:
+            return ()
+        return (self.recomputable_by, *(w for w in self.rewrites if w < before))
 
     def name_at(self, op: int) -> int:
         """The tensor name this memory carries after op `op` (an index in [0, n))."""
@@ -133,6 +141,7 @@ def build_slots(workload: Workload) -> dict[int, Slot]:
         first = max(tensor.created_by, 0)
         last = n - 1 if end_tensor.freed_after is None else end_tensor.freed_after
         persistent = tensor.created_by < 0 and end_tensor.freed_after is None
+        creator = _replayable_creator(workload, tensor.id, written)
         slots[tensor.id] = Slot(
             root=tensor.id,
             size=tensor.size,
@@ -142,8 +151,9 @@ def build_slots(workload: Workload) -> dict[int, Slot]:
             persistent=persistent,
             successor=names[-1] if len(names) > 1 else None,
             handover=handover,
-            recomputable_by=_replayable_creator(workload, tensor.id, written),
+            recomputable_by=creator,
             names=tuple(names),
+            rewrites=tuple(written.get(tensor.id, ())) if creator is not None else (),
         )
     return slots
 
@@ -153,17 +163,38 @@ def slot_of(slots: dict[int, Slot]) -> dict[int, int]:
     return {name: root for root, slot in slots.items() for name in slot.names}
 
 
-def _replayable_creator(workload: Workload, tensor: int, written: dict[int, list[int]]) -> int | None:
-    """The op that made `tensor`, if running it again gives the same bytes (as the hook replays it).
+def chain_latency(workload: Workload, chain: tuple[int, ...]) -> float:
+    """Seconds (unscaled) a recomputation replaying `chain` takes."""
+    return sum(workload.ops[k].latency for k in chain)
 
-    Not for ops that write in place (batch norm in training is replayed without its running stats),
-    nor for a tensor changed in place after it was made."""
+
+def _replayable_creator(workload: Workload, tensor: int, written: dict[int, list[int]]) -> int | None:
+    """The op that made `tensor`, if running it again (followed by the in-place ops that wrote the
+    tensor afterwards: a *chain*) gives the same bytes, as the hook replays it.
+
+    The creator must write nothing in place (batch norm in training is the exception: the hook
+    replays it without its running statistics). Every later in-place op on the tensor must write
+    that tensor and nothing else, and create nothing (relu_, add_ of a residual...); the hook
+    checks the same at run time and keeps a host copy when the chain breaks. Whether the chain's
+    other inputs are still resident and unchanged depends on when it is replayed: the planner
+    checks that (recompute.py)."""
     info = workload.tensors[tensor]
-    if info.created_by < 0 or info.reuses is not None or written.get(tensor):
+    if info.created_by < 0 or info.reuses is not None:
         return None
     op = workload.ops[info.created_by]
     if op.name != "aten.native_batch_norm.default" and (op.writes or "batch_norm" in op.name):
         return None
     if op.phase == "optimizer" or not op.inputs:
         return None
+    for k in written.get(tensor, ()):
+        rewrite = workload.ops[k]
+        if (
+            k <= op.index
+            or rewrite.writes != (tensor,)
+            or rewrite.outputs
+            or rewrite.phase == "optimizer"
+            or "batch_norm" in rewrite.name
+            or "_foreach_" in rewrite.name
+        ):
+            return None
     return op.index

@@ -61,3 +61,65 @@ def random_workload(seed: int, layers: int = 12) -> Workload:
         elif t.created_by < 0 and t.role != "input":
             t.freed_after = next(o.index for o in ops if t.id in o.writes)
     return Workload(f"random{seed}", 1, "cuda", tensors, ops)
+
+
+def chain_workload(seed: int, blocks: int = 10) -> Workload:
+    """Conv -> batch norm -> (add_ residual) -> relu_ blocks, as traced from PyTorch: the batch norm output
+    is written in place after it is made, so it can only be recomputed as a chain."""
+    rng = random.Random(seed)
+    tensors: dict[int, TensorInfo] = {}
+    ops: list[Op] = []
+    ids = iter(range(10**6))
+
+    def tensor(size: int, role: str, created_by: int) -> int:
+        tid = next(ids)
+        tensors[tid] = TensorInfo(tid, size, role, "float32", created_by)
+        return tid
+
+    def op(name: str, phase: str, inputs: tuple[int, ...], outputs: tuple[int, ...], writes: tuple[int, ...] = (), latency: float | None = None) -> int:
+        index = len(ops)
+        ops.append(Op(index, name, phase, inputs, outputs, writes, latency=latency or rng.uniform(0.5e-3, 2e-3), flops=1e9))
+        return index
+
+    x = tensor(4 << 20, "input", -1)
+    params = [tensor(rng.randrange(1, 4) << 20, "param", -1) for _ in range(blocks)]
+    saved: list[tuple[int, int, int, int]] = []  # (block input, conv out, bn out, param)
+    act = x
+    for b in range(blocks):
+        size = rng.randrange(8, 48) << 20
+        conv = tensor(size, "activation", len(ops))
+        op("aten.convolution.default", "forward", (act, params[b]), (conv,))
+        bn = tensor(size, "activation", len(ops))
+        stats = tensor(4096, "activation", len(ops))
+        op("aten.native_batch_norm.default", "forward", (conv,), (bn, stats), latency=rng.uniform(0.05e-3, 0.2e-3))
+        if b % 2 == 1 and tensors[act].size == size:
+            op("aten.add_.Tensor", "forward", (bn, act), (), (bn,), latency=0.05e-3)
+        op("aten.relu_.default", "forward", (bn,), (), (bn,), latency=0.05e-3)
+        saved.append((act, conv, bn, params[b]))
+        act = bn
+    loss = tensor(512, "activation", len(ops))
+    op("aten.sum.default", "forward", (act,), (loss,))
+    grad = tensor(tensors[act].size, "temporary", len(ops))
+    op("aten.ones_like.default", "backward", (loss,), (grad,))
+    for block_in, conv, bn, param in reversed(saved):
+        g1 = tensor(tensors[bn].size, "temporary", len(ops))
+        op("aten.threshold_backward.default", "backward", (grad, bn), (g1,))
+        g2 = tensor(tensors[conv].size, "temporary", len(ops))
+        op("aten.native_batch_norm_backward.default", "backward", (g1, conv), (g2,))
+        g3 = tensor(tensors[block_in].size, "temporary", len(ops))
+        pg = tensor(tensors[param].size, "gradient", len(ops))
+        op("aten.convolution_backward.default", "backward", (g2, block_in, param), (g3, pg))
+        new_param = tensor(tensors[param].size, "param", len(ops))
+        tensors[new_param].reuses = param
+        op("aten.add_.Tensor", "optimizer", (param, pg), (new_param,), (param,))
+        grad = g3
+    last_use: dict[int, int] = {}
+    for o in ops:
+        for t in (*o.inputs, *o.outputs, *o.writes):
+            last_use[t] = o.index
+    for t in tensors.values():
+        if t.role in ("activation", "temporary", "gradient"):
+            t.freed_after = last_use[t.id]
+        elif t.created_by < 0 and t.role == "param":
+            t.freed_after = next(o.index for o in ops if t.id in o.writes)
+    return Workload(f"chain{seed}", 1, "cuda", tensors, ops)

@@ -7,11 +7,12 @@ import warnings
 
 import pytest
 
-from dag_workloads import random_workload
+from dag_workloads import chain_workload, random_workload
 from tensile.devices import device_preset
 from tensile.peak import absent_ranges, analyze_plan, analyze_vanilla, plan_timeline
 from tensile.plan import Plan
-from tensile.planner import GpuPlan, JobSpec, co_run_slowdown, plan_gpu, resolve_budget
+from tensile.planner import GpuPlan, JobSpec, co_run_slowdown, plan_gpu, plan_job, resolve_budget
+from tensile.recompute import chain_inputs
 from tensile.simulator import SimJob, simulate
 from tensile.errors import TensileUserError
 from tensile.timeline import build_slots, slot_of
@@ -27,6 +28,10 @@ def check_invariants(result: GpuPlan, workloads: dict[str, Workload], bandwidth:
         workload = workloads[name]
         slots = build_slots(workload)
         root_of = slot_of(slots)
+        writers: dict[int, list[int]] = {}
+        for op in workload.ops:
+            for t in op.writes:
+                writers.setdefault(t, []).append(op.index)
         replayed = Plan.from_dict(plan.to_dict())
         timeline = plan_timeline(workload, replayed.events, slowdown)
         absent = absent_ranges(workload, replayed.events, bandwidth, timeline, slots)
@@ -51,8 +56,11 @@ def check_invariants(result: GpuPlan, workloads: dict[str, Workload], bandwidth:
         # a recomputed tensor's inputs are on the device when it is recomputed
         for e in replayed.events:
             if e.kind == "recompute":
-                creator = workload.ops[workload.tensors[e.tensor].created_by]
-                for t in creator.inputs:
+                slot = slots[root_of[e.tensor]]
+                chain = slot.chain(e.trigger + 1)
+                assert chain and chain[0] == workload.tensors[e.tensor].created_by
+                for k, t in chain_inputs(workload, slot, chain):  # every op of the chain
+                    assert not any(k < w < e.trigger + 1 for w in writers.get(t, ())), (e, k, t)  # unchanged
                     r = root_of[t]
                     for k in (e.trigger, e.trigger + 1):
                         assert slots[r].first <= k <= slots[r].last
@@ -109,7 +117,8 @@ def test_replay_matches_the_planner_and_the_simulator():
     sim = simulate([SimJob("a", workload, plan)], DEVICE).jobs["a"]
     assert sim.stall_seconds == 0
     assert sim.peak_bytes == plan.forecast.scheduled_peak_bytes
-    assert sim.steady_iteration_seconds == pytest.approx(plan.forecast.predicted_iteration_seconds)
+    forecast = plan.forecast
+    assert sim.steady_iteration_seconds == pytest.approx(forecast.predicted_iteration_seconds + forecast.predicted_extra_seconds)
 
 
 def test_vanilla_simulation_matches_algorithm_1():
@@ -182,3 +191,44 @@ def test_invariants_on_zoo_models(model, traced):
     vanilla = analyze_vanilla(workload).peak_bytes
     result = plan_gpu([JobSpec(model, workload)], bandwidth, budget_bytes=int(0.5 * vanilla))
     check_invariants(result, {model: workload}, bandwidth)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_invariants_with_chains(seed):
+    """Batch norm then in-place ReLU (and residual add_) everywhere: the outputs are recomputed as chains."""
+    workload = chain_workload(seed)
+    result = plan_job(workload, BANDWIDTH, name="a")
+    check_invariants(result, {"a": workload}, BANDWIDTH)
+    slots = build_slots(workload)
+    root_of = slot_of(slots)
+    chains = [slots[root_of[e.tensor]].chain(e.trigger + 1) for e in result.plans["a"].events if e.kind == "recompute"]
+    assert any(len(c) > 1 for c in chains), "no chain recomputed"
+    sim = simulate([SimJob("a", workload, result.plans["a"])], DEVICE).jobs["a"]
+    assert sim.peak_bytes <= result.plans["a"].forecast.scheduled_peak_bytes
+    forecast = result.plans["a"].forecast
+    assert sim.steady_iteration_seconds == pytest.approx(forecast.predicted_iteration_seconds + forecast.predicted_extra_seconds)
+
+
+def test_chain_needs_single_tensor_writes():
+    workload = chain_workload(0)
+    slots = build_slots(workload)
+    written = [t for op in workload.ops for t in op.writes if workload.tensors[t].created_by >= 0]
+    assert written and all(slots[t].recomputable_by is not None and slots[t].rewrites for t in written)
+    chain = slots[written[0]].chain(len(workload.ops))
+    names = [workload.ops[k].name for k in chain]
+    assert names[0] == "aten.native_batch_norm.default" and names[-1] == "aten.relu_.default" and len(names) >= 2
+    assert slots[written[0]].chain(chain[0] + 1) == chain[:1]  # before its rewrites, the creator alone
+    # an in-place op writing two tensors breaks the chain: not recomputable
+    op = next(o for o in workload.ops if o.writes and workload.tensors[o.writes[0]].created_by >= 0)
+    other = next(t for t in op.inputs if t not in op.writes) if len(op.inputs) > 1 else op.writes[0]
+    broken = dataclasses.replace(workload, ops=[dataclasses.replace(o) for o in workload.ops])
+    broken.ops[op.index].writes = (*op.writes, other)
+    assert build_slots(broken)[op.writes[0]].recomputable_by is None
+
+
+def test_lowest_peak_mode_recomputes_without_a_budget():
+    workload = chain_workload(1)
+    lowest = plan_job(workload, BANDWIDTH)
+    assert any(e.kind == "recompute" for e in lowest.plans["job"].events)
+    budgeted = plan_job(workload, BANDWIDTH, budget_bytes=lowest.scheduled_peak_bytes)
+    assert lowest.scheduled_peak_bytes <= budgeted.scheduled_peak_bytes

@@ -19,7 +19,8 @@ import numpy as np
 
 from tensile.plan import Event, Plan
 from tensile.simulator import SimJob
-from tensile.timeline import Timeline, build_slots, slot_of, transfer_seconds
+from tensile.recompute import chain_inputs
+from tensile.timeline import Timeline, build_slots, chain_latency, slot_of, transfer_seconds
 from tensile.workload import Workload
 
 
@@ -85,10 +86,11 @@ class CapuchinPolicy:
                 continue
             recompute_cost = None
             if slot.recomputable_by is not None:
-                creator = workload.ops[slot.recomputable_by]
-                alive = all(self.slots[self.root_of[t]].first <= before <= self.slots[self.root_of[t]].last for t in creator.inputs)
+                chain = slot.chain(before)  # creator and in-place rewrites, as the hook replays them
+                inputs = [t for k, t in chain_inputs(workload, slot, chain)]
+                alive = all(self.slots[self.root_of[t]].first <= before <= self.slots[self.root_of[t]].last for t in inputs)
                 if alive:
-                    recompute_cost = creator.latency
+                    recompute_cost = chain_latency(workload, chain)
             swap_cost = max(0.0, -free_time)
             if recompute_cost is not None and swap_cost > 0 and recompute_cost < swap_cost:
                 self.recomputes.append((root, after, before))

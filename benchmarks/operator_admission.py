@@ -1,0 +1,105 @@
+"""Admission latency of the operator with a warm forecast cache: TrainingJob created -> status Admitted.
+
+Kopf runs the real operator against the Kubernetes emulator of tests/ (in-process, loopback HTTP).
+Jobs of three zoo models (their forecasts traced once before timing) are created one every
+`--interval` seconds onto 2 nodes x 2 simulated GPUs large enough to hold them all, so each
+admission includes the joint-plan fit test on every candidate GPU (the planner and its cache
+included). Latency is measured on one clock: from just before the create request to the moment
+the operator's status write with the placement returned.
+
+    python benchmarks/operator_admission.py [--jobs 120] [--interval 0.02]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from operator_harness import cluster, fake_kubelet, simulated_gpu, start_operator, trainingjob  # noqa: E402
+
+from tensile.operator.forecasting import Forecaster  # noqa: E402
+from tensile.operator.model import WorkloadSpec  # noqa: E402
+
+MODELS = [("vgg16", 1), ("gpt2", 1), ("bert_base", 1)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+async def measure(jobs: int, interval: float, gpu_gib: float) -> dict:
+    forecaster = Forecaster()
+    started = time.perf_counter()
+    for model, batch in MODELS:
+        await forecaster.forecast(WorkloadSpec(model=model, batch_size=batch))
+    warmup = time.perf_counter() - started
+    async with cluster(Path(tempfile.mkdtemp())) as c:
+        for node in ("node-a", "node-b"):
+            await c.publish_node(node, [simulated_gpu(f"GPU-{node}-{i}", gpu_gib) for i in range(2)])
+        kubelet = asyncio.create_task(fake_kubelet(c, lambda pod: 3600.0))  # jobs keep running: GPUs fill up
+        op = await start_operator(forecaster)
+        loop = asyncio.get_running_loop()
+        created: dict[str, float] = {}
+        try:
+            for i in range(jobs):
+                name = f"bench-{i:04d}"
+                created[f"default/{name}"] = loop.time()
+                await c.apply(trainingjob(name, *MODELS[i % len(MODELS)]))
+                await asyncio.sleep(interval)
+            await c.wait(lambda: len(op.app.admitted_at) >= jobs, 120, "all admitted")
+            latencies = [op.app.admitted_at[k] - created[k] for k in created]
+            planner_runs = op.app.planner.runs
+        finally:
+            await op.stop()
+            kubelet.cancel()
+            await asyncio.gather(kubelet, return_exceptions=True)
+            forecaster.close()
+    return {
+        "benchmark": "operator_admission",
+        "jobs": jobs,
+        "interval_seconds": interval,
+        "gpus": "2 nodes x 2 simulated GPUs",
+        "gpu_memory_gib": gpu_gib,
+        "models": [f"{m} b{b}" for m, b in MODELS],
+        "forecast_warmup_seconds": round(warmup, 3),
+        "traces": forecaster.traces,
+        "joint_planner_runs": planner_runs,
+        "latency_seconds": {
+            "p50": round(statistics.median(latencies), 4),
+            "p90": round(percentile(latencies, 0.90), 4),
+            "p99": round(percentile(latencies, 0.99), 4),
+            "max": round(max(latencies), 4),
+            "mean": round(statistics.fmean(latencies), 4),
+        },
+        "target_p99_seconds": 0.2,
+        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=120)
+    parser.add_argument("--interval", type=float, default=0.02)
+    parser.add_argument("--gpu-gib", type=float, default=80.0)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "operator_admission.json"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    result = asyncio.run(measure(args.jobs, args.interval, args.gpu_gib))
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""The operator's state and flow: forecast, queue, place, start the pod, follow it, release.
+
+One `Admission` per operator run. Placement is done by one scheduler task, so two jobs can never
+take the same memory; before each pass it rebuilds the ledger from the TrainingJobs' statuses (the
+durable record: a placement is written to the status before its pod exists), so a restarted
+operator, or one that takes over through peering, starts from what the cluster says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+
+from tensile.operator import model
+from tensile.operator.agent import AgentLink
+from tensile.operator.forecasting import Forecaster, ForecastError, JobForecast
+from tensile.operator.kube import Conflict, Kube, NotFound
+from tensile.operator.placement import MIB, Booking, Candidate, Gpu, JointPlanner, Ledger, choose, gpus_from_tensilenode
+from tensile.operator.pods import DEFAULT_IMAGE, build_pod, job_token, pod_name
+
+log = logging.getLogger("tensile.operator")
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(type_: str, ok: bool, reason: str, message: str = "") -> dict:
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message, "lastTransitionTime": now()}
+
+
+def merge_conditions(old: list[dict], *new: dict) -> list[dict]:
+    kept = {c["type"]: c for c in old or []}
+    for c in new:
+        previous = kept.get(c["type"])
+        if previous and previous.get("status") == c["status"] and previous.get("reason") == c["reason"]:
+            c = dict(c, lastTransitionTime=previous.get("lastTransitionTime", c["lastTransitionTime"]))
+        kept[c["type"]] = c
+    return list(kept.values())
+
+
+@dataclass
+class Pending:
+    key: str
+    namespace: str
+    name: str
+    body: dict
+    spec: model.JobSpec
+    forecast: JobForecast | None
+    queued_reason: str = ""
+    enqueued: float = 0.0
+
+
+class Admission:
+    def __init__(self, forecaster: Forecaster | None = None, planner: JointPlanner | None = None,
+                 image: str | None = None, token_key: bytes | None = None):
+        self.kube = Kube()
+        self.forecaster = forecaster or Forecaster()
+        self.planner = planner or JointPlanner()
+        self.agent = AgentLink()
+        self.image = image or os.environ.get("TENSILE_IMAGE", DEFAULT_IMAGE)
+        key = token_key or os.environ.get("TENSILE_TOKEN_KEY", "").encode()
+        self.token_key = key or secrets.token_bytes(32)
+        self.ledger = Ledger()
+        self.inventory: dict[str, list[Gpu]] = {}
+        self.pending: dict[str, Pending] = {}
+        self.conditions: dict[str, list[dict]] = {}
+        self.tokens: dict[str, str] = {}  # key -> the job's agent token
+        self.admitted_at: dict[str, float] = {}  # key -> loop time the placement was written (benchmarks)
+        self.wake = asyncio.Event()
+        self.ready = asyncio.Event()  # set once the ledger was rebuilt and the scheduler runs
+        self._scheduler: asyncio.Task | None = None
+
+    # ---- inventory ------------------------------------------------------------------------------
+    @property
+    def gpus(self) -> list[Gpu]:
+        return [g for gpus in self.inventory.values() for g in gpus]
+
+    def set_node(self, body: dict | None, name: str) -> None:
+        if body is None:
+            self.inventory.pop(name, None)
+        else:
+            self.inventory[name] = gpus_from_tensilenode(body)
+        self.wake.set()
+
+    # ---- status ---------------------------------------------------------------------------------
+    async def set_status(self, namespace: str, name: str, status: dict, *conds: dict) -> None:
+        key = f"{namespace}/{name}"
+        if conds:
+            self.conditions[key] = merge_conditions(self.conditions.get(key, []), *conds)
+            status = dict(status, conditions=self.conditions[key])
+        try:
+            await self.kube.patch_job_status(namespace, name, status)
+        except NotFound:
+            log.info("%s is gone; status not written", key)
+
+    def remember_conditions(self, body: dict) -> None:
+        key = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
+        if key not in self.conditions:
+            self.conditions[key] = list((body.get("status") or {}).get("conditions") or [])
+
+    # ---- admit: validate + forecast + enqueue ---------------------------------------------------
+    async def admit(self, body: dict) -> None:
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        key = f"{namespace}/{name}"
+        status = body.get("status") or {}
+        self.remember_conditions(body)
+        if status.get("phase") in model.FINISHED or meta.get("deletionTimestamp"):
+            return
+        await self.ready.wait()
+        if status.get("placement"):
+            if key in self.ledger.bookings:
+                await self.ensure_pod(body, self.ledger.bookings[key])
+            return
+        try:
+            spec = model.parse_spec(body.get("spec") or {}, meta.get("annotations"))
+        except model.SpecError as exc:
+            await self.set_status(namespace, name, {"phase": "Failed", "message": str(exc)},
+                                  condition("Validated", False, "InvalidSpec", str(exc)))
+            return
+        if status.get("phase") != "Forecasting":
+            await self.set_status(namespace, name, {"phase": "Forecasting", "message": "tracing and planning on the CPU"},
+                                  condition("Validated", True, "Valid"))
+        forecast: JobForecast | None = None
+        try:
+            forecast = await self.forecaster.forecast(spec.workload)
+        except ForecastError as exc:
+            if spec.memory_budget is None:
+                await self.set_status(namespace, name, {"phase": "Failed", "message": f"forecast failed: {exc}"},
+                                      condition("Forecasted", False, "ForecastFailed",
+                                                f"{exc}; fix spec.workload, or set spec.memoryBudget to admit the job by it"))
+                return
+            self.conditions[key] = merge_conditions(self.conditions.get(key, []), condition(
+                "Forecasted", False, "ForecastFailed", f"{exc}; admitted by spec.memoryBudget"))
+        if forecast is None and spec.memory_budget is None:
+            await self.set_status(namespace, name, {"phase": "Failed", "message": "no forecastable workload and no budget"},
+                                  condition("Forecasted", False, "NoProfile",
+                                            f"profile '{spec.workload.profile}' is not stored yet: set spec.memoryBudget to admit the job by it"))
+            return
+        if forecast is not None and spec.memory_budget is not None and spec.memory_budget < forecast.min_peak_bytes:
+            message = (f"spec.memoryBudget {spec.memory_budget / MIB:,.0f} MiB is below the lowest peak any plan reaches, "
+                       f"{forecast.min_peak_bytes / MIB:,.0f} MiB: raise it or reduce spec.workload.batchSize")
+            await self.set_status(namespace, name, {"phase": "Failed", "message": message},
+                                  condition("Forecasted", True, "BudgetUnreachable", message))
+            return
+        if forecast is not None:
+            conds = [condition("Forecasted", True, "Forecasted", f"{forecast.source}: vanilla {forecast.vanilla_peak_bytes / MIB:,.0f} MiB, "
+                                                                   f"lowest reachable {forecast.min_peak_bytes / MIB:,.0f} MiB")]
+            fstatus = forecast.to_status()
+        else:
+            conds = [] if any(c["type"] == "Forecasted" for c in self.conditions.get(key, [])) else [
+                condition("Forecasted", False, "NoProfile", f"profile '{spec.workload.profile}' not stored yet: admitted by spec.memoryBudget; "
+                                                            "its first run's live workload becomes the profile")]
+            fstatus = {"source": "budget"}
+        await self.set_status(namespace, name, {"phase": "Queued", "message": "waiting for placement", "forecast": fstatus}, *conds)
+        self.pending[key] = Pending(key, namespace, name, body, spec, forecast, enqueued=asyncio.get_running_loop().time())
+        self.wake.set()
+
+    # ---- scheduler ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Rebuild from the cluster, then run the scheduler (Kopf startup)."""
+        for node in await self.kube.list_tensilenodes():
+            self.inventory[node["metadata"]["name"]] = gpus_from_tensilenode(node)
+        await self.rebuild()
+        self._scheduler = asyncio.get_running_loop().create_task(self._schedule_forever())
+        self.ready.set()
+
+    async def stop(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            await asyncio.gather(self._scheduler, return_exceptions=True)
+        await self.kube.close()
+
+    async def rebuild(self) -> None:
+        """The ledger from the statuses: every job that holds a placement and has not finished."""
+        ledger = Ledger()
+        for body in await self.kube.list_trainingjobs():
+            status = body.get("status") or {}
+            placement = status.get("placement")
+            if not placement or status.get("phase") in model.FINISHED:
+                continue
+            meta = body["metadata"]
+            key = f"{meta['namespace']}/{meta['name']}"
+            fstatus = status.get("forecast") or {}
+            forecast = self.forecaster.by_signature(fstatus.get("signature", ""))
+            spec = body.get("spec") or {}
+            knobs = spec.get("scheduling") or {}
+            budget = None
+            if spec.get("memoryBudget") is not None:
+                try:
+                    budget = model.parse_quantity(spec["memoryBudget"], "spec.memoryBudget")
+                except model.SpecError:
+                    pass
+            ledger.book(Booking(key, placement["gpu"], placement["node"], int(fstatus.get("reservedBytes") or 0),
+                                forecast, budget, knobs.get("maxSwapRate")))
+        self.ledger = ledger
+
+    async def _schedule_forever(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            if not self.pending:
+                continue
+            try:
+                await self.rebuild()
+                for pending in sorted(self.pending.values(), key=lambda p: p.enqueued):
+                    await self.place(pending)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the scheduler must survive a failed pass
+                log.exception("scheduling pass failed; retrying")
+                await asyncio.sleep(1.0)
+                self.wake.set()
+
+    async def place(self, pending: Pending) -> None:
+        if pending.key in self.ledger.bookings:  # placed by an earlier pass (or operator)
+            self.pending.pop(pending.key, None)
+            return
+        spec = pending.spec
+        candidate = Candidate(pending.key, pending.forecast, spec.memory_budget, spec.selector, spec.max_swap_rate)
+        snapshot = Ledger()
+        snapshot.bookings = dict(self.ledger.bookings)
+        decision = await asyncio.to_thread(choose, self.gpus, snapshot, candidate, self.planner)
+        if decision.gpu is None:
+            reason = decision.reason if self.gpus else "no TensileNode publishes a GPU yet"
+            if reason != pending.queued_reason:
+                pending.queued_reason = reason
+                await self.set_status(pending.namespace, pending.name, {
+                    "phase": "Queued", "message": reason,
+                    "queue": {"reason": reason, "shortfallBytes": decision.shortfall_bytes, "since": now()},
+                }, condition("Admitted", False, "Queued", f"{reason}; retried when capacity frees"))
+            return
+        await self.commit(pending, decision.gpu, decision.peaks)
+
+    async def commit(self, pending: Pending, gpu: Gpu, peaks: dict[str, int]) -> None:
+        key = pending.key
+        reserved = peaks[key]
+        changes = {j: p for j, p in peaks.items() if j != key and j in self.ledger.bookings and self.ledger.bookings[j].reserved_bytes != p}
+        lower = {j: p for j, p in changes.items() if p < self.ledger.bookings[j].reserved_bytes}
+        await self._repeak(lower)
+        booking = Booking(key, gpu.uuid, gpu.node, reserved, pending.forecast, pending.spec.memory_budget, pending.spec.max_swap_rate)
+        self.ledger.book(booking)
+        fstatus = (pending.forecast.to_status() if pending.forecast else {"source": "budget"}) | {
+            "scheduledPeakBytes": reserved, "reservedBytes": reserved, "plannedWith": sum(1 for j in peaks if j != key)}
+        placement = {"node": gpu.node, "gpu": gpu.uuid, "gpuName": gpu.name, "simulated": gpu.simulated,
+                     "agent": gpu.agent or "", "admittedAt": now()}
+        await self.set_status(pending.namespace, pending.name, {
+            "phase": "Admitted", "message": f"placed on {gpu.node} GPU {gpu.uuid}", "placement": placement,
+            "forecast": fstatus, "queue": None}, condition("Admitted", True, "Placed", f"{reserved / MIB:,.0f} MiB on {gpu.node}/{gpu.uuid}"))
+        self.admitted_at[key] = asyncio.get_running_loop().time()
+        self.pending.pop(key, None)
+        await self._repeak({j: p for j, p in changes.items() if j not in lower})
+        await self.ensure_pod(pending.body, booking)
+
+    async def _repeak(self, peaks: dict[str, int]) -> None:
+        """Co-located jobs' scheduled peaks after planning them together with a newcomer."""
+        async def one(job: str, peak: int) -> None:
+            booking = self.ledger.bookings.get(job)
+            if booking is None:
+                return
+            booking.reserved_bytes = peak
+            namespace, name = job.split("/", 1)
+            await self.set_status(namespace, name, {"forecast": {"scheduledPeakBytes": peak, "reservedBytes": peak}})
+        await asyncio.gather(*(one(j, p) for j, p in peaks.items()))
+
+    # ---- pods -----------------------------------------------------------------------------------
+    def token(self, body: dict) -> str:
+        meta = body["metadata"]
+        token = job_token(self.token_key, meta["namespace"], meta["name"], meta.get("uid", ""))
+        self.tokens[f"{meta['namespace']}/{meta['name']}"] = token
+        return token
+
+    async def ensure_pod(self, body: dict, booking: Booking) -> None:
+        meta = body["metadata"]
+        gpu = next((g for g in self.gpus if g.uuid == booking.gpu), None)
+        signature = booking.forecast.signature if booking.forecast else None
+        budget = booking.budget_bytes if booking.budget_bytes is not None else (booking.reserved_bytes if booking.forecast is None else None)
+        pod = build_pod(body, booking.node, booking.gpu, gpu.agent if gpu else None, self.token(body), budget,
+                        booking.max_swap_rate, signature, self.image)
+        try:
+            await self.kube.create_pod(meta["namespace"], pod)
+        except Conflict:
+            pass  # created before a restart: the pod is the job's, keep following it
+
+    # ---- follow ---------------------------------------------------------------------------------
+    async def pod_changed(self, pod: dict, deleted: bool = False) -> None:
+        meta = pod["metadata"]
+        job = (meta.get("labels") or {}).get("tensile.dev/job")
+        if not job or meta["name"] != pod_name(job):
+            return
+        namespace = meta["namespace"]
+        key = f"{namespace}/{job}"
+        phase = (pod.get("status") or {}).get("phase", "Pending")
+        if deleted and phase not in ("Succeeded", "Failed"):
+            if key in self.ledger.bookings:
+                await self.finish(namespace, job, "Failed", "PodDeleted", "the training pod was deleted before it finished")
+            return
+        if phase == "Running":
+            await self.set_status(namespace, job, {"phase": "Running", "message": "training", "podName": meta["name"]},
+                                  condition("PodRunning", True, "Running", f"pod {meta['name']} on {pod['spec'].get('nodeName')}"))
+        elif phase in ("Succeeded", "Failed"):
+            detail = _termination(pod)
+            reason = "Completed" if phase == "Succeeded" else "PodFailed"
+            await self.finish(namespace, job, phase, reason, detail)
+
+    async def finish(self, namespace: str, name: str, phase: str, reason: str, message: str) -> None:
+        key = f"{namespace}/{name}"
+        booking = self.ledger.release(key)
+        self.pending.pop(key, None)
+        await self.set_status(namespace, name, {"phase": phase, "message": message, "finishedAt": now()},
+                              condition("PodRunning", False, reason, message), condition("Finished", True, reason, message))
+        await self.after_release(key, booking)
+
+    async def after_release(self, key: str, booking: Booking | None) -> None:
+        self.wake.set()
+        if booking is None:
+            return
+        gpu = next((g for g in self.gpus if g.uuid == booking.gpu), None)
+        token = self.tokens.pop(key, "")
+        if booking.forecast is None and gpu is not None:
+            live = await self.agent.live_workload(gpu.agent, key, token)
+            if live is not None:
+                self.forecaster.store_profile(key, live)
+        await self.agent.unregister(gpu.agent if gpu else None, key, token)
+
+    async def deleted(self, body: dict) -> None:
+        meta = body["metadata"]
+        key = f"{meta['namespace']}/{meta['name']}"
+        booking = self.ledger.release(key)
+        self.pending.pop(key, None)
+        self.conditions.pop(key, None)
+        await self.kube.delete_pod(meta["namespace"], pod_name(meta["name"]))
+        await self.after_release(key, booking)
+
+    async def knobs_changed(self, body: dict) -> None:
+        meta = body["metadata"]
+        key = f"{meta['namespace']}/{meta['name']}"
+        try:
+            spec = model.parse_spec(body.get("spec") or {}, meta.get("annotations"))
+        except model.SpecError as exc:
+            await self.set_status(meta["namespace"], meta["name"], {}, condition("KnobsApplied", False, "InvalidAnnotation", str(exc)))
+            return
+        booking = self.ledger.bookings.get(key)
+        if booking is None:
+            return  # not running yet: the pod starts with the knobs in its environment
+        knobs: dict = {"recompute": spec.recompute}
+        if spec.max_swap_rate is not None:
+            knobs["maxSwapRate"] = spec.max_swap_rate
+            booking.max_swap_rate = spec.max_swap_rate
+        if spec.memory_budget is not None:
+            knobs["memoryBudgetBytes"] = min(spec.memory_budget, booking.reserved_bytes)
+            booking.budget_bytes = spec.memory_budget
+        gpu = next((g for g in self.gpus if g.uuid == booking.gpu), None)
+        forwarded = await self.agent.update_knobs(gpu.agent if gpu else None, key, self.token(body), knobs)
+        note = "forwarded to the node agent" if forwarded else "recorded; no agent reachable to forward to"
+        await self.set_status(meta["namespace"], meta["name"], {"knobs": knobs},
+                              condition("KnobsApplied", forwarded, "Forwarded" if forwarded else "NoAgent", note))
+
+
+def _termination(pod: dict) -> str:
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        terminated = (status.get("state") or {}).get("terminated")
+        if terminated:
+            return f"container {status.get('name')} exited with {terminated.get('exitCode')} ({terminated.get('reason', '')})"
+    return (pod.get("status") or {}).get("message") or (pod.get("status") or {}).get("phase", "")

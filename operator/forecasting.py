@@ -1,0 +1,177 @@
+"""Forecasts on the CPU, cached: a hundred TrainingJobs of one model cost one trace and one plan.
+
+Two caches: the trace cache maps a workload spec (model, batch, shape, optimizer, dtype, ...) to the
+traced workload's signature; the forecast cache maps a signature to the workload and its standalone
+forecast (vanilla peak, lowest reachable scheduled peak). Traces run one at a time on a worker thread
+(tracing is CPU-bound and the operator shares its cores); concurrent requests for the same key wait
+for the one trace in flight. Stored profiles (a job's live workload, uploaded after its first run)
+are workloads by name, kept in memory and, when a directory is configured, on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from tensile.operator.model import WorkloadSpec
+from tensile.workload import Workload
+
+log = logging.getLogger("tensile.operator.forecast")
+DEFAULT_BANDWIDTH = 25e9  # bytes/s per direction, DESIGN §4 default when a GPU publishes none
+
+
+class ForecastError(Exception):
+    """The workload could not be traced or planned; the message is for the job's condition."""
+
+
+@dataclass(frozen=True)
+class JobForecast:
+    """What admission needs about one workload, planned alone on a GPU."""
+
+    signature: str
+    workload: Workload
+    vanilla_peak_bytes: int
+    min_peak_bytes: int  # lowest scheduled peak any plan reaches alone (swaps as far as they go)
+    predicted_iteration_seconds: float
+    source: str  # "traced" or "profile"
+
+    def to_status(self) -> dict:
+        return {
+            "signature": self.signature,
+            "vanillaPeakBytes": self.vanilla_peak_bytes,
+            "minPeakBytes": self.min_peak_bytes,
+            "predictedIterationSeconds": round(self.predicted_iteration_seconds, 6),
+            "source": self.source,
+        }
+
+
+def _standalone(workload: Workload, source: str, bandwidth: float) -> JobForecast:
+    from tensile.latency.predict import assign_latencies
+    from tensile.peak import analyze_vanilla
+    from tensile.planner import plan_job
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assign_latencies(workload, "cuda" if workload.device == "cuda" else "cpu")
+    vanilla = analyze_vanilla(workload).peak_bytes
+    planned = plan_job(workload, bandwidth)
+    return JobForecast(
+        signature=workload.signature,
+        workload=workload,
+        vanilla_peak_bytes=vanilla,
+        min_peak_bytes=min(vanilla, planned.scheduled_peak_bytes),
+        predicted_iteration_seconds=sum(op.latency for op in workload.ops),
+        source=source,
+    )
+
+
+def _trace(spec: WorkloadSpec) -> Workload:
+    from tensile.forecast import trace_workload
+
+    return trace_workload(
+        spec.model or "",
+        spec.batch_size,
+        optimizer=spec.optimizer,
+        dtype=spec.dtype,
+        device=spec.device,
+        micro_batches=spec.micro_batches,
+        input_shape=spec.input_shape,
+    )
+
+
+class ProfileStore:
+    """Workloads by profile name (what a job without a forecastable model ran, measured live)."""
+
+    def __init__(self, directory: str | Path | None = None):
+        self.directory = Path(directory) if directory else None
+        self._profiles: dict[str, Workload] = {}
+
+    def get(self, name: str) -> Workload | None:
+        if name not in self._profiles and self.directory is not None:
+            path = self.directory / f"{name}.json.gz"
+            if path.exists():
+                from tensile.workload_io import load_workload
+
+                self._profiles[name] = load_workload(str(path))
+        return self._profiles.get(name)
+
+    def put(self, name: str, workload: Workload) -> None:
+        self._profiles[name] = workload
+        if self.directory is not None:
+            from tensile.workload_io import save_workload
+
+            self.directory.mkdir(parents=True, exist_ok=True)
+            save_workload(workload, str(self.directory / f"{name}.json.gz"))
+
+
+class Forecaster:
+    """Single-flight, cached forecasts; safe to share between operator runs in one process."""
+
+    def __init__(self, profiles: ProfileStore | None = None, bandwidth: float = DEFAULT_BANDWIDTH):
+        self.profiles = profiles or ProfileStore()
+        self.bandwidth = bandwidth
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensile-forecast")
+        self._lock = threading.Lock()
+        self._by_key: dict[tuple, concurrent.futures.Future[JobForecast]] = {}
+        self._by_signature: dict[str, JobForecast] = {}
+        self.traces = 0  # how many traces really ran (tests and benchmarks read it)
+
+    def cached(self, spec: WorkloadSpec) -> JobForecast | None:
+        future = self._by_key.get(spec.key)
+        if future is not None and future.done() and not future.cancelled() and future.exception() is None:
+            return future.result()
+        return None
+
+    def by_signature(self, signature: str) -> JobForecast | None:
+        return self._by_signature.get(signature)
+
+    def _compute(self, spec: WorkloadSpec) -> JobForecast:
+        try:
+            workload = _trace(spec)
+            self.traces += 1
+            found = self._by_signature.get(workload.signature)
+            if found is not None:
+                return found
+            forecast = _standalone(workload, "traced", self.bandwidth)
+        except Exception as exc:  # noqa: BLE001 - any failure becomes the job's condition
+            log.warning("forecast of %s failed: %s", spec, exc)
+            raise ForecastError(f"{type(exc).__name__}: {exc}") from exc
+        self._by_signature[forecast.signature] = forecast
+        return forecast
+
+    def submit(self, spec: WorkloadSpec) -> concurrent.futures.Future[JobForecast]:
+        with self._lock:
+            future = self._by_key.get(spec.key)
+            if future is None or (future.done() and (future.cancelled() or future.exception() is not None)):
+                future = self._executor.submit(self._compute, spec)
+                self._by_key[spec.key] = future
+            return future
+
+    async def forecast(self, spec: WorkloadSpec) -> JobForecast | None:
+        """The spec's forecast; None when the workload is a profile not stored yet (admit by budget)."""
+        if spec.model is None:
+            return await self.from_profile(spec.profile or "")
+        # shielded: a cancelled waiter (an operator stopping) must not cancel the shared trace
+        return await asyncio.shield(asyncio.wrap_future(self.submit(spec)))
+
+    async def from_profile(self, name: str) -> JobForecast | None:
+        workload = self.profiles.get(name)
+        if workload is None:
+            return None
+        found = self._by_signature.get(workload.signature)
+        if found is None:
+            loop = asyncio.get_running_loop()
+            found = await loop.run_in_executor(self._executor, _standalone, workload, "profile", self.bandwidth)
+            self._by_signature[found.signature] = found
+        return found
+
+    def store_profile(self, name: str, workload: Workload) -> None:
+        self.profiles.put(name, workload)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

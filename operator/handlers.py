@@ -1,0 +1,111 @@
+"""Kopf handlers, registered on a registry of their own so that several operator runs can share a process."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import kopf
+
+from tensile.operator import GROUP, VERSION
+from tensile.operator.admission import Admission
+from tensile.operator.model import ANNOTATIONS
+from tensile.operator.pods import JOB_LABEL
+from tensile.operator.validation import check
+
+PEERING = "tensile"
+
+
+def login(**kwargs) -> kopf.ConnectionInfo | None:  # type: ignore[no-untyped-def]
+    """In a pod: the service account; elsewhere: $KUBECONFIG or ~/.kube/config."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+def webhook_server() -> kopf.WebhookServer | None:
+    """TENSILE_WEBHOOK_PORT turns the validating webhook on: TLS from TENSILE_WEBHOOK_CERT/KEY, or plain HTTP
+    with TENSILE_WEBHOOK_INSECURE=1 (tests, or behind a TLS-terminating proxy)."""
+    port = os.environ.get("TENSILE_WEBHOOK_PORT")
+    if not port:
+        return None
+    return kopf.WebhookServer(
+        addr=os.environ.get("TENSILE_WEBHOOK_ADDR", "0.0.0.0"),
+        port=int(port),
+        insecure=os.environ.get("TENSILE_WEBHOOK_INSECURE") == "1",
+        certfile=os.environ.get("TENSILE_WEBHOOK_CERT") or None,
+        pkeyfile=os.environ.get("TENSILE_WEBHOOK_KEY") or None,
+    )
+
+
+def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    tj = dict(group=GROUP, version=VERSION, plural="trainingjobs", registry=registry)
+
+    @kopf.on.login(registry=registry)
+    async def _login(**kwargs) -> kopf.ConnectionInfo | None:  # type: ignore[no-untyped-def]
+        info = login(**kwargs)
+        if info is not None:
+            app.kube.login(info)
+        return info
+
+    @kopf.on.startup(registry=registry)
+    async def _startup(settings: kopf.OperatorSettings, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        settings.peering.name = PEERING
+        settings.peering.mandatory = True
+        settings.persistence.finalizer = "tensile.dev/release-gpu"
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="operator.tensile.dev")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="operator.tensile.dev", key="last-handled-configuration")
+        settings.watching.server_timeout = 300
+        settings.posting.level = logging.WARNING  # Kubernetes Events only for problems, not every handler run
+        settings.queueing.batch_window = 0.02  # events of one object are debounced this long (default 0.1 s)
+        if webhook is not None:
+            settings.admission.server = webhook
+        info = login(settings=settings)
+        if info is not None:
+            app.kube.login(info)
+        if info is None:
+            raise kopf.PermanentError("no Kubernetes credentials: no service account and no kubeconfig")
+        await app.start()
+
+    @kopf.on.cleanup(registry=registry)
+    async def _cleanup(**_) -> None:  # type: ignore[no-untyped-def]
+        await app.stop()
+
+    if webhook is not None:
+        @kopf.on.validate(**tj, id="tensile-validate", operations=["CREATE", "UPDATE"])
+        async def _validate(spec, meta, **_) -> None:  # type: ignore[no-untyped-def]
+            problems = await check(dict(spec), dict(meta.annotations), app.gpus, app.forecaster)
+            if problems:
+                raise kopf.AdmissionError("; ".join(str(p) for p in problems), code=422)
+
+    @kopf.on.resume(**tj, id="readmit")
+    @kopf.on.create(**tj, id="admit")
+    async def _admit(body, **_) -> None:  # type: ignore[no-untyped-def]
+        await app.admit(_plain(body))
+
+    @kopf.on.field(**tj, id="knobs", field="metadata.annotations")
+    async def _knobs(body, old, new, reason, **_) -> None:  # type: ignore[no-untyped-def]
+        old, new = dict(old or {}), dict(new or {})
+        knobs = {"tensile.dev/" + k for k in ANNOTATIONS}
+        if reason == "update" and any(old.get(k) != new.get(k) for k in knobs):
+            await app.knobs_changed(_plain(body))
+
+    @kopf.on.delete(**tj, id="release")
+    async def _release(body, **_) -> None:  # type: ignore[no-untyped-def]
+        await app.deleted(_plain(body))
+
+    @kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)
+    async def _pod(event, body, **_) -> None:  # type: ignore[no-untyped-def]
+        await app.pod_changed(_plain(body), deleted=event.get("type") == "DELETED")
+
+    @kopf.on.event(GROUP, VERSION, "tensilenodes", registry=registry)
+    async def _node(event, body, name, **_) -> None:  # type: ignore[no-untyped-def]
+        app.set_node(None if event.get("type") == "DELETED" else _plain(body), name)
+
+    return registry
+
+
+def _plain(body) -> dict:  # type: ignore[no-untyped-def]
+    """A Kopf body as a plain dict (our code keeps and copies it)."""
+    import copy
+
+    return copy.deepcopy(dict(body))

@@ -1,0 +1,133 @@
+"""A small async Kubernetes client for the operator's own calls, on the credentials Kopf logged in with.
+
+Every call names its (group, resource, verb) and is checked against `rbac.RULES` first, so the list
+the chart's role is generated from cannot fall behind the code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from typing import Any
+
+import aiohttp
+import kopf
+
+from tensile.operator import GROUP, VERSION
+from tensile.operator.rbac import allowed
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, message: str):
+        self.status = status
+        super().__init__(f"HTTP {status}: {message}")
+
+
+class NotFound(KubeError):
+    pass
+
+
+class Conflict(KubeError):
+    pass
+
+
+def _path(group: str, version: str, plural: str, namespace: str | None, name: str | None, sub: str | None) -> str:
+    base = f"/api/{version}" if group == "" else f"/apis/{group}/{version}"
+    if namespace:
+        base += f"/namespaces/{namespace}"
+    base += f"/{plural}"
+    if name:
+        base += f"/{name}"
+    if sub:
+        base += f"/{sub}"
+    return base
+
+
+class Kube:
+    def __init__(self) -> None:
+        self._info: kopf.ConnectionInfo | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._ready = asyncio.Event()
+        self._stale: list[aiohttp.ClientSession] = []
+        self.calls: dict[tuple[str, str, str], int] = {}
+
+    def login(self, info: kopf.ConnectionInfo) -> None:
+        if self._info is not info:
+            self._info = info
+            if self._session is not None:
+                self._stale.append(self._session)
+                self._session = None
+        self._ready.set()
+
+    async def _client(self) -> tuple[aiohttp.ClientSession, str]:
+        await self._ready.wait()
+        assert self._info is not None
+        if self._session is None or self._session.closed:
+            info = self._info
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                auth = info.as_aiohttp_basic_auth()
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ssl=info.as_ssl_context()),
+                headers=info.as_http_headers(), auth=auth, trust_env=info.trust_env,
+            )
+        return self._session, self._info.server.rstrip("/")
+
+    async def close(self) -> None:
+        for stale in self._stale:
+            await stale.close()
+        self._stale.clear()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def call(self, verb: str, group: str, version: str, plural: str, *, namespace: str | None = None,
+                   name: str | None = None, sub: str | None = None, body: Any = None, params: dict | None = None) -> dict:
+        resource = f"{plural}/{sub}" if sub else plural
+        if not allowed(group, resource, verb):
+            raise PermissionError(f"{verb} {group or 'core'}/{resource} is not in tensile.operator.rbac.RULES")
+        self.calls[(group, resource, verb)] = self.calls.get((group, resource, verb), 0) + 1
+        method = {"get": "GET", "list": "GET", "create": "POST", "patch": "PATCH", "delete": "DELETE"}[verb]
+        headers = {"Content-Type": "application/merge-patch+json"} if verb == "patch" else {}
+        session, server = await self._client()
+        url = server + _path(group, version, plural, namespace, name, sub)
+        async with session.request(method, url, json=body, params=params, headers=headers) as response:
+            try:
+                data = await response.json(content_type=None)
+            except ValueError:
+                data = {"message": await response.text()}
+            if response.status == 404:
+                raise NotFound(404, (data or {}).get("message", ""))
+            if response.status == 409:
+                raise Conflict(409, (data or {}).get("message", ""))
+            if response.status >= 400:
+                raise KubeError(response.status, (data or {}).get("message", ""))
+            return data or {}
+
+    # The calls the operator makes, by name.
+    async def list_trainingjobs(self) -> list[dict]:
+        return (await self.call("list", GROUP, VERSION, "trainingjobs")).get("items", [])
+
+    async def list_tensilenodes(self) -> list[dict]:
+        return (await self.call("list", GROUP, VERSION, "tensilenodes")).get("items", [])
+
+    async def patch_job_status(self, namespace: str, name: str, status: dict, resource_version: str | None = None) -> dict:
+        body: dict = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
+        return await self.call("patch", GROUP, VERSION, "trainingjobs", namespace=namespace, name=name, sub="status", body=body)
+
+    async def get_job(self, namespace: str, name: str) -> dict:
+        return await self.call("get", GROUP, VERSION, "trainingjobs", namespace=namespace, name=name)
+
+    async def create_pod(self, namespace: str, pod: dict) -> dict:
+        return await self.call("create", "", "v1", "pods", namespace=namespace, body=pod)
+
+    async def get_pod(self, namespace: str, name: str) -> dict:
+        return await self.call("get", "", "v1", "pods", namespace=namespace, name=name)
+
+    async def delete_pod(self, namespace: str, name: str) -> None:
+        try:
+            await self.call("delete", "", "v1", "pods", namespace=namespace, name=name)
+        except NotFound:
+            pass

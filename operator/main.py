@@ -1,0 +1,38 @@
+"""Run the operator: `tensile operator` / `python -m tensile.operator.main`."""
+
+from __future__ import annotations
+
+import kopf
+
+from tensile.operator.admission import Admission
+from tensile.operator.forecasting import Forecaster, ProfileStore
+from tensile.operator.handlers import PEERING, build_registry, webhook_server
+
+
+async def operator(app: Admission | None = None, *, standalone: bool = False, priority: int = 0,
+                   webhook: kopf.WebhookServer | None = None, liveness: str | None = None,
+                   stop_flag=None, ready_flag=None) -> None:  # type: ignore[no-untyped-def]
+    """The operator as a coroutine (tests run several in one event loop, one after another)."""
+    app = app or Admission()
+    await kopf.operator(
+        registry=build_registry(app, webhook),
+        clusterwide=True,
+        standalone=standalone,
+        priority=priority,
+        peering_name=PEERING,
+        liveness_endpoint=liveness,
+        stop_flag=stop_flag,
+        ready_flag=ready_flag,
+        memo=kopf.Memo(app=app),
+    )
+
+
+def run(*, standalone: bool = False, priority: int = 0, profiles: str | None = None, liveness: str | None = None) -> None:
+    app = Admission(Forecaster(ProfileStore(profiles)))
+    kopf.configure(verbose=False)
+    kopf.run(registry=build_registry(app, webhook_server()), clusterwide=True, standalone=standalone, priority=priority,
+             peering_name=PEERING, liveness_endpoint=liveness, memo=kopf.Memo(app=app))
+
+
+if __name__ == "__main__":
+    run()

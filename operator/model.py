@@ -1,0 +1,199 @@
+"""A TrainingJob's spec and annotations as plain data, and the checks a CRD schema cannot express.
+
+Every problem is a `SpecProblem`: the field it is about and a message that says how to fix it. The
+webhook, the create handler and the CLI all use these functions, so a cluster without the webhook
+still reports the same messages (as a Failed phase with a condition).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from tensile.forecast import DTYPES, OPTIMIZERS
+
+ANNOTATION_PREFIX = "tensile.dev/"
+ANNOTATIONS = {
+    "max-swap-rate": "maxSwapRate",
+    "memory-budget": "memoryBudget",
+    "recompute": "recompute",
+}
+PHASES = ("Pending", "Forecasting", "Queued", "Admitted", "Running", "Succeeded", "Failed")
+FINISHED = ("Succeeded", "Failed")
+HOLDS_GPU = ("Admitted", "Running")
+
+_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)\s*(Ki|Mi|Gi|Ti|Pi|k|K|M|G|T|P)?\s*$")
+_UNITS = {None: 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+
+
+class SpecError(ValueError):
+    """One or more problems with a TrainingJob; str() lists each as 'field: message'."""
+
+    def __init__(self, problems: list[SpecProblem]):
+        self.problems = problems
+        super().__init__("; ".join(str(p) for p in problems))
+
+
+@dataclass(frozen=True)
+class SpecProblem:
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+def parse_quantity(value: object, field_name: str) -> int:
+    """Bytes from an int or a Kubernetes quantity ('6Gi', '512Mi', '2e9')."""
+    if isinstance(value, bool):
+        raise SpecError([SpecProblem(field_name, f"'{value}' is not a memory size; write bytes or a quantity like 6Gi")])
+    if isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        match = _QUANTITY.match(str(value))
+        if not match:
+            raise SpecError([SpecProblem(field_name, f"'{value}' is not a memory size; write bytes or a quantity like 6Gi")])
+        number = float(match.group(1)) * _UNITS[match.group(2)]
+    if number <= 0:
+        raise SpecError([SpecProblem(field_name, f"must be positive (was {value}); write bytes or a quantity like 6Gi")])
+    return int(number)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """What the forecaster traces: a zoo model with its batch, or a stored workload profile by name."""
+
+    model: str | None = None
+    batch_size: int = 16
+    input_shape: tuple[int, ...] | None = None
+    optimizer: str = "adam"
+    dtype: str = "float32"
+    micro_batches: int = 1
+    device: str = "cuda"
+    profile: str | None = None
+
+    @property
+    def key(self) -> tuple:
+        """Identifies one trace: equal keys trace to the same workload (and so the same signature)."""
+        return (self.model, self.batch_size, self.input_shape, self.optimizer, self.dtype, self.micro_batches, self.device)
+
+
+@dataclass(frozen=True)
+class GpuSelector:
+    nodes: tuple[str, ...] = ()
+    gpu_names: tuple[str, ...] = ()  # substrings of the GPU's product name, e.g. "H100"
+    uuids: tuple[str, ...] = ()
+    min_memory_bytes: int = 0
+    allow_simulated: bool = True
+
+    def matches(self, node: str, gpu_uuid: str, gpu_name: str, memory_bytes: int, simulated: bool) -> bool:
+        if self.nodes and node not in self.nodes:
+            return False
+        if self.uuids and gpu_uuid not in self.uuids:
+            return False
+        if self.gpu_names and not any(n.lower() in gpu_name.lower() for n in self.gpu_names):
+            return False
+        if memory_bytes < self.min_memory_bytes:
+            return False
+        return self.allow_simulated or not simulated
+
+    @property
+    def empty(self) -> bool:
+        return not (self.nodes or self.gpu_names or self.uuids or self.min_memory_bytes) and self.allow_simulated
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    workload: WorkloadSpec
+    memory_budget: int | None = None
+    selector: GpuSelector = field(default_factory=GpuSelector)
+    max_swap_rate: float | None = None
+    recompute: bool = True
+    template: dict = field(default_factory=dict)
+
+
+def _int(value: object, field_name: str, problems: list[SpecProblem], minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        problems.append(SpecProblem(field_name, f"must be an integer >= {minimum} (was {value!r})"))
+        return minimum
+    return value
+
+
+def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
+    """The spec (with tensile.dev/* annotations overriding knobs) as a JobSpec; SpecError lists every problem."""
+    problems: list[SpecProblem] = []
+    raw = dict(spec.get("workload") or {})
+    shape = raw.get("inputShape")
+    if shape is not None and (not isinstance(shape, list) or not shape or not all(isinstance(d, int) and d > 0 for d in shape)):
+        problems.append(SpecProblem("spec.workload.inputShape", f"must be a list of positive integers, e.g. [3, 224, 224] (was {shape!r})"))
+        shape = None
+    optimizer = raw.get("optimizer", "adam")
+    if optimizer not in OPTIMIZERS:
+        problems.append(SpecProblem("spec.workload.optimizer", f"'{optimizer}' is not supported; use one of {', '.join(OPTIMIZERS)}"))
+    dtype = raw.get("dtype", "float32")
+    if dtype not in DTYPES:
+        problems.append(SpecProblem("spec.workload.dtype", f"'{dtype}' is not supported; use one of {', '.join(DTYPES)}"))
+    device = raw.get("device", "cuda")
+    if device not in ("cuda", "cpu"):
+        problems.append(SpecProblem("spec.workload.device", f"'{device}' is not supported; use cuda or cpu"))
+    workload = WorkloadSpec(
+        model=raw.get("model"),
+        batch_size=_int(raw.get("batchSize", 16), "spec.workload.batchSize", problems),
+        input_shape=tuple(shape) if shape else None,
+        optimizer=optimizer,
+        dtype=dtype,
+        micro_batches=_int(raw.get("microBatches", 1), "spec.workload.microBatches", problems),
+        device=device,
+        profile=raw.get("profile"),
+    )
+    if workload.model is None and workload.profile is None:
+        problems.append(SpecProblem("spec.workload", "name a model (spec.workload.model, e.g. resnet50) or a stored profile (spec.workload.profile)"))
+    knobs = dict(spec.get("scheduling") or {})
+    budget_raw = spec.get("memoryBudget")
+    for key, target in ANNOTATIONS.items():
+        value = (annotations or {}).get(ANNOTATION_PREFIX + key)
+        if value is not None:
+            if target == "memoryBudget":
+                budget_raw = value
+            else:
+                knobs[target] = value
+    budget = None
+    if budget_raw is not None:
+        try:
+            budget = parse_quantity(budget_raw, "spec.memoryBudget")
+        except SpecError as exc:
+            problems.extend(exc.problems)
+    rate = knobs.get("maxSwapRate")
+    if rate is not None:
+        try:
+            rate = float(rate)
+            if rate <= 0:
+                raise ValueError
+        except (TypeError, ValueError):
+            problems.append(SpecProblem("spec.scheduling.maxSwapRate", f"must be a positive number (was {rate!r}); the planner caps swap traffic by it"))
+            rate = None
+    recompute = knobs.get("recompute", True)
+    if isinstance(recompute, str):
+        recompute = recompute.lower() not in ("false", "0", "no", "off")
+    raw_sel = dict(spec.get("gpuSelector") or {})
+    min_memory = 0
+    if raw_sel.get("minMemory") is not None:
+        try:
+            min_memory = parse_quantity(raw_sel["minMemory"], "spec.gpuSelector.minMemory")
+        except SpecError as exc:
+            problems.extend(exc.problems)
+    selector = GpuSelector(
+        nodes=tuple(raw_sel.get("nodes") or ()),
+        gpu_names=tuple(raw_sel.get("gpuNames") or ()),
+        uuids=tuple(raw_sel.get("uuids") or ()),
+        min_memory_bytes=min_memory,
+        allow_simulated=bool(raw_sel.get("allowSimulated", True)),
+    )
+    template = spec.get("template") or {}
+    containers = (template.get("spec") or {}).get("containers") or []
+    if not containers:
+        problems.append(SpecProblem("spec.template.spec.containers", "needs at least one container: the training command"))
+    if problems:
+        raise SpecError(problems)
+    return JobSpec(workload, budget, selector, rate, bool(recompute), template)

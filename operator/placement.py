@@ -1,0 +1,226 @@
+"""Where a job fits: GPUs from TensileNodes, the jobs committed to each, and the joint-plan fit test.
+
+A GPU's committed memory is the sum of its jobs' scheduled peaks (the paper's MP = sum MP_j) plus a
+CUDA context per job. A candidate fits when the TENSILE planner, planning the GPU's jobs together with
+the candidate under the GPU's capacity, reaches a sum within it. Two shortcuts avoid planning: if
+the vanilla peaks already fit, no job needs a plan change; if even each job's lowest reachable peak
+alone does not fit, no joint plan can (co-located jobs share the copy channels, they never swap
+more than alone). Joint plans are cached by the multiset of workload signatures and the budget.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from tensile.operator.forecasting import DEFAULT_BANDWIDTH, JobForecast
+from tensile.operator.model import GpuSelector
+
+MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class Gpu:
+    node: str
+    uuid: str
+    name: str
+    memory_bytes: int
+    capacity_bytes: int
+    context_bytes: int = 0  # per job (CUDA context + library workspaces)
+    simulated: bool = False
+    bandwidth: float = DEFAULT_BANDWIDTH
+    agent: str | None = None  # the node agent's URL
+    external_bytes: int = 0  # committed by jobs the agent hosts that no TrainingJob placed
+
+
+def gpus_from_tensilenode(body: dict) -> list[Gpu]:
+    """The GPUs a TensileNode publishes (status written by the node agent)."""
+    name = body["metadata"]["name"]
+    status = body.get("status") or {}
+    agent = status.get("agentAddress")
+    result = []
+    for gpu in status.get("gpus") or []:
+        memory = int(gpu.get("memoryBytes") or 0)
+        external = sum(int(j.get("scheduledPeakBytes") or 0) for j in gpu.get("jobs") or [] if j.get("external"))
+        result.append(Gpu(
+            node=name,
+            uuid=gpu["uuid"],
+            name=gpu.get("name", ""),
+            memory_bytes=memory,
+            capacity_bytes=int(gpu.get("capacityBytes") or memory),
+            context_bytes=int(gpu.get("contextBytesPerJob") or 0),
+            simulated=bool(gpu.get("simulated", False)),
+            bandwidth=float(gpu.get("hostLinkBandwidth") or DEFAULT_BANDWIDTH),
+            agent=agent,
+            external_bytes=external,
+        ))
+    return result
+
+
+@dataclass
+class Booking:
+    """One job committed to a GPU: by its forecast (planned) or by its declared budget (fixed)."""
+
+    job: str  # namespace/name
+    gpu: str  # uuid
+    node: str
+    reserved_bytes: int  # the scheduled peak it is admitted with (or its budget)
+    forecast: JobForecast | None = None
+    budget_bytes: int | None = None
+    max_swap_rate: float | None = None
+
+
+@dataclass
+class Decision:
+    gpu: Gpu | None
+    peaks: dict[str, int] = field(default_factory=dict)  # job -> scheduled peak on that GPU (incl. the new one)
+    reason: str = ""
+    shortfall_bytes: int = 0
+    planned: bool = False  # whether the joint planner ran (rather than a shortcut)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    job: str
+    forecast: JobForecast | None
+    budget_bytes: int | None
+    selector: GpuSelector
+    max_swap_rate: float | None = None
+
+    @property
+    def fixed_bytes(self) -> int | None:
+        """Reservation of a job admitted by its declared budget (no forecastable workload)."""
+        return self.budget_bytes if self.forecast is None else None
+
+
+class JointPlanner:
+    """plan the jobs of one GPU together (tensile.planner.plan_gpu), with an LRU cache."""
+
+    def __init__(self, size: int = 512):
+        self._cache: OrderedDict[tuple, tuple[bool, tuple[int, ...]]] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+        self.runs = 0
+
+    def plan(self, entries: list[tuple[str, JobForecast, float | None]], budget: int, bandwidth: float) -> tuple[bool, dict[str, int]]:
+        order = sorted(range(len(entries)), key=lambda i: (entries[i][1].signature, entries[i][2] or 1.0, entries[i][0]))
+        key = (tuple((entries[i][1].signature, entries[i][2] or 1.0) for i in order), budget, bandwidth)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if hit is None:
+            from tensile.planner import JobSpec, plan_gpu
+
+            specs = [JobSpec(f"j{k}", entries[i][1].workload, min(1.0, entries[i][2] or 1.0)) for k, i in enumerate(order)]
+            result = plan_gpu(specs, bandwidth, budget_bytes=max(budget, 0))
+            hit = (result.fits, tuple(result.plans[f"j{k}"].forecast.scheduled_peak_bytes for k in range(len(order))))
+            self.runs += 1
+            with self._lock:
+                self._cache[key] = hit
+                while len(self._cache) > self._size:
+                    self._cache.popitem(last=False)
+        fits, peaks = hit
+        return fits, {entries[i][0]: peaks[k] for k, i in enumerate(order)}
+
+
+class Ledger:
+    """Which job holds which GPU, and with how much. Only the scheduler adds; anyone may release."""
+
+    def __init__(self) -> None:
+        self.bookings: dict[str, Booking] = {}
+
+    def on_gpu(self, uuid: str) -> list[Booking]:
+        return [b for b in self.bookings.values() if b.gpu == uuid]
+
+    def committed(self, gpu: Gpu) -> int:
+        jobs = self.on_gpu(gpu.uuid)
+        return sum(b.reserved_bytes for b in jobs) + gpu.context_bytes * len(jobs) + gpu.external_bytes
+
+    def book(self, booking: Booking) -> None:
+        if booking.job in self.bookings and self.bookings[booking.job].gpu != booking.gpu:
+            raise RuntimeError(f"{booking.job} is already placed on {self.bookings[booking.job].gpu}")
+        self.bookings[booking.job] = booking
+
+    def release(self, job: str) -> Booking | None:
+        return self.bookings.pop(job, None)
+
+
+def _reserve(peak: int, budget: int | None) -> int:
+    """The hook's budget guard keeps a job under its budget, so that is all it can take."""
+    return min(peak, budget) if budget is not None else peak
+
+
+def evaluate(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
+    """Does `new` fit on `gpu` with the jobs already there, planned together? With which peaks?"""
+    jobs = ledger.on_gpu(gpu.uuid)
+    available = gpu.capacity_bytes - gpu.context_bytes * (len(jobs) + 1) - gpu.external_bytes
+    fixed = sum(b.reserved_bytes for b in jobs if b.forecast is None)
+    planned = [(b.job, b.forecast, b.max_swap_rate, b.budget_bytes) for b in jobs if b.forecast is not None]
+    if new.forecast is None:
+        fixed += new.fixed_bytes or 0
+    else:
+        planned.append((new.job, new.forecast, new.max_swap_rate, new.budget_bytes))
+    budget = available - fixed
+    vanilla = sum(_reserve(f.vanilla_peak_bytes, b) for _, f, _, b in planned)
+    if vanilla <= budget:
+        return Decision(gpu, {j: _reserve(f.vanilla_peak_bytes, b) for j, f, _, b in planned} | _fixed(jobs, new))
+    lowest = sum(_reserve(f.min_peak_bytes, b) for _, f, _, b in planned)
+    if lowest > budget:
+        short = lowest - budget
+        return Decision(None, reason=f"{gpu.node}/{gpu.uuid}: {short / MIB:,.0f} MiB short even at every job's lowest reachable peak",
+                        shortfall_bytes=short)
+    fits, peaks = planner.plan([(j, f, r) for j, f, r, _ in planned], budget, gpu.bandwidth)
+    budgets = {j: b for j, _, _, b in planned}
+    peaks = {j: _reserve(p, budgets[j]) for j, p in peaks.items()}
+    total = sum(peaks.values())
+    if not fits and total > budget:
+        short = total - budget
+        return Decision(None, reason=f"{gpu.node}/{gpu.uuid}: planned together, the jobs' peaks are {short / MIB:,.0f} MiB over capacity",
+                        shortfall_bytes=short, planned=True)
+    return Decision(gpu, peaks | _fixed(jobs, new), planned=True)
+
+
+def _fixed(jobs: list[Booking], new: Candidate) -> dict[str, int]:
+    fixed = {b.job: b.reserved_bytes for b in jobs if b.forecast is None}
+    if new.forecast is None:
+        fixed[new.job] = new.fixed_bytes or 0
+    return fixed
+
+
+def choose(gpus: list[Gpu], ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
+    """Best fit: among GPUs where the job fits, the one left with the least free memory.
+
+    GPUs where the job fits without changing anyone's plan (vanilla peaks fit) are preferred: they
+    cost no job any swapping time. The joint planner runs only when no such GPU exists."""
+    candidates = [g for g in gpus if new.selector.matches(g.node, g.uuid, g.name, g.memory_bytes, g.simulated)]
+    if not candidates:
+        return Decision(None, reason="no GPU matches spec.gpuSelector", shortfall_bytes=0)
+    easy: list[Decision] = []
+    hard: list[Gpu] = []
+    refusals: list[Decision] = []
+    for gpu in candidates:
+        jobs = ledger.on_gpu(gpu.uuid)
+        available = gpu.capacity_bytes - gpu.context_bytes * (len(jobs) + 1) - gpu.external_bytes
+        need = new.fixed_bytes if new.forecast is None else _reserve(new.forecast.vanilla_peak_bytes, new.budget_bytes)
+        if sum(b.reserved_bytes for b in jobs) + (need or 0) <= available:
+            easy.append(Decision(gpu, {b.job: b.reserved_bytes for b in jobs} | {new.job: need or 0}))
+        else:
+            hard.append(gpu)
+    if easy:
+        return min(easy, key=lambda d: _left(d))
+    fitting: list[Decision] = []
+    for gpu in hard:
+        decision = evaluate(gpu, ledger, new, planner)
+        (fitting if decision.gpu is not None else refusals).append(decision)
+    if fitting:
+        return min(fitting, key=lambda d: _left(d))
+    smallest = min(refusals, key=lambda d: d.shortfall_bytes)
+    return Decision(None, reason=f"no GPU has room: the closest is {smallest.reason}", shortfall_bytes=smallest.shortfall_bytes)
+
+
+def _left(decision: Decision) -> int:
+    gpu = decision.gpu
+    assert gpu is not None
+    return gpu.capacity_bytes - gpu.context_bytes * len(decision.peaks) - gpu.external_bytes - sum(decision.peaks.values())

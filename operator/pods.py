@@ -1,0 +1,101 @@
+"""The training pod of an admitted TrainingJob: the user's template, pinned to its node and GPU, hooked.
+
+The hook reaches the user's image without changing it: an init container from the Tensile image
+copies the hook (and the core it needs) into a shared emptyDir, and every container gets that
+folder on PYTHONPATH (its sitecustomize switches the hook on) plus the TENSILE_* settings.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import hmac
+import os
+
+from tensile.operator import API_VERSION
+
+HOOK_VOLUME = "tensile-hook"
+HOOK_MOUNT = "/tensile"
+DEFAULT_IMAGE = "ghcr.io/tensile/tensile:0.1.0"
+JOB_LABEL = "tensile.dev/job"
+
+
+def pod_name(job_name: str) -> str:
+    return f"{job_name[:50]}-tensile"
+
+
+def job_token(key: bytes, namespace: str, name: str, uid: str) -> str:
+    """The job's token for its node agent: derived, so a restarted operator gives the same one."""
+    return hmac.new(key, f"{namespace}/{name}/{uid}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def hook_env(job: str, gpu_uuid: str, agent: str | None, token: str, budget: int | None,
+             max_swap_rate: float | None, signature: str | None, existing_path: str | None) -> list[dict]:
+    env = {
+        "TENSILE_JOB": job,
+        "TENSILE_GPU": gpu_uuid,
+        "NVIDIA_VISIBLE_DEVICES": gpu_uuid,
+        "CUDA_VISIBLE_DEVICES": gpu_uuid,
+        "TENSILE_TOKEN": token,
+        "PYTHONPATH": os.pathsep.join(p for p in (f"{HOOK_MOUNT}/site", f"{HOOK_MOUNT}/lib", existing_path) if p),
+    }
+    if agent:
+        env["TENSILE_AGENT"] = agent
+    if budget is not None:
+        env["TENSILE_MEMORY_BUDGET"] = str(budget)
+    if max_swap_rate is not None:
+        env["TENSILE_MAX_SWAP_RATE"] = str(max_swap_rate)
+    if signature:
+        env["TENSILE_SIGNATURE"] = signature
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, token: str, budget: int | None,
+              max_swap_rate: float | None, signature: str | None, image: str = DEFAULT_IMAGE) -> dict:
+    """The pod manifest for the TrainingJob `body` placed on (node, gpu_uuid)."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    template = copy.deepcopy(body["spec"].get("template") or {})
+    pod_meta = template.get("metadata") or {}
+    spec = template.get("spec") or {}
+    labels = dict(pod_meta.get("labels") or {})
+    labels[JOB_LABEL] = name
+    spec["nodeName"] = node
+    spec.setdefault("restartPolicy", "Never")
+    volumes = [v for v in spec.get("volumes") or [] if v.get("name") != HOOK_VOLUME]
+    spec["volumes"] = volumes + [{"name": HOOK_VOLUME, "emptyDir": {}}]
+    mount = {"name": HOOK_VOLUME, "mountPath": HOOK_MOUNT, "readOnly": True}
+    job = f"{namespace}/{name}"
+    for container in spec.get("containers") or []:
+        existing = next((e.get("value") for e in container.get("env") or [] if e.get("name") == "PYTHONPATH"), None)
+        ours = hook_env(job, gpu_uuid, agent, token, budget, max_swap_rate, signature, existing)
+        names = {e["name"] for e in ours}
+        container["env"] = [e for e in container.get("env") or [] if e.get("name") not in names] + ours
+        container["volumeMounts"] = [m for m in container.get("volumeMounts") or [] if m.get("name") != HOOK_VOLUME] + [mount]
+    installer = {
+        "name": "tensile-hook",
+        "image": image,
+        "command": ["python", "-m", "tensile.runtime_hook.install", HOOK_MOUNT],
+        "volumeMounts": [{"name": HOOK_VOLUME, "mountPath": HOOK_MOUNT}],
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+    }
+    spec["initContainers"] = [installer] + [c for c in spec.get("initContainers") or [] if c.get("name") != "tensile-hook"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name(name),
+            "namespace": namespace,
+            "labels": labels,
+            "annotations": dict(pod_meta.get("annotations") or {}) | {"tensile.dev/gpu": gpu_uuid},
+            "ownerReferences": [{
+                "apiVersion": API_VERSION,
+                "kind": "TrainingJob",
+                "name": name,
+                "uid": meta.get("uid", ""),
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }],
+        },
+        "spec": spec,
+    }

@@ -1,0 +1,39 @@
+"""Every Kubernetes API call the operator makes, as data: the chart's ClusterRole is generated from it.
+
+`tensile.operator.kube.Kube` refuses any call not listed here, and Kopf's own calls (watching,
+patching its handlers' progress, peering, posting events) are listed with it, so the chart's role
+is exactly what the code needs. `cluster_role()` renders the rules as a Kubernetes ClusterRole.
+"""
+
+from __future__ import annotations
+
+from tensile.operator import GROUP
+
+# (API group, resource, verbs, why)
+RULES: list[tuple[str, str, tuple[str, ...], str]] = [
+    (GROUP, "trainingjobs", ("get", "list", "watch", "patch"), "the jobs it admits; Kopf's finalizer and progress annotations"),
+    (GROUP, "trainingjobs/status", ("get", "patch"), "phase, conditions, forecast, placement"),
+    (GROUP, "tensilenodes", ("get", "list", "watch"), "GPU inventory and committed forecasts published by node agents"),
+    ("", "pods", ("get", "list", "watch", "create", "delete"), "the job's training pod, followed to completion"),
+    ("", "events", ("create",), "Kopf posts handler outcomes as events"),
+    ("", "namespaces", ("list", "watch"), "Kopf discovers the namespaces it serves"),
+    ("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"), "Kopf discovers the CRDs it serves"),
+    ("kopf.dev", "clusterkopfpeerings", ("get", "list", "watch", "patch"), "one active operator (Kopf peering)"),
+]
+
+
+def allowed(group: str, resource: str, verb: str) -> bool:
+    return any(g == group and r == resource and verb in verbs for g, r, verbs, _ in RULES)
+
+
+def cluster_role(name: str = "tensile-operator") -> dict:
+    """The ClusterRole the chart installs for the operator's service account."""
+    merged: dict[tuple[str, str], set[str]] = {}
+    for group, resource, verbs, _ in RULES:
+        merged.setdefault((group, resource), set()).update(verbs)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": name},
+        "rules": [{"apiGroups": [g], "resources": [r], "verbs": sorted(v)} for (g, r), v in merged.items()],
+    }

@@ -1,0 +1,248 @@
+"""A cluster on one machine for operator tests: the emulator, the real operator, and test kubelets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import kmock
+import yaml
+
+from tensile.operator.admission import Admission
+from tensile.operator.forecasting import Forecaster
+from tensile.operator.main import operator
+from kube_emulator import KubeEmulator
+
+TJ = "tensile.dev/v1alpha1/trainingjobs"
+TN = "tensile.dev/v1alpha1/tensilenodes"
+GIB = 1024**3
+
+
+class Cluster:
+    def __init__(self, emulator: KubeEmulator, url: str, tmp: Path):
+        self.emu = emulator
+        self.url = url
+        self.tmp = tmp
+        self.kubelet_log: list[tuple] = []
+
+    async def request(self, method: str, path: str, body=None, status_ok=(200, 201)):  # type: ignore[no-untyped-def]
+        async with self.emu.request(method, path, json=body, headers={"Content-Type": "application/merge-patch+json"}) as r:
+            data = await r.json(content_type=None)
+            assert r.status in status_ok, (r.status, data)
+            return data
+
+    async def apply(self, manifest: dict, namespace: str = "default") -> dict:
+        manifest = dict(manifest, metadata=dict(manifest["metadata"], namespace=namespace))
+        return await self.request("POST", f"/apis/tensile.dev/v1alpha1/namespaces/{namespace}/trainingjobs", manifest)
+
+    async def delete(self, name: str, namespace: str = "default") -> None:
+        await self.request("DELETE", f"/apis/tensile.dev/v1alpha1/namespaces/{namespace}/trainingjobs/{name}", status_ok=(200, 202, 404))
+
+    async def annotate(self, name: str, annotations: dict, namespace: str = "default") -> None:
+        await self.request("PATCH", f"/apis/tensile.dev/v1alpha1/namespaces/{namespace}/trainingjobs/{name}",
+                           {"metadata": {"annotations": annotations}})
+
+    async def publish_node(self, name: str, gpus: list[dict], agent: str | None = None) -> None:
+        body = {"apiVersion": "tensile.dev/v1alpha1", "kind": "TensileNode", "metadata": {"name": name}}
+        if self.emu.get(TN, None, name) is None:
+            await self.request("POST", "/apis/tensile.dev/v1alpha1/tensilenodes", body)
+        status = {"gpus": gpus, "agentAddress": agent, "updatedAt": "2026-01-01T00:00:00Z"}
+        await self.request("PATCH", f"/apis/tensile.dev/v1alpha1/tensilenodes/{name}/status", {"status": status})
+
+    def job(self, name: str, namespace: str = "default") -> dict | None:
+        return self.emu.get(TJ, namespace, name)
+
+    def jobs(self) -> list[dict]:
+        return self.emu.items(TJ)
+
+    def pods(self) -> list[dict]:
+        return self.emu.items("v1/pods")
+
+    async def set_pod_status(self, pod: dict, status: dict) -> None:
+        meta = pod["metadata"]
+        for attempt in range(20):  # a kubelet retries its status updates
+            async with self.emu.request("PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
+                                        json={"status": status}, headers={"Content-Type": "application/merge-patch+json"}) as r:
+                self.kubelet_log.append((meta["name"], meta["uid"], status.get("phase"), r.status))
+                if r.status == 200:
+                    return
+            await asyncio.sleep(0.1)
+
+    async def wait(self, predicate: Callable[[], object], timeout: float = 30.0, what: str = "") -> object:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"timed out waiting for {what or predicate}")
+            await asyncio.sleep(0.05)
+
+
+def simulated_gpu(uuid: str, gib: float, name: str = "Simulated GPU") -> dict:
+    memory = int(gib * GIB)
+    return {"uuid": uuid, "name": name, "index": 0, "memoryBytes": memory, "capacityBytes": memory, "simulated": True}
+
+
+@contextlib.asynccontextmanager
+async def cluster(tmp: Path) -> AsyncIterator[Cluster]:
+    async with KubeEmulator() as emu, kmock.Server(emu) as server:
+        url = str(server.url).rstrip("/")
+        kubeconfig = tmp / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "test",
+            "clusters": [{"name": "emu", "cluster": {"server": url}}],
+            "users": [{"name": "op", "user": {"token": "test"}}],
+            "contexts": [{"name": "test", "context": {"cluster": "emu", "user": "op"}}],
+        }))
+        old = os.environ.get("KUBECONFIG")
+        os.environ["KUBECONFIG"] = str(kubeconfig)
+        c = Cluster(emu, url, tmp)
+        await c.request("POST", "/apis/kopf.dev/v1/clusterkopfpeerings",
+                        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "tensile"}})
+        try:
+            yield c
+        finally:
+            if old is None:
+                os.environ.pop("KUBECONFIG", None)
+            else:
+                os.environ["KUBECONFIG"] = old
+
+
+class RunningOperator:
+    def __init__(self, app: Admission, task: asyncio.Task, stop: asyncio.Event):
+        self.app, self.task, self.stop_flag = app, task, stop
+
+    async def stop(self) -> None:
+        self.stop_flag.set()
+        try:
+            await asyncio.wait_for(self.task, 15)
+        except (TimeoutError, asyncio.CancelledError):
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+
+async def start_operator(forecaster: Forecaster, webhook=None, **kwargs) -> RunningOperator:  # type: ignore[no-untyped-def]
+    app = Admission(forecaster, token_key=b"test-key", **kwargs)
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.get_running_loop().create_task(operator(app, webhook=webhook, stop_flag=stop, ready_flag=ready))
+    await asyncio.wait_for(app.ready.wait(), 30)
+    return RunningOperator(app, task, stop)
+
+
+async def fake_kubelet(c: Cluster, run_seconds: Callable[[dict], float] = lambda pod: 0.3, fail: set[str] = frozenset()) -> None:
+    """Marks each new pod Running, then Succeeded (or Failed) after `run_seconds(pod)`."""
+    started: set[str] = set()
+
+    async def lifecycle(pod: dict) -> None:
+        await c.set_pod_status(pod, {"phase": "Running"})
+        await asyncio.sleep(run_seconds(pod))
+        if c.emu.get("v1/pods", pod["metadata"]["namespace"], pod["metadata"]["name"]) is None:
+            return
+        failed = pod["metadata"]["name"] in fail
+        await c.set_pod_status(pod, {"phase": "Failed" if failed else "Succeeded", "containerStatuses": [
+            {"name": "train", "state": {"terminated": {"exitCode": 1 if failed else 0, "reason": "Error" if failed else "Completed"}}}]})
+
+    tasks = []
+    try:
+        while True:
+            await asyncio.sleep(0.05)
+            for t in [t for t in tasks if t.done() and not t.cancelled() and t.exception()]:
+                raise t.exception()  # type: ignore[misc]
+            for pod in c.emu.new_items("v1/pods", started):
+                uid = pod["metadata"]["uid"]
+                if uid not in started:
+                    started.add(uid)
+                    tasks.append(asyncio.create_task(lifecycle(pod)))
+            await asyncio.sleep(0.05)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def process_kubelet(c: Cluster, workdir: Path, root: Path, logs: dict[str, str]) -> None:
+    """Runs each new pod for real: init containers, then the first container, as local processes.
+
+    Volume mounts become folders under `workdir`; mount paths in env values and commands are
+    rewritten to them. The main container runs in `root` (the image's working directory)."""
+    started: set[str] = set()
+
+    async def run(cmd: list[str], env: dict[str, str], cwd: Path = root) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(*cmd, env=env, cwd=cwd, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.STDOUT)
+        out, _ = await proc.communicate()
+        return proc.returncode or 0, out.decode(errors="replace")
+
+    async def lifecycle(pod: dict) -> None:
+        name = pod["metadata"]["name"]
+        volumes = {v["name"]: workdir / name / v["name"] for v in pod["spec"].get("volumes") or []}
+
+        def translate(container: dict) -> tuple[list[str], dict[str, str]]:
+            mounts = {m["mountPath"]: str(volumes[m["name"]]) for m in container.get("volumeMounts") or []}
+
+            def sub(text: str) -> str:
+                for path, host in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
+                    text = text.replace(path, host)
+                return text
+
+            cmd = [sub(a) for a in (container.get("command") or []) + (container.get("args") or [])]
+            cmd = [sys.executable if a == "python" else a for a in cmd]
+            env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
+            env |= {e["name"]: sub(e.get("value", "")) for e in container.get("env") or []}
+            return cmd, env
+
+        for path in volumes.values():
+            path.mkdir(parents=True, exist_ok=True)
+        output = []
+        for init in pod["spec"].get("initContainers") or []:
+            cmd, env = translate(init)
+            # the Tensile image has tensile installed, and no source tree in its working directory
+            # (a top-level `operator` folder there would shadow the standard library's)
+            image_path = [p for p in sys.path[1:] if p and Path(p).resolve() != root.resolve()]
+            env["PYTHONPATH"] = os.pathsep.join(image_path)
+            code, out = await run(cmd, env, cwd=workdir)
+            output.append(out)
+            if code:
+                logs[name] = "".join(output)
+                await c.set_pod_status(pod, {"phase": "Failed", "message": f"init container failed: {out[-500:]}"})
+                return
+        await c.set_pod_status(pod, {"phase": "Running"})
+        container = pod["spec"]["containers"][0]
+        cmd, env = translate(container)
+        code, out = await run(cmd, env)
+        output.append(out)
+        logs[name] = "".join(output)
+        await c.set_pod_status(pod, {"phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [
+            {"name": container["name"], "state": {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}}}]})
+
+    tasks = []
+    try:
+        while True:
+            for pod in c.emu.new_items("v1/pods", started):
+                if pod["metadata"]["uid"] not in started:
+                    started.add(pod["metadata"]["uid"])
+                    tasks.append(asyncio.create_task(lifecycle(pod)))
+            await asyncio.sleep(0.05)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def trainingjob(name: str, model: str | None = "vgg16", batch: int = 1, command: list[str] | None = None, **spec) -> dict:  # type: ignore[no-untyped-def]
+    workload = {"model": model, "batchSize": batch} if model else {"profile": spec.pop("profile", "custom")}
+    body = {"workload": workload, "template": {"spec": {"containers": [
+        {"name": "train", "image": "example", "command": command or ["python", "-c", "pass"]}]}}}
+    body.update(spec)
+    return {"apiVersion": "tensile.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": name}, "spec": body}
+
+
+def jitter(low: float, high: float) -> Callable[[dict], float]:
+    rng = random.Random(0)
+    return lambda pod: rng.uniform(low, high)
