@@ -137,3 +137,58 @@ def test_prediction_needs_no_torch(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "calibrated"
+
+
+def _measured(ops_seconds, phase_seconds):
+    from tensile.latency.calibrate import Measured
+    from tensile.latency.measure import StepTiming
+    from tensile.latency.probes import Probe
+
+    ops = [o for o, _ in ops_seconds]
+    return Measured(Probe("head", ()), StepTiming(ops, [s for _, s in ops_seconds], sum(phase_seconds.values()), 0.0,
+                                                  phase_seconds))
+
+
+def test_gap_fit_is_led_by_many_cheap_ops_not_one_noisy_big_op():
+    """Gap 10 us per op: a probe of 1000 1-us ops shows it; a probe with one 1 s op timed 5% off must not
+    move it (its residual of 50 ms over 3 ops would be a 17 ms 'gap')."""
+    from tensile.latency.calibrate import fit_gaps
+
+    def ops(n, phase):
+        return [Op(i, "aten.add.Tensor", phase, (), (), shapes=((4,),)) for i in range(n)]
+
+    many = _measured([(o, 1e-6) for o in ops(1000, "forward")], {"forward": 1000 * 11e-6})
+    noisy = _measured([(o, s) for o, s in zip(ops(3, "forward"), (1.0, 1e-6, 1e-6))], {"forward": 1.05 + 3e-5})
+    gaps = fit_gaps([many, noisy])
+    assert gaps["forward"] == pytest.approx(10e-6, rel=0.05)
+    assert gaps["backward"] == 0.0
+
+
+def test_training_samples_are_deduplicated_by_op_key():
+    from tensile.latency.calibrate import deduplicated
+
+    a = Op(0, "aten.add.Tensor", "forward", (), (), shapes=((8, 8), (8, 8)))
+    b = Op(1, "aten.add.Tensor", "forward", (), (), shapes=((8, 8), (8, 8)))
+    c = Op(2, "aten.add.Tensor", "forward", (), (), shapes=((16, 8), (16, 8)))
+    ops, seconds, utils = deduplicated([a, b, c, a], [1.0, 3.0, 5.0, 100.0], [0.0, 0.0, 0.5, 0.0])
+    assert len(ops) == 2 and sorted(seconds) == [3.0, 5.0] and sorted(utils) == [0.0, 0.5]
+
+
+def test_phase_fit_recovers_scale_and_gap():
+    """Bare phase time = 0.8 x (ops timed one by one) + 12 us per op: both come back; predictions in an
+    iteration use them, an op's own time (include_gaps=False) does not."""
+    from tensile.latency.calibrate import fit_phases
+    from tensile.latency.predict import predict_seconds
+
+    probes = []
+    for n, each in ((2000, 2e-6), (50, 4e-3), (400, 1e-4), (10, 2e-2)):
+        ops = [Op(i, "aten.add.Tensor", "backward", (), (), shapes=((4,),)) for i in range(n)]
+        probes.append(_measured([(o, each) for o in ops], {"backward": 0.8 * n * each + 12e-6 * n}))
+    gaps, scales = fit_phases(probes)
+    assert scales["backward"] == pytest.approx(0.8, rel=0.02) and gaps["backward"] == pytest.approx(12e-6, rel=0.05)
+    assert scales["forward"] == 1.0 and gaps["forward"] == 0.0
+    model = synthetic_model(cpu_key())
+    model.roofline = Roofline(ROOF.flops_per_second, ROOF.bytes_per_second, ROOF.op_overhead, gaps, scales)
+    add = Op(0, "aten.add.Tensor", "backward", (), (), shapes=((1 << 16,),), dtypes=("float32",), bytes_moved=3 << 18)
+    alone = predict_seconds([add], model, include_gaps=False)[0]
+    assert predict_seconds([add], model)[0] == pytest.approx(0.8 * alone + 12e-6)

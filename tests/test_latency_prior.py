@@ -104,3 +104,32 @@ def test_every_family_appears_in_probe_traces_with_fixed_length_features():
 
 
 FEATURES_FAMILIES = set(FAMILIES)
+
+
+def test_conv_features_carry_output_size_and_implicit_gemm():
+    """A 7x7 stride-2 stem: output 112x112; GEMM M = n*112*112, K = 3*7*7, N = 64; grouped convs divide K, N."""
+    from tensile.latency.families import conv_output
+
+    stem = op("aten.convolution.default", [(2, 3, 224, 224), (64, 3, 7, 7)], params=(None, 2, 2, 3, 3, 1, 1, False, 0, 0, 1))
+    assert conv_output(conv_geometry(stem)) == (112, 112)
+    lg = lambda x: math.log2(1 + x)  # noqa: E731
+    vector = features(stem, "conv")
+    assert lg(112) in vector and lg(2 * 112 * 112) in vector and lg(3 * 49) in vector
+    grouped = op("aten.convolution.default", [(1, 64, 56, 56), (64, 2, 3, 3)], params=(None, 1, 1, 1, 1, 1, 1, False, 0, 0, 32))
+    g = conv_geometry(grouped)
+    assert g["groups"] == 32 and conv_output(g) == (56, 56)
+    assert lg(2 * 9) in features(grouped, "conv")  # K = cin/groups * kernel
+    asym = op("aten.convolution.default", [(1, 128, 17, 17), (192, 128, 1, 7)], params=(None, 1, 1, 0, 3, 1, 1, False, 0, 0, 1))
+    assert conv_output(conv_geometry(asym)) == (17, 17)
+
+
+def test_default_grid_probes_the_zoo_at_calibration_batches_only():
+    from tensile.latency.probes import ZOO_CALIBRATION_BATCHES, ZOO_MODELS
+
+    default = make_grid("default")
+    zoo = [p for p in default if p.kind == "zoo"]
+    assert default[: len(zoo)] == zoo  # measured first: a budget cut keeps them
+    assert {(p.params["model"], p.params["batch"]) for p in zoo} == {
+        (m, b) for m in ZOO_MODELS for b in ZOO_CALIBRATION_BATCHES}
+    assert not any(p.kind == "zoo" for p in make_grid("quick")) and not any(p.kind == "zoo" for p in make_grid("holdout", 1))
+    assert 2 not in ZOO_CALIBRATION_BATCHES  # the accuracy benchmark evaluates the zoo at batch 2

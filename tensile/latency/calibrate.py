@@ -21,6 +21,7 @@ import torch
 from tensile.errors import TensileUserError
 from tensile.latency.device import cpu_key, cpu_name, gpu_utilization
 from tensile.latency.families import FAMILIES, family_of, features
+from tensile.latency.online import op_key
 from tensile.latency.measure import StepTiming, measure_roofline, measure_step
 from tensile.latency.prior import Roofline, compute_seconds
 from tensile.latency.probes import Probe, build_step, make_grid
@@ -61,7 +62,9 @@ def measure_probes(probes: Iterable[Probe], device_type: str, *, timed: int = 3,
         try:
             step = build_step(probe, device_type)
             utilization = (gpu_utilization() or 0.0) if device_type == "cuda" else 0.0
-            results.append(Measured(probe, measure_step(step, device_type, timed, plain, utilization=utilization)))
+            # a zoo model's iteration is seconds long and repeats its blocks: 2 timed iterations suffice
+            n_timed = min(timed, 2) if probe.kind == "zoo" else timed
+            results.append(Measured(probe, measure_step(step, device_type, n_timed, plain, utilization=utilization)))
             del step
         except torch.OutOfMemoryError:  # a probe too large for this device: skip it, keep calibrating
             if device_type == "cuda":
@@ -71,21 +74,44 @@ def measure_probes(probes: Iterable[Probe], device_type: str, *, timed: int = 3,
     return results
 
 
-def fit_gaps(measured: list[Measured]) -> dict[str, float]:
-    """Host seconds per op in each phase: bare phase time minus its summed op times, over its op count.
+def fit_phases(measured: list[Measured]) -> tuple[dict[str, float], dict[str, float]]:
+    """(gaps, scales): per phase, bare phase time T = scale * (sum of its ops' measured times) + gap * ops.
 
-    The median over probes, so one probe's timing noise (milliseconds on a big op) cannot swamp a
-    gap of microseconds; never negative.
+    The gap is the host time between ops (Python, autograd, the optimizer's loop); the scale absorbs
+    what timing ops one by one adds or hides (cache state, the timer itself), as seen in whole bare
+    iterations. Least squares weighted by 1 / T^2, since timing noise grows with the phase's length:
+    probes with many cheap ops decide the gap, long ones the scale, and one probe's noise on a big op
+    cannot swamp a gap of microseconds. The gap is never negative and the scale stays in [0.5, 2].
     """
-    gaps = {}
+    gaps, scales = {}, {}
     for phase in PHASES:
-        estimates = []
+        rows = []
         for m in measured:
             in_phase = [s for op, s in zip(m.timing.ops, m.timing.seconds) if op.phase == phase]
-            if in_phase and phase in m.timing.phase_seconds:
-                estimates.append((m.timing.phase_seconds[phase] - sum(in_phase)) / len(in_phase))
-        gaps[phase] = max(float(np.median(estimates)), 0.0) if estimates else 0.0
-    return gaps
+            total = m.timing.phase_seconds.get(phase)
+            if in_phase and total:
+                rows.append((total, sum(in_phase), float(len(in_phase))))
+        if not rows:
+            gaps[phase], scales[phase] = 0.0, 1.0
+            continue
+        t, s, c = (np.array(v) for v in zip(*rows))
+        w = 1.0 / t**2
+        a = np.array([[np.sum(w * s * s), np.sum(w * s * c)], [np.sum(w * s * c), np.sum(w * c * c)]])
+        b = np.array([np.sum(w * s * t), np.sum(w * c * t)])
+        try:
+            scale, gap = np.linalg.solve(a, b)
+        except np.linalg.LinAlgError:
+            scale, gap = 1.0, -1.0
+        if not (np.isfinite(scale) and np.isfinite(gap)) or gap < 0 or not 0.5 <= scale <= 2.0:
+            scale = 1.0  # keep the op times as measured; fit the gap alone
+            gap = max(float(np.sum(w * c * (t - s)) / np.sum(w * c * c)), 0.0)
+        gaps[phase], scales[phase] = float(gap), float(scale)
+    return gaps, scales
+
+
+def fit_gaps(measured: list[Measured]) -> dict[str, float]:
+    """Host seconds per op in each phase (see fit_phases)."""
+    return fit_phases(measured)[0]
 
 
 def family_samples(measured: list[Measured]) -> dict[str, tuple[list, list[float], list[float]]]:
@@ -102,6 +128,20 @@ def family_samples(measured: list[Measured]) -> dict[str, tuple[list, list[float
     return dict(samples)
 
 
+def deduplicated(ops: list, seconds: list[float], utils: list[float]) -> tuple[list, list[float], list[float]]:
+    """One sample per distinct op (family, name, shapes, params): the median of its timings.
+
+    A zoo model repeats its blocks (BERT's twelve layers, the optimizer's per-parameter loop over equal
+    shapes); their median is a less noisy target, and the MLP does not weight a shape by how often it repeats.
+    """
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, op in enumerate(ops):
+        groups[op_key(op)].append(i)
+    keep = [members[0] for members in groups.values()]
+    return ([ops[i] for i in keep], [float(np.median([seconds[j] for j in members])) for members in groups.values()],
+            [float(np.mean([utils[j] for j in members])) for members in groups.values()])
+
+
 def training_arrays(ops: list, seconds: list[float], utils: list[float], family: str,
                     roofline: Roofline) -> tuple[np.ndarray, np.ndarray]:
     x = np.array([features(op, family, u) for op, u in zip(ops, utils)], dtype=np.float64)
@@ -112,8 +152,8 @@ def training_arrays(ops: list, seconds: list[float], utils: list[float], family:
 def fit_model(measured: list[Measured], roofline: Roofline, key: str, name: str, kind: str, meta: dict,
               steps: int = 1500, on_family=None) -> LatencyModel:  # type: ignore[no-untyped-def]
     """Gaps, the view-op constant and one MLP per family with enough samples."""
-    roofline = Roofline(roofline.flops_per_second, roofline.bytes_per_second, roofline.op_overhead,
-                        fit_gaps(measured) if kind == "cpu" else {})
+    gaps, scales = fit_phases(measured) if kind == "cpu" else ({}, {})
+    roofline = Roofline(roofline.flops_per_second, roofline.bytes_per_second, roofline.op_overhead, gaps, scales)
     samples = family_samples(measured)
     counts = {f: len(s[0]) for f, s in samples.items()}
     view = samples.pop("view", None)
@@ -121,7 +161,7 @@ def fit_model(measured: list[Measured], roofline: Roofline, key: str, name: str,
     families = {}
     for family in FAMILIES:
         if family in samples and len(samples[family][0]) >= MIN_SAMPLES:
-            x, y = training_arrays(*samples[family], family, roofline)
+            x, y = training_arrays(*deduplicated(*samples[family]), family, roofline)
             families[family] = fit_mlp(x, y, steps=steps, seed=FAMILIES.index(family))
         if on_family is not None:
             on_family(family)
@@ -179,7 +219,8 @@ def describe(model: LatencyModel) -> list[tuple[str, str]]:
             ("matmul rate", f"{r.flops_per_second / 1e9:,.1f} GFLOP/s"),
             ("copy bandwidth", f"{r.bytes_per_second / 1e9:,.1f} GB/s"),
             ("per-op floor", f"{r.op_overhead * 1e6:,.1f} us"),
-            ("host gap per op", ", ".join(f"{k} {v * 1e6:,.1f} us" for k, v in r.gaps.items()) or "hidden (GPU)")]
+            ("host gap per op", ", ".join(f"{k} {v * 1e6:,.1f} us" for k, v in r.gaps.items()) or "hidden (GPU)"),
+            ("in-iteration scale", ", ".join(f"{k} x{v:.2f}" for k, v in r.scales.items()) or "none")]
     samples = model.meta.get("samples", {})
     for family in FAMILIES:
         status = "MLP" if family in model.families else "prior"

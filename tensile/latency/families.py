@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from tensile.workload import Op
 
-FEATURE_VERSION = 1
+FEATURE_VERSION = 2
 
 # Ops that only make a new view or an uninitialised allocation: no data moves, cost is dispatch.
 VIEW_OPS = frozenset({
@@ -141,14 +141,38 @@ def conv_geometry(op: Op) -> dict[str, float]:
         "dilation": sum(int(d or 1) for d in dilation) / len(dilation), "groups": groups,
         "backward": float(backward), "mask_in": mask[0], "mask_w": mask[1] if len(mask) > 1 else 1.0,
         "mask_b": mask[2] if len(mask) > 2 else 0.0,
+        # per spatial dim (first, then the last) for output sizes: Inception pads a 1x7 kernel (0, 3)
+        "stride_h": int(stride[0] or 1), "stride_w": int(stride[-1] or 1), "pad_h": int(padding[0] or 0),
+        "pad_w": int(padding[-1] or 0), "dil_h": int(dilation[0] or 1), "dil_w": int(dilation[-1] or 1),
     }
 
 
+def conv_output(g: dict[str, float]) -> tuple[int, int]:
+    """Output height and width of a convolution from its geometry."""
+    def out(size: float, k: float, stride: int, pad: int, dilation: int) -> int:
+        return max(int((size + 2 * pad - dilation * (k - 1) - 1) // max(stride, 1)) + 1, 1)
+
+    return (out(g["h"], g["kh"], g["stride_h"], g["pad_h"], g["dil_h"]),
+            out(g["w"], g["kw"], g["stride_w"], g["pad_w"], g["dil_w"]))
+
+
 def _conv(op: Op) -> list[float]:
+    """Geometry, plus the implicit GEMM a CPU / GPU convolution runs: M = n*out pixels, K = cin/g*kernel,
+    N = cout/g, and the tensor sizes (input, weight, output) that set its memory traffic."""
     g = conv_geometry(op)
+    groups = max(int(g["groups"]), 1)
+    oh, ow = conv_output(g)
+    cin_g, cout_g = g["cin"] / groups, g["cout"] / groups
+    gemm_m, gemm_k = g["n"] * oh * ow, cin_g * g["kh"] * g["kw"]
+    x_numel = g["n"] * g["cin"] * g["h"] * g["w"]
+    w_numel = g["cout"] * cin_g * g["kh"] * g["kw"]
+    y_numel = g["n"] * g["cout"] * oh * ow
     return [_lg(g["n"]), _lg(g["cin"]), _lg(g["h"]), _lg(g["w"]), _lg(g["cout"]), _lg(g["kh"]), _lg(g["kw"]),
-            g["stride"], g["padding"], g["dilation"], _lg(g["groups"]), float(g["groups"] == g["cin"] and g["groups"] > 1),
-            g["backward"], g["mask_in"], g["mask_w"], g["mask_b"]]
+            g["stride"], g["padding"], g["dilation"], _lg(groups), float(groups == g["cin"] and groups > 1),
+            g["backward"], g["mask_in"], g["mask_w"], g["mask_b"],
+            _lg(oh), _lg(ow), _lg(cin_g), _lg(cout_g), _lg(gemm_m), _lg(gemm_k), _lg(x_numel), _lg(w_numel),
+            _lg(y_numel), float(g["kh"] * g["kw"] == 1), float(g["kh"] != g["kw"]),
+            float(int(g["cin"]) % 16 == 0), float(int(g["cout"]) % 16 == 0)]
 
 
 def _matmul(op: Op) -> list[float]:

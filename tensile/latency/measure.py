@@ -93,17 +93,22 @@ class StepTiming:
 
 def measure_step(step: TrainingStep, device_type: str, timed: int = 3, plain: int = 2, warmup: int = 1,
                  utilization: float = 0.0) -> StepTiming:
-    """Warm up, time `plain` bare iterations, then `timed` iterations op by op; medians of both."""
+    """Warm up, then alternate bare iterations (`plain` of them) with op-by-op timed ones (`timed`);
+    medians of both. Alternating keeps a shared machine's load drift out of the bare-minus-ops
+    difference the host gaps are fitted from."""
     for _ in range(warmup):
         time_plain_iteration(step, device_type)
-    plain_runs = [time_plain_iteration(step, device_type) for _ in range(plain)]
-    plain_times = [total for total, _ in plain_runs]
+    plain_runs: list[tuple[float, dict[str, float]]] = []
     runs: list[list[float]] = []
     ops: list[Op] = []
-    for _ in range(timed):
+    for i in range(max(timed, plain)):
+        if i < plain:
+            plain_runs.append(time_plain_iteration(step, device_type))
+        if i >= timed:
+            continue
         step.zero_grad()
         recorder = TimingRecorder(device_type)
-        step.phase_listener = lambda phase: setattr(recorder, "phase", phase)
+        step.phase_listener = lambda phase, recorder=recorder: setattr(recorder, "phase", phase)
         synchronize(device_type)
         try:
             with recorder:
@@ -117,6 +122,7 @@ def measure_step(step: TrainingStep, device_type: str, timed: int = 3, plain: in
         ops = ops or recorder.ops
         runs.append(seconds)
     step.zero_grad()
+    plain_times = [total for total, _ in plain_runs]
     medians = [statistics.median(values) for values in zip(*runs)]
     phases = {phase: statistics.median(run[phase] for _, run in plain_runs if phase in run)
               for phase in {p for _, run in plain_runs for p in run}}

@@ -50,7 +50,7 @@ def predict_seconds(ops: Sequence[Op], model: LatencyModel | None, prior: Roofli
         roofline = prior if include_gaps else Roofline(prior.flops_per_second, prior.bytes_per_second, prior.op_overhead)
         return np.array([prior_seconds(op, roofline) for op in ops], dtype=np.float64)
     roofline = model.roofline
-    if not include_gaps:
+    if not include_gaps:  # the op alone: no host gaps, no in-iteration scale
         roofline = Roofline(roofline.flops_per_second, roofline.bytes_per_second, roofline.op_overhead)
     out = np.empty(len(ops), dtype=np.float64)
     by_family: dict[str, list[int]] = defaultdict(list)
@@ -67,7 +67,8 @@ def predict_seconds(ops: Sequence[Op], model: LatencyModel | None, prior: Roofli
         x = np.array([features(ops[i], family, utilization) for i in indices], dtype=np.float64)
         base = np.array([compute_seconds(ops[i], roofline, family) for i in indices])
         gaps = np.array([gap_seconds(ops[i], roofline) for i in indices])
-        out[indices] = base * np.exp(mlp.log_correction(x)) + gaps
+        scales = np.array([roofline.scales.get(ops[i].phase, 1.0) for i in indices]) if include_gaps else 1.0
+        out[indices] = base * np.exp(mlp.log_correction(x)) * scales + gaps
     return out
 
 

@@ -27,6 +27,8 @@ class Roofline:
     bytes_per_second: float
     op_overhead: float  # seconds every op costs however small (dispatch / launch)
     gaps: dict[str, float] = field(default_factory=dict)  # phase -> seconds of host time between ops
+    # phase -> factor from an op's time measured on its own to its share of a bare iteration (1 if absent)
+    scales: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_spec(cls, spec: DeviceSpec, kind: str) -> Roofline:
@@ -41,7 +43,8 @@ class Roofline:
     @classmethod
     def from_dict(cls, data: dict) -> Roofline:
         return cls(float(data["flops_per_second"]), float(data["bytes_per_second"]), float(data["op_overhead"]),
-                   {str(k): float(v) for k, v in dict(data.get("gaps", {})).items()})
+                   {str(k): float(v) for k, v in dict(data.get("gaps", {})).items()},
+                   {str(k): float(v) for k, v in dict(data.get("scales", {})).items()})
 
 
 def effective_bytes(op: Op, family: str | None = None) -> float:

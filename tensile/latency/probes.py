@@ -107,14 +107,29 @@ GRIDS = {  # probes of each kind
     "quick": {"conv": 4, "linear": 3, "attention": 2, "embedding": 1, "head": 1},
     "holdout": {"conv": 50, "linear": 30, "attention": 12, "embedding": 8, "head": 8},  # evaluation only
 }
+# The default grid also trains each zoo model one step at these batch sizes, so the real layers (VGG's
+# 103M-element FC weight, GPT-2's 50257-row LM head, grouped / 7x1 / strided convolutions, the optimizer
+# on every parameter shape) are in the calibration data. Evaluation uses other batch sizes
+# (EVALUATION_BATCH in benchmarks/latency_accuracy.py), so its activation shapes are never trained on.
+ZOO_CALIBRATION_BATCHES = (1, 3)
+ZOO_MODELS = ("vgg16", "inception_v3", "inception_v4", "resnet50", "densenet121", "bert_base", "gpt2")
 
 
-def make_grid(grid: str = "default", seed: int = 0, device_type: str = "cpu") -> list[Probe]:
-    """The probes of a named grid; the quick grid uses small shapes so a run takes seconds."""
+def zoo_probes(batches: tuple[int, ...] = ZOO_CALIBRATION_BATCHES, models: tuple[str, ...] = ZOO_MODELS) -> list[Probe]:
+    """One probe per zoo model and batch size: the model's own layers, trained one step with Adam."""
+    return [Probe("zoo", (("batch", int(b)), ("model", m)), "adam", False) for m in models for b in batches]
+
+
+def make_grid(grid: str = "default", seed: int = 0, device_type: str = "cpu", zoo: bool | None = None) -> list[Probe]:
+    """The probes of a named grid; the quick grid uses small shapes so a run takes seconds.
+
+    `zoo` (default: only for the "default" grid) puts the zoo models at ZOO_CALIBRATION_BATCHES first,
+    so a calibration cut short by its time budget still has them.
+    """
     counts = GRIDS[grid]
     scale = 0.02 if grid == "quick" else (1.0 if device_type == "cpu" else 8.0)
     rng = random.Random(f"{grid}-{seed}")
-    probes = []
+    probes = zoo_probes() if (grid == "default" if zoo is None else zoo) else []
     for kind, count in counts.items():
         for _ in range(count):
             config = _MAKERS[kind](rng, scale)
@@ -234,6 +249,8 @@ def _fresh(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 def build_step(probe: Probe, device: str) -> TrainingStep:
     """The probe as a training step on `device` (inputs made once, as a data loader would)."""
     c = probe.params
+    if probe.kind == "zoo":
+        return _zoo_step(c["model"], c["batch"], device, probe.foreach)
     torch.manual_seed(0)
     with torch.device(device):
         if probe.kind == "conv":
@@ -264,3 +281,19 @@ def build_step(probe: Probe, device: str) -> TrainingStep:
     model.train()
     optimizer = _OPTIMIZERS[probe.optimizer](model.parameters(), probe.foreach)
     return TrainingStep(model, batch, loss_fn, [optimizer])
+
+
+def _zoo_step(name: str, batch: int, device: str, foreach: bool) -> TrainingStep:
+    """A zoo model's training step as a job runs it (Adam; foreach as the device defaults on CUDA)."""
+    import warnings
+
+    from tensile.zoo import build_zoo_parts
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, data, loss_fn, _ = build_zoo_parts(name, batch, device="meta" if device == "meta" else "cpu")
+        if device not in ("meta", "cpu"):
+            model = model.to(device)
+            data = tuple(t.to(device) for t in data)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True if device == "cuda" else (foreach or None))
+    return TrainingStep(model, data, loss_fn, [optimizer])
