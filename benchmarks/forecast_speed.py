@@ -83,7 +83,7 @@ def main() -> None:
         "forecast_seconds": full,
     }
     table = Table(title=f"{MODEL} batch {BATCH}: forecast vs bare meta trace (median of {REPEATS})")
-    for column in ("bare trace s", "forecast s (trace + analysis)", "ratio", "targets"):
+    for column in ("bare trace s", "forecast s (trace, latencies, plan)", "ratio", "targets"):
         table.add_column(column, justify="right")
     table.add_row(f"{bare_median:.3f}", f"{full_median:.3f}", f"{full_median / bare_median:.2f}x", "< 3 s, <= 1.6x")
     Console().print(table)
