@@ -26,6 +26,13 @@ class Event:
         return asdict(self)
 
 
+def memory_saving_rate(vanilla_peak_bytes: int, scheduled_peak_bytes: int) -> float:
+    """The paper's MSR, (VMP - EMP) / VMP."""
+    if not vanilla_peak_bytes:
+        return 0.0
+    return (vanilla_peak_bytes - scheduled_peak_bytes) / vanilla_peak_bytes
+
+
 @dataclass(slots=True)
 class Forecast:
     """The numbers the operator admits by and the dashboards show beside the observed ones."""
@@ -37,10 +44,7 @@ class Forecast:
 
     @property
     def msr(self) -> float:
-        """Memory saving rate (VMP - EMP) / VMP."""
-        if not self.vanilla_peak_bytes:
-            return 0.0
-        return (self.vanilla_peak_bytes - self.scheduled_peak_bytes) / self.vanilla_peak_bytes
+        return memory_saving_rate(self.vanilla_peak_bytes, self.scheduled_peak_bytes)
 
     @property
     def predicted_eor(self) -> float:

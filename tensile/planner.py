@@ -21,7 +21,7 @@ import numpy as np
 
 from tensile.errors import TensileUserError
 from tensile.peak import analyze_plan, analyze_vanilla
-from tensile.plan import Event, Forecast, Plan
+from tensile.plan import Event, Forecast, Plan, memory_saving_rate
 from tensile.recompute import Recompute, chain_inputs, msps, recompute_option
 from tensile.swap_scheduling import Channel, Transfer, gap_at, place_swap
 from tensile.timeline import Timeline, build_slots, slot_of, transfer_seconds
@@ -56,9 +56,7 @@ class GpuPlan:
 
     @property
     def msr(self) -> float:
-        if not self.vanilla_peak_bytes:
-            return 0.0
-        return (self.vanilla_peak_bytes - self.scheduled_peak_bytes) / self.vanilla_peak_bytes
+        return memory_saving_rate(self.vanilla_peak_bytes, self.scheduled_peak_bytes)
 
     @property
     def message(self) -> str:
