@@ -49,7 +49,7 @@ def empty_plan(workload: Workload, budget: int | None) -> Plan:
 def full_plan(workload: Workload, budget: int | None) -> Plan | None:
     from tensile.runtime_hook.plan_source import local_planner
 
-    return local_planner(HookSettings(job="bench", memory_budget=0.6))(workload, budget)
+    return local_planner(HookSettings(job="bench"), torch.device("cpu"))(workload, budget)
 
 
 def timed_iterations(parts: tuple, steps: int, planner=None, budget: float | None = None) -> tuple[list[float], list]:  # type: ignore[no-untyped-def]
