@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
-from torch.distributed._tools.mem_tracker import MemTracker
 
+from tensile.crosscheck import memtracker_peak
 from tensile.forecast import trace_workload
 from tensile.peak import analyze_vanilla
 from tensile.tracer import TrainingStep
@@ -30,19 +30,10 @@ MIB = 1024**2
 RESULTS = Path(__file__).parent / "results" / "forecast_accuracy.json"
 
 
-def memtracker_peak(model_name: str, batch_size: int) -> int:
-    """MemTracker's peak for the same steady-state step on meta (inputs added: created before tracking)."""
+def memtracker_peak_of(model_name: str, batch_size: int) -> int:
+    """MemTracker's peak for the same steady-state step, on meta."""
     model, batch, loss_fn, _ = build_zoo_parts(model_name, batch_size, device="meta")
-    optimizer = torch.optim.Adam(model.parameters())
-    step = TrainingStep(model, batch, loss_fn, [optimizer])
-    step.run()
-    step.zero_grad()
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    with tracker:
-        step.run()
-    peak = tracker.get_tracker_snapshot("peak")[torch.device("meta")]["Total"]
-    return int(peak) + sum(t.nbytes for t in batch)
+    return memtracker_peak(TrainingStep(model, batch, loss_fn, [torch.optim.Adam(model.parameters())]))
 
 
 def allocator_peak(model_name: str, batch_size: int) -> int:
@@ -77,7 +68,7 @@ def main() -> None:
         live_workload = trace_workload(name, batch_size, device="cpu", live=True)
         live = analyze_vanilla(live_workload).peak_bytes
         live_seconds = time.perf_counter() - started
-        tracked = memtracker_peak(name, batch_size)
+        tracked = memtracker_peak_of(name, batch_size)
         allocator = allocator_peak(name, batch_size)
         rows.append(
             {
