@@ -25,3 +25,38 @@ def traced():
         return _cached_trace(model, batch_size, device, optimizer, live)
 
     return get
+
+
+# --- node agent (tests/test_agent_*.py) ---------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_workload(batch_size: int) -> Workload:
+    return trace_workload("examples/tiny_mlp.py:build", batch_size)
+
+
+@pytest.fixture(scope="session")
+def tiny_workload():
+    """tiny_workload(batch_size=4) -> the traced examples/tiny_mlp.py workload (cached; do not mutate)."""
+
+    def get(batch_size: int = 4) -> Workload:
+        return _tiny_workload(batch_size)
+
+    return get
+
+
+@pytest.fixture
+def agent_server():
+    """A node agent served by uvicorn on 127.0.0.1 in a thread: agent_server(simulate=[...]) -> ThreadedAgent."""
+    from agent_harness import ThreadedAgent
+
+    started = []
+
+    def make(simulate: list[str] | None = None, **config):  # type: ignore[no-untyped-def]
+        server = ThreadedAgent(simulate, **config).__enter__()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.__exit__(None, None, None)

@@ -1,0 +1,228 @@
+"""The agent's state: the jobs of each GPU, their plans (versioned), tokens and what their hooks measured.
+
+One lock guards everything; request handlers and the planning thread hold it only for dictionary
+work, never while planning or doing I/O. Nothing is written to disk: a restarted agent rebuilds this
+from the hooks, which register again (with their tokens and plan versions) when it answers 404.
+"""
+
+from __future__ import annotations
+
+import copy
+import hmac
+import json
+import secrets
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from tensile.agent_contract import FAILED, NEEDS_WORKLOAD, PLANNED, PLANNING, JobRef
+from tensile.latency import LatencyEWMA
+from tensile.plan import Plan
+from tensile.workload import Workload
+
+from tensile.node_agent.gpus import GpuInfo, Inventory
+
+
+@dataclass
+class Observed:
+    """What the hook reported, folded: totals since registration, latest values otherwise."""
+
+    iterations: int = 0
+    peak_bytes: int | None = None
+    iteration_seconds: float | None = None
+    eor: float | None = None
+    stall_seconds: float = 0.0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    recompute_bytes: int = 0
+    plan_version: int | None = None
+    signature_match: bool | None = None
+    updated_at: float | None = None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(eq=False)
+class Job:
+    ref: JobRef
+    gpu: str  # uuid
+    token: str
+    incarnation: int  # changes on every (re-)registration that changes what is planned
+    workload: Workload | None
+    signature: str | None
+    memory_budget_bytes: int | None
+    max_swap_rate: float | None
+    recompute: bool
+    external: bool
+    latency_source: str | None = None
+    ewma: LatencyEWMA | None = None
+    planned_sum: float = 0.0  # s of the plan-updating rule: op latencies the current plan was made with
+    status: str = PLANNING
+    message: str = "waiting for the GPU's planning round"
+    plan: Plan | None = None
+    version: int = 0
+    round: int = 0
+    co_planned: list[str] = field(default_factory=list)
+    fits: bool | None = None
+    budget_bytes: int | None = None  # the GPU budget the round planned for
+    body: bytes | None = None  # the plan response, serialized once per version
+    observed: Observed = field(default_factory=Observed)
+    registered_at: float = field(default_factory=time.time)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards `ewma`
+
+    @property
+    def key(self) -> str:
+        return self.ref.key
+
+    @property
+    def plannable(self) -> bool:
+        return self.workload is not None
+
+    @property
+    def vanilla_peak(self) -> int | None:
+        return self.plan.forecast.vanilla_peak_bytes if self.plan and self.plan.forecast else None
+
+    @property
+    def scheduled_peak(self) -> int | None:
+        return self.plan.forecast.scheduled_peak_bytes if self.plan and self.plan.forecast else None
+
+    def check_token(self, token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(token.encode(), self.token.encode())
+
+    def plan_dict_shallow(self) -> dict:
+        """The plan response with the Plan object itself (cheap to take under the lock; plans are never
+        mutated once committed)."""
+        return {
+            "job": self.ref.name, "namespace": self.ref.namespace, "gpu": self.gpu, "version": self.version,
+            "status": self.status, "message": self.message, "round": self.round, "co_planned": list(self.co_planned),
+            "fits": self.fits, "budget_bytes": self.budget_bytes, "plan": self.plan,
+        }
+
+    @staticmethod
+    def encode_plan(data: dict) -> bytes:
+        """The same JSON as Plan.to_dict(), without dataclasses.asdict's deep copies (a large plan has
+        thousands of events)."""
+        plan = data["plan"]
+        body = None
+        if plan is not None:
+            f = plan.forecast
+            body = {"job": plan.job, "version": plan.version, "signature": plan.signature,
+                    "events": [{"job": e.job, "kind": e.kind, "tensor": e.tensor, "trigger": e.trigger, "delay": e.delay,
+                                "next_iteration": e.next_iteration} for e in plan.events],
+                    "forecast": {"vanilla_peak_bytes": f.vanilla_peak_bytes, "scheduled_peak_bytes": f.scheduled_peak_bytes,
+                                 "predicted_iteration_seconds": f.predicted_iteration_seconds,
+                                 "predicted_extra_seconds": f.predicted_extra_seconds} if f is not None else None}
+        return json.dumps(data | {"plan": body}, separators=(",", ":")).encode()
+
+    def plan_dict(self) -> dict:
+        return json.loads(self.encode_plan(self.plan_dict_shallow()))
+
+    def plan_body(self) -> bytes:
+        if self.body is None:
+            self.body = self.encode_plan(self.plan_dict_shallow())
+        return self.body
+
+    def view(self) -> dict:
+        """What GET /v1/jobs shows: no token, no events."""
+        forecast = self.plan.forecast if self.plan else None
+        return {
+            "job": self.ref.name, "namespace": self.ref.namespace, "gpu": self.gpu, "status": self.status,
+            "message": self.message, "signature": self.signature, "plan_version": self.version, "round": self.round,
+            "memory_budget_bytes": self.memory_budget_bytes, "max_swap_rate": self.max_swap_rate,
+            "recompute": self.recompute, "external": self.external, "latency_source": self.latency_source,
+            "events": len(self.plan.events) if self.plan else 0,
+            "forecast": {
+                "vanilla_peak_bytes": forecast.vanilla_peak_bytes,
+                "scheduled_peak_bytes": forecast.scheduled_peak_bytes,
+                "predicted_iteration_seconds": forecast.predicted_iteration_seconds,
+                "predicted_extra_seconds": forecast.predicted_extra_seconds,
+            } if forecast else None,
+            "observed": self.observed.to_dict(),
+            "registered_at": self.registered_at,
+        }
+
+
+@dataclass
+class GpuRound:
+    """The last planning round of one GPU."""
+
+    round: int = 0
+    seconds: float = 0.0
+    fits: bool | None = None
+    message: str = ""
+    budget_bytes: int | None = None
+    rounds_seconds_total: float = 0.0
+
+
+class AgentState:
+    def __init__(self, inventory: Inventory, node: str | None = None, workload_cache: int = 64) -> None:
+        self.inventory = inventory
+        self.node = node
+        self.epoch = secrets.token_hex(4)
+        self.started = time.time()
+        self.lock = threading.RLock()
+        self.jobs: dict[str, Job] = {}
+        self.rounds: dict[str, GpuRound] = {uuid: GpuRound() for uuid in inventory.gpus}
+        self.replans: Counter[tuple[str, str]] = Counter()  # (gpu, reason) -> rounds
+        self.workloads: OrderedDict[str, Workload] = OrderedDict()  # by signature, for signature-only registration
+        self._workload_cache = workload_cache
+        self._incarnations = 0
+        self.changed = threading.Event()  # set on every change the cluster publisher should see
+
+    def next_incarnation(self) -> int:
+        with self.lock:
+            self._incarnations += 1
+            return self._incarnations
+
+    def gpu(self, uuid: str) -> GpuInfo:
+        return self.inventory.gpus[uuid]
+
+    def on_gpu(self, uuid: str) -> list[Job]:
+        with self.lock:
+            return [j for j in self.jobs.values() if j.gpu == uuid]
+
+    def remember_workload(self, workload: Workload) -> None:
+        with self.lock:
+            self.workloads[workload.signature] = workload
+            self.workloads.move_to_end(workload.signature)
+            while len(self.workloads) > self._workload_cache:
+                self.workloads.popitem(last=False)
+
+    def known_workload(self, signature: str) -> Workload | None:
+        with self.lock:
+            workload = self.workloads.get(signature)
+        return copy.deepcopy(workload) if workload is not None else None
+
+    def set_status(self, job: Job, status: str, message: str) -> None:
+        job.status, job.message, job.body = status, message, None
+
+    def gpu_summary(self, uuid: str) -> dict:
+        """Inventory, live figures, committed forecasts and jobs of one GPU (for /v1/gpus, TensileNode)."""
+        gpu = self.gpu(uuid)
+        used, util = self.inventory.live(uuid)
+        with self.lock:
+            jobs = self.on_gpu(uuid)
+            if gpu.simulated:  # no NVML: what the jobs' hooks measured, plus their contexts
+                seen = [j.observed.peak_bytes for j in jobs if j.observed.peak_bytes is not None]
+                used = sum(seen) + gpu.context_bytes * len(seen)
+            last = self.rounds.get(uuid, GpuRound())
+            vanilla = sum(j.vanilla_peak or 0 for j in jobs)
+            scheduled = sum(j.scheduled_peak or 0 for j in jobs)
+            fixed = sum(j.memory_budget_bytes or 0 for j in jobs if not j.plannable)
+            views = [{"job": j.key, "external": j.external, "status": j.status, "vanilla_peak_bytes": j.vanilla_peak,
+                      "scheduled_peak_bytes": j.scheduled_peak, "observed_peak_bytes": j.observed.peak_bytes,
+                      "plan_version": j.version} for j in jobs]
+        return gpu.to_dict() | {
+            "used_bytes": used,
+            "utilization": util,
+            "jobs_count": len(views),
+            "committed": {"vanilla_peak_bytes": vanilla + fixed, "scheduled_peak_bytes": scheduled + fixed},
+            "last_round": {"round": last.round, "seconds": last.seconds, "fits": last.fits, "message": last.message,
+                           "budget_bytes": last.budget_bytes},
+            "jobs": views,
+        }
+
+
+__all__ = ["FAILED", "NEEDS_WORKLOAD", "PLANNED", "PLANNING", "AgentState", "GpuRound", "Job", "Observed"]

@@ -1,0 +1,483 @@
+"""The node agent's HTTP contract (DESIGN §7), in one place for both sides.
+
+The agent (`tensile.node_agent`, FastAPI) mirrors these shapes in pydantic models; the runtime hook's
+client (`tensile.agent_client`, standard library only) and the operator build and read them from
+here. Plain dataclasses and JSON helpers: importing this module imports neither FastAPI nor pydantic,
+so the hook can use it inside a user's training image.
+
+Wire format: JSON objects with snake_case keys; a request body may be gzip-compressed
+(`Content-Encoding: gzip`). Every job-scoped call carries the job's token in `TOKEN_HEADER`.
+
+    POST   /v1/jobs                                register (or re-register) a job -> RegisterResponse
+    GET    /v1/jobs                                all jobs with forecasts and observations (no tokens)
+    GET    /v1/jobs/{namespace}/{job}              one job                       (token)
+    DELETE /v1/jobs/{namespace}/{job}              unregister                    (token)
+    GET    /v1/jobs/{namespace}/{job}/plan         its current plan; ETag / If-None-Match -> 304 (token)
+    POST   /v1/jobs/{namespace}/{job}/measurements what the hook measured -> MeasurementsResponse (token)
+    PATCH  /v1/jobs/{namespace}/{job}/knobs        max swap rate, memory budget, recompute (token)
+    PUT    /v1/jobs/{namespace}/{job}/workload     upload the live workload (signature mismatch) (token)
+    GET    /v1/jobs/{namespace}/{job}/workload     the workload the agent plans with  (token)
+    GET    /v1/gpus, /v1/gpus/{gpu}, /v1/info, /healthz, /metrics, /openapi.json
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+import zlib
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+API_VERSION = "v1"
+PREFIX = f"/{API_VERSION}"
+DEFAULT_PORT = 8470
+TOKEN_HEADER = "X-Tensile-Token"
+ETAG_HEADER = "ETag"
+
+# Size caps (bytes). A ResNet-50 workload is a few hundred kB of JSON, a GPT-2 one a few MB.
+MAX_REGISTER_BYTES = 32 * 1024**2  # a register / workload upload body as sent (gzip or not)
+MAX_DECODED_BYTES = 128 * 1024**2  # the same body once decompressed (a gzip bomb stops here)
+MAX_MEASUREMENT_BYTES = 4 * 1024**2
+MAX_SMALL_BYTES = 64 * 1024  # knobs and anything else
+MAX_OP_SAMPLES = 200_000  # per-op latency samples in one measurements body
+MAX_SECONDS = 1e9  # any duration in a body (seconds); keeps every sum the agent makes finite
+GZIP_ABOVE_BYTES = 64 * 1024  # the client compresses bodies larger than this
+
+NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$"  # a Kubernetes name, relaxed
+TOKEN_PATTERN = r"^[A-Za-z0-9._~+/=-]{16,128}$"
+GPU_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+SIGNATURE_PATTERN = r"^[0-9a-f]{8,64}$"
+_NAME = re.compile(NAME_PATTERN)
+_TOKEN = re.compile(TOKEN_PATTERN)
+_GPU = re.compile(GPU_PATTERN)
+_SIGNATURE = re.compile(SIGNATURE_PATTERN)
+
+# A job's planning status, as the agent reports it.
+PLANNING = "planning"  # registered; its GPU's planning round has not finished yet
+PLANNED = "planned"  # a plan is ready (it may still not fit: see `fits` and the message)
+NEEDS_WORKLOAD = "needs_workload"  # registered by signature the agent does not know: PUT the workload
+FAILED = "failed"  # planning raised; the message says why (the hook runs guarded)
+JOB_STATUSES = (PLANNING, PLANNED, NEEDS_WORKLOAD, FAILED)
+
+REPLAN_REASONS = ("register", "unregister", "knobs", "drift", "workload")
+
+
+class ContractError(ValueError):
+    """A body that breaks the contract: `field` names what is wrong (the agent answers 422)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+class BodyTooLarge(ValueError):
+    """A body over its cap (the agent answers 413)."""
+
+
+# --------------------------------------------------------------------------- names and paths
+
+
+@dataclass(frozen=True, slots=True)
+class JobRef:
+    namespace: str
+    name: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @classmethod
+    def parse(cls, job: str, namespace: str | None = None) -> JobRef:
+        """'ns/name' (what the operator calls a job) or a bare name in `namespace` (default 'default')."""
+        if "/" in job:
+            ns, _, name = job.partition("/")
+        else:
+            ns, name = namespace or "default", job
+        check_name("namespace", ns)
+        check_name("job", name)
+        return cls(ns, name)
+
+
+def check_name(field_name: str, value: Any) -> str:
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ContractError(field_name, f"must be 1-253 letters, digits, '.', '_' or '-', starting and ending alphanumeric (was {value!r:.80})")
+    return value
+
+
+def jobs_path() -> str:
+    return f"{PREFIX}/jobs"
+
+
+def job_path(ref: JobRef, suffix: str = "") -> str:
+    return f"{PREFIX}/jobs/{ref.namespace}/{ref.name}" + (f"/{suffix}" if suffix else "")
+
+
+def plan_etag(epoch: str, version: int, round_: int = 0) -> str:
+    """Strong ETag of a job's plan response: the agent's start epoch (a restarted agent never answers
+    304 to a plan it did not hand out), the plan version and the GPU round that last confirmed it."""
+    return f'"{epoch}-{version}-{round_}"'
+
+
+# --------------------------------------------------------------------------- validation helpers
+
+
+def _opt_int(data: dict, key: str, minimum: int = 0) -> int | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ContractError(key, f"must be an integer >= {minimum} or null (was {value!r:.80})")
+    return value
+
+
+def _int(data: dict, key: str, default: int = 0, minimum: int = 0) -> int:
+    value = _opt_int(data, key, minimum)
+    return default if value is None else value
+
+
+def _opt_float(data: dict, key: str, minimum: float = 0.0, maximum: float = MAX_SECONDS) -> float | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not minimum <= value <= maximum):
+        raise ContractError(key, f"must be a number in [{minimum}, {maximum:g}] or null (was {value!r:.80})")
+    return float(value)
+
+
+def _float(data: dict, key: str, default: float = 0.0) -> float:
+    value = _opt_float(data, key)
+    return default if value is None else value
+
+
+def _opt_bool(data: dict, key: str) -> bool | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise ContractError(key, f"must be true or false (was {value!r:.80})")
+    return value
+
+
+def _swap_rate(data: dict, key: str = "max_swap_rate") -> float | None:
+    rate = _opt_float(data, key)
+    if rate is not None and not 0.0 < rate <= 1.0:
+        raise ContractError(key, f"must be in (0, 1]: the share of the GPU's swaps this job may hold (was {rate})")
+    return rate
+
+
+def _object(data: Any, what: str) -> dict:
+    if not isinstance(data, dict):
+        raise ContractError("(body)", f"{what} must be a JSON object")
+    return data
+
+
+def _no_unknown(data: dict, cls: type, what: str) -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ContractError(unknown[0], f"is not a field of {what}; known: {', '.join(sorted(known))}")
+
+
+# --------------------------------------------------------------------------- register
+
+
+@dataclass(slots=True)
+class RegisterRequest:
+    """POST /v1/jobs with `workload` (its JSON, tensile.workload_io) or its `signature` (or both, agreeing).
+
+    `token`: the job's token (the operator derives one per TrainingJob); omitted, the agent issues
+    one. A re-registering hook sends the token it has and `last_plan_version`, so a restarted agent
+    continues the job's plan versions instead of starting again at 1."""
+
+    job: str
+    namespace: str = "default"
+    gpu: str | None = None  # uuid or index; None: the node's only GPU
+    workload: dict | None = None
+    signature: str | None = None
+    memory_budget_bytes: int | None = None
+    max_swap_rate: float | None = None
+    recompute: bool = True
+    token: str | None = None
+    last_plan_version: int = 0
+    external: bool = False  # not placed by the operator (tensile run --agent)
+
+    @property
+    def ref(self) -> JobRef:
+        return JobRef(self.namespace, self.job)
+
+    def validate(self) -> RegisterRequest:
+        check_name("job", self.job)
+        check_name("namespace", self.namespace)
+        if self.gpu is not None and (not isinstance(self.gpu, str) or not _GPU.match(self.gpu)):
+            raise ContractError("gpu", f"must be a GPU uuid or index (was {self.gpu!r:.80})")
+        if self.workload is None and self.signature is None:
+            raise ContractError("workload", "give the workload JSON or its signature")
+        if isinstance(self.workload, dict) and self.signature is not None and self.workload.get("signature") not in (None, self.signature):
+            raise ContractError("signature", "does not match workload.signature")
+        if self.workload is not None and not isinstance(self.workload, dict):
+            raise ContractError("workload", "must be a workload JSON object (tensile.workload_io)")
+        if self.signature is not None and (not isinstance(self.signature, str) or not _SIGNATURE.match(self.signature)):
+            raise ContractError("signature", f"must be a workload signature (hex) (was {self.signature!r:.80})")
+        if self.token is not None and (not isinstance(self.token, str) or not _TOKEN.match(self.token)):
+            raise ContractError("token", "must be 16-128 characters of [A-Za-z0-9._~+/=-]")
+        data = {"memory_budget_bytes": self.memory_budget_bytes, "max_swap_rate": self.max_swap_rate,
+                "recompute": self.recompute, "last_plan_version": self.last_plan_version, "external": self.external}
+        _opt_int(data, "memory_budget_bytes", 1)
+        _swap_rate(data)
+        _int(data, "last_plan_version")
+        if not isinstance(self.recompute, bool):
+            raise ContractError("recompute", "must be true or false")
+        if not isinstance(self.external, bool):
+            raise ContractError("external", "must be true or false")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RegisterRequest:
+        data = _object(data, "a registration")
+        _no_unknown(data, cls, "a registration")
+        if "job" not in data:
+            raise ContractError("job", "is required")
+        known = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        defaults = {"namespace": "default", "recompute": True, "last_plan_version": 0, "external": False}
+        for key, value in defaults.items():
+            if known.get(key) is None:
+                known[key] = value
+        return cls(**known).validate()
+
+
+@dataclass(slots=True)
+class RegisterResponse:
+    job: str
+    namespace: str
+    gpu: str  # the GPU's uuid
+    token: str
+    status: str
+    message: str
+    plan_version: int  # 0 until the first plan is ready
+    created: bool  # False: the job was registered already (a retry or a hook's re-registration)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RegisterResponse:
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+
+# --------------------------------------------------------------------------- plan
+
+
+@dataclass(slots=True)
+class PlanResponse:
+    """GET .../plan. `plan` is `tensile.plan.Plan.to_dict()` (None until planned). `round` numbers the
+    GPU's planning rounds: co-located jobs planned together share it; `co_planned` names them."""
+
+    job: str
+    namespace: str
+    gpu: str
+    version: int
+    status: str
+    message: str
+    round: int
+    co_planned: list[str]
+    fits: bool | None
+    budget_bytes: int | None
+    plan: dict | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PlanResponse:
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+    def plan_object(self):  # type: ignore[no-untyped-def]
+        """The plan as a tensile.plan.Plan (or None)."""
+        from tensile.plan import Plan
+
+        return Plan.from_dict(self.plan) if self.plan else None
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+@dataclass(slots=True)
+class Measurements:
+    """POST .../measurements: what the hook measured over `iterations` iterations since its last post.
+
+    `op_latencies`: sampled [op index, seconds] pairs of the job's workload (indices as in the workload
+    the agent plans with); they drive the EWMA and the drift re-plan. Byte and stall figures are totals
+    over the iterations covered; `peak_bytes` the highest; `iteration_seconds` the mean."""
+
+    plan_version: int | None = None
+    iterations: int = 1
+    op_latencies: list[list[float]] = field(default_factory=list)
+    peak_bytes: int | None = None
+    iteration_seconds: float | None = None
+    vanilla_iteration_seconds: float | None = None  # measured without a plan, when the hook knows it
+    stall_seconds: float = 0.0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    recompute_bytes: int = 0
+    signature_match: bool | None = None
+
+    def validate(self) -> Measurements:
+        data = asdict(self)
+        _opt_int(data, "plan_version")
+        _int(data, "iterations", 1, 1)
+        _opt_int(data, "peak_bytes")
+        _opt_float(data, "iteration_seconds")
+        _opt_float(data, "vanilla_iteration_seconds")
+        for key in ("stall_seconds",):
+            _float(data, key)
+        for key in ("swap_out_bytes", "swap_in_bytes", "recompute_bytes"):
+            _int(data, key)
+        _opt_bool(data, "signature_match")
+        samples = self.op_latencies
+        if not isinstance(samples, list) or len(samples) > MAX_OP_SAMPLES:
+            raise ContractError("op_latencies", f"must be a list of at most {MAX_OP_SAMPLES} [op index, seconds] pairs")
+        for i, pair in enumerate(samples):
+            if (not isinstance(pair, (list, tuple)) or len(pair) != 2 or isinstance(pair[0], bool) or not isinstance(pair[0], int)
+                    or pair[0] < 0 or isinstance(pair[1], bool) or not isinstance(pair[1], (int, float))
+                    or not math.isfinite(pair[1]) or not 0 <= pair[1] <= MAX_SECONDS):
+                raise ContractError(f"op_latencies[{i}]", f"must be [op index >= 0, 0 <= seconds <= {MAX_SECONDS:g}]")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Measurements:
+        data = _object(data, "measurements")
+        _no_unknown(data, cls, "measurements")
+        known = {f.name: data[f.name] for f in fields(cls) if f.name in data and data[f.name] is not None}
+        return cls(**known).validate()
+
+    @classmethod
+    def from_iterations(cls, iterations: list[dict], op_latencies: list[list[float]] | None = None,
+                        plan_version: int | None = None, signature_match: bool | None = None) -> Measurements:
+        """Fold the hook's per-iteration report entries (runtime_hook.report.IterationStats as dicts)."""
+        if not iterations:
+            raise ContractError("iterations", "need at least one iteration")
+        n = len(iterations)
+        return cls(
+            plan_version=plan_version if plan_version is not None else iterations[-1].get("plan_version"),
+            iterations=n,
+            op_latencies=list(op_latencies or []),
+            peak_bytes=max(int(it.get("peak_bytes") or 0) for it in iterations),
+            iteration_seconds=sum(float(it.get("seconds") or 0.0) for it in iterations) / n,
+            stall_seconds=sum(float(it.get("stall_seconds") or 0.0) for it in iterations),
+            swap_out_bytes=sum(int(it.get("swap_out_bytes") or 0) for it in iterations),
+            swap_in_bytes=sum(int(it.get("swap_in_bytes") or 0) for it in iterations),
+            recompute_bytes=sum(int(it.get("recompute_bytes") or 0) for it in iterations),
+            signature_match=signature_match,
+        ).validate()
+
+
+@dataclass(slots=True)
+class MeasurementsResponse:
+    accepted: bool
+    plan_version: int  # the job's current plan version: newer than the hook's -> fetch at the next boundary
+    replan: bool  # these measurements drifted the latencies past the threshold: a re-plan is under way
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MeasurementsResponse:
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+
+# --------------------------------------------------------------------------- knobs
+
+
+_KNOB_ALIASES = {"maxSwapRate": "max_swap_rate", "memoryBudgetBytes": "memory_budget_bytes"}
+
+
+@dataclass(slots=True)
+class Knobs:
+    """PATCH .../knobs: only the fields given change (null: unchanged)."""
+
+    max_swap_rate: float | None = None
+    memory_budget_bytes: int | None = None
+    recompute: bool | None = None
+
+    def validate(self) -> Knobs:
+        data = asdict(self)
+        _swap_rate(data)
+        _opt_int(data, "memory_budget_bytes", 1)
+        _opt_bool(data, "recompute")
+        return self
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Knobs:
+        """Also takes the operator's camelCase names (maxSwapRate, memoryBudgetBytes)."""
+        data = {_KNOB_ALIASES.get(k, k): v for k, v in _object(data, "knobs").items()}
+        _no_unknown(data, cls, "knobs")
+        return cls(**data).validate()
+
+
+# --------------------------------------------------------------------------- bodies
+
+
+def encode_body(obj: Any, gzip_above: int = GZIP_ABOVE_BYTES) -> tuple[bytes, dict[str, str]]:
+    """JSON bytes and headers; gzip when larger than `gzip_above`."""
+    raw = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    headers = {"Content-Type": "application/json"}
+    if len(raw) > gzip_above:
+        raw = gzip.compress(raw, compresslevel=5, mtime=0)
+        headers["Content-Encoding"] = "gzip"
+    return raw, headers
+
+
+def decode_body(raw: bytes, encoding: str | None = None, cap: int = MAX_DECODED_BYTES) -> bytes:
+    """The body's bytes once `Content-Encoding` is undone, at most `cap` of them.
+
+    Raises BodyTooLarge past the cap (without inflating further) and ContractError for a damaged
+    or unsupported encoding."""
+    encoding = (encoding or "identity").strip().lower()
+    if encoding in ("identity", ""):
+        if len(raw) > cap:
+            raise BodyTooLarge(f"body of {len(raw)} bytes is over the cap of {cap}")
+        return raw
+    if encoding not in ("gzip", "x-gzip"):
+        raise ContractError("Content-Encoding", f"'{encoding}' is not supported; send gzip or identity")
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        out = inflater.decompress(raw, cap + 1)
+        if len(out) > cap or inflater.unconsumed_tail:
+            raise BodyTooLarge(f"decompressed body is over the cap of {cap} bytes")
+        out += inflater.flush()
+    except zlib.error as exc:
+        raise ContractError("(body)", f"not valid gzip ({exc})") from None
+    if not inflater.eof:
+        raise ContractError("(body)", "gzip stream is truncated")
+    if len(out) > cap:
+        raise BodyTooLarge(f"decompressed body is over the cap of {cap} bytes")
+    return out
+
+
+def body_cap(method: str, path: str) -> int:
+    """The cap for a request body on the wire, by route."""
+    if method == "POST" and path.rstrip("/") == jobs_path():
+        return MAX_REGISTER_BYTES
+    if method == "PUT" and path.endswith("/workload"):
+        return MAX_REGISTER_BYTES
+    if method == "POST" and path.endswith("/measurements"):
+        return MAX_MEASUREMENT_BYTES
+    return MAX_SMALL_BYTES
+
+
+def decoded_cap(method: str, path: str) -> int:
+    cap = body_cap(method, path)
+    return MAX_DECODED_BYTES if cap == MAX_REGISTER_BYTES else cap * 4

@@ -1,0 +1,325 @@
+"""The node agent served for real (uvicorn on 127.0.0.1) with hook clients (tensile.agent_client) in threads."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import gzip
+import json
+import threading
+import time
+
+import pytest
+from agent_harness import call, get
+
+from tensile import agent_client
+from tensile.agent_client import AgentClient
+from tensile.agent_contract import MAX_SMALL_BYTES, ContractError, Measurements
+from tensile.node_agent.gpus import Inventory
+from tensile.node_agent.server import Agent, AgentConfig
+from tensile.workload_io import workload_to_dict
+
+TOKEN = "t" * 32
+
+
+def register(url, workload, job="a", namespace="ns", **extra):  # type: ignore[no-untyped-def]
+    client = AgentClient(url, f"{namespace}/{job}", token=extra.pop("token", None), max_backoff=0.2)
+    response = client.register(workload=workload, **extra)
+    assert response is not None
+    return client
+
+
+def test_register_plan_measure_unregister(agent_server, tiny_workload):
+    server = agent_server()
+    client = register(server.url, tiny_workload(), memory_budget_bytes=6 * 2**20)
+    assert client.registered.created and client.registered.gpu.startswith("SIM-")
+    plan = client.wait_for_plan(30)
+    assert plan.status == "planned" and plan.version == 1 and plan.co_planned == ["ns/a"]
+    assert plan.plan["signature"] == tiny_workload().signature and plan.plan["forecast"]["scheduled_peak_bytes"] > 0
+    # unchanged: a conditional fetch is a 304 and the client keeps what it has
+    etag = client._etag
+    status, _ = get(server.url, "/v1/jobs/ns/a/plan", client.token, {"If-None-Match": etag})
+    assert status == 304
+    assert client.poll()[1] is False and client.current_plan.version == 1
+    answer = client.post_measurements(Measurements(plan_version=1, peak_bytes=5_000_000, iteration_seconds=0.2,
+                                                   stall_seconds=0.02, swap_out_bytes=100, swap_in_bytes=90, recompute_bytes=7))
+    assert answer.accepted and not answer.replan
+    status, jobs = get(server.url, "/v1/jobs")
+    (view,) = jobs["jobs"]
+    assert "token" not in json.dumps(view)
+    assert view["observed"]["peak_bytes"] == 5_000_000 and view["observed"]["eor"] == pytest.approx(0.2 / 0.18)
+    # the operator's calls
+    assert agent_client.update_knobs(server.url, "ns/a", client.token, {"maxSwapRate": 0.5})["replanning"] is True
+    server.idle()
+    assert agent_client.live_workload(server.url, "ns/a", client.token).signature == tiny_workload().signature
+    assert agent_client.unregister(server.url, "ns/a", client.token)
+    assert get(server.url, "/v1/jobs")[1]["jobs"] == []
+    assert agent_client.unregister(server.url, "ns/a", client.token)  # gone already: fine
+
+
+def test_safety_tokens_404_413_422(agent_server, tiny_workload):
+    server = agent_server()
+    url = server.url
+    client = register(url, tiny_workload(), token=TOKEN)
+    assert client.token == TOKEN
+    status, body = get(url, "/v1/jobs/ns/a/plan")
+    assert (status, body["code"]) == (401, "missing_token")
+    status, body = get(url, "/v1/jobs/ns/a/plan", "x" * 32)
+    assert (status, body["code"]) == (403, "wrong_token")
+    status, body = get(url, "/v1/jobs/ns/nobody/plan", TOKEN)
+    assert (status, body["code"]) == (404, "unknown_job") and "register" in body["detail"]
+    # someone else registering the same job under another token is refused
+    status, body = call(url, "POST", "/v1/jobs", {"job": "a", "namespace": "ns", "signature": tiny_workload().signature, "token": "y" * 32})
+    assert status == 403
+    status, body = call(url, "POST", "/v1/jobs", {"job": "b", "signature": tiny_workload().signature, "gpu": "GPU-nope"})
+    assert (status, body["code"]) == (404, "unknown_gpu") and "SIM-" in body["detail"]
+    # malformed
+    for bad in ({"job": "b"}, {"job": "b", "workload": {"format": "x"}}, {"job": "b", "signature": "abcdef01", "max_swap_rate": 3},
+                {"job": "b", "workload": workload_to_dict(tiny_workload()) | {"ops": [["aten::mm", "forward", [999], [], [], [], [], [], 0, 0, 0]]}}):
+        status, body = call(url, "POST", "/v1/jobs", bad)
+        assert status == 422, (bad, body)
+    status, _ = call(url, "POST", "/v1/jobs", raw=b"{not json", headers={"Content-Type": "application/json"})
+    assert status == 422
+    status, _ = call(url, "POST", "/v1/jobs/ns/a/measurements", {"op_latencies": [[10_000, 0.1]]}, TOKEN)
+    assert status == 422
+    # oversized, plain and as a gzip bomb
+    status, body = call(url, "PATCH", "/v1/jobs/ns/a/knobs", raw=b"{" + b" " * (MAX_SMALL_BYTES + 10) + b"}", token=TOKEN,
+                        headers={"Content-Type": "application/json"})
+    assert (status, body["code"]) == (413, "too_large")
+    bomb = gzip.compress(b"[" + b"0," * (10 * 1024**2) + b"0]")  # 20 MiB inflated
+    status, body = call(url, "POST", "/v1/jobs/ns/a/measurements", raw=bomb, token=TOKEN,
+                        headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert status == 413
+    # a gzip body within the caps is fine
+    raw = gzip.compress(json.dumps({"iterations": 2, "peak_bytes": 1}).encode())
+    status, body = call(url, "POST", "/v1/jobs/ns/a/measurements", raw=raw, token=TOKEN,
+                        headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert status == 200 and body["accepted"]
+
+
+def test_no_nvml_means_no_gpus_with_a_reason(tiny_workload):
+    agent = Agent(AgentConfig(), inventory=Inventory.discover())  # this machine has no NVIDIA driver
+    assert agent.inventory.gpus == {} and "NVML" in agent.inventory.reason
+    from agent_harness import ThreadedAgent
+
+    with ThreadedAgent(simulate=[]) as server:
+        status, body = get(server.url, "/v1/gpus")
+        assert status == 200 and body["gpus"] == [] and "NVML" in body["reason"]
+        status, body = call(server.url, "POST", "/v1/jobs", {"job": "a", "signature": "abcdef01"})
+        assert (status, body["code"]) == (404, "no_gpus") and "NVML" in body["detail"]
+        assert "tensile_agent_gpus 0.0" in get(server.url, "/metrics")[1]
+
+
+def test_signature_only_then_upload(agent_server, tiny_workload):
+    server = agent_server(["h100:80GiB", "a6000:48GiB"])
+    w = tiny_workload()
+    client = AgentClient(server.url, "ns/sig", gpu="1")
+    response = client.register(signature=w.signature)
+    assert response.status == "needs_workload" and response.gpu.endswith("-1")
+    assert client.upload_workload(w).status == "planning"
+    assert client.wait_for_plan(30).status == "planned"
+    # the agent now knows the signature: another job registers by it alone
+    other = AgentClient(server.url, "ns/sig2", gpu="1")
+    assert other.register(signature=w.signature) is not None
+    assert other.wait_for_plan(30).status == "planned"
+    status, gpus = get(server.url, "/v1/gpus")
+    assert all(g["simulated"] for g in gpus["gpus"]) and gpus["gpus"][1]["jobs_count"] == 2
+
+
+def test_many_concurrent_hooks_and_one_global_round(agent_server, tiny_workload):
+    """48 hook clients on 2 GPUs register, poll and post at once; each GPU's final plans come from one
+    planning round over all its jobs."""
+    server = agent_server(["a6000:48GiB", "a6000:48GiB"])
+    calls: list[list[str]] = []
+    planner = server.agent.planning.planner
+
+    def spy(specs, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(sorted(s.name for s in specs))
+        return planner(specs, *args, **kwargs)
+
+    server.agent.planning.planner = spy
+    workloads = [tiny_workload(4), tiny_workload(8)]
+    errors: list[BaseException] = []
+    clients: list[AgentClient] = []
+    lock = threading.Lock()
+
+    def hook(i: int) -> None:
+        try:
+            client = AgentClient(server.url, f"team/job-{i}", gpu=str(i % 2), timeout=10)
+            assert client.register(workload=workloads[i % 2], max_swap_rate=1.0) is not None
+            with lock:
+                clients.append(client)
+            for step in range(5):
+                client.poll()
+                client.post_measurements(Measurements(plan_version=client.plan_version, peak_bytes=1000 + step,
+                                                      iteration_seconds=0.01, swap_out_bytes=1, swap_in_bytes=1))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    with cf.ThreadPoolExecutor(48) as pool:
+        list(pool.map(hook, range(48)))
+    assert not errors, errors[:3]
+    server.idle()
+    for gpu in ("0", "1"):
+        mine = [c for c in clients if c.registered.gpu.endswith(f"-{gpu}")]
+        answers = [c.fetch_plan() for c in mine]
+        names = sorted(c.ref.key for c in mine)
+        assert len(mine) == 24
+        assert {a.round for a in answers} == {answers[0].round}, "co-located plans come from one round"
+        assert all(sorted(a.co_planned) == names for a in answers)
+        assert names in calls  # the planner saw all of the GPU's jobs at once
+        assert all(a.status == "planned" and a.plan["job"] == f"{a.namespace}/{a.job}" for a in answers)
+    status, jobs = get(server.url, "/v1/jobs")
+    assert len(jobs["jobs"]) == 48 and all(j["observed"]["iterations"] == 5 for j in jobs["jobs"])
+
+
+def test_drifted_latency_triggers_exactly_one_replan(agent_server, tiny_workload):
+    server = agent_server()
+    w = tiny_workload()
+    clients = [register(server.url, w, job=f"d{i}") for i in range(2)]
+    for c in clients:
+        c.wait_for_plan(30)
+    server.idle()
+    state = server.agent.state
+    gpu = clients[0].registered.gpu
+    rounds_before = state.rounds[gpu].round
+    slow = [[op.index, max(op.latency, 1e-6) * 3.0] for op in w.ops]  # every op 3x slower than planned
+    answers = []
+    with cf.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: clients[0].post_measurements(Measurements(op_latencies=slow, iteration_seconds=0.1)), range(12)))
+    server.idle()
+    assert sum(a.replan for a in answers) == 1
+    assert state.replans[(gpu, "drift")] == 1
+    assert state.rounds[gpu].round == rounds_before + 1
+    # the other job was re-planned in the same round, with its own latencies
+    assert {state.jobs[c.ref.key].round for c in clients} == {rounds_before + 1}
+    # steady measurements at the new speed do not re-plan again
+    for _ in range(5):
+        assert not clients[0].post_measurements(Measurements(op_latencies=slow)).replan
+    server.idle()
+    assert state.replans[(gpu, "drift")] == 1
+
+
+def test_metrics_series_and_cardinality(agent_server, tiny_workload):
+    server = agent_server()
+    clients = [register(server.url, tiny_workload(), job=f"m{i}") for i in range(3)]
+    for c in clients:
+        c.wait_for_plan(30)
+        c.post_measurements(Measurements(peak_bytes=123, iteration_seconds=0.5, stall_seconds=0.1, swap_out_bytes=7,
+                                         swap_in_bytes=6, recompute_bytes=5, plan_version=c.plan_version))
+    server.idle()
+    text = get(server.url, "/metrics")[1]
+    gpu = clients[0].registered.gpu
+    for line in (f'tensile_gpu_capacity_bytes{{gpu="{gpu}"}}', f'tensile_gpu_jobs{{gpu="{gpu}"}} 3.0',
+                 f'tensile_job_observed_peak_bytes{{gpu="{gpu}",job="m0",namespace="ns"}} 123.0',
+                 f'tensile_job_swapped_bytes_total{{direction="out",gpu="{gpu}",job="m1",namespace="ns"}} 7.0',
+                 f'tensile_job_recomputed_bytes_total{{gpu="{gpu}",job="m2",namespace="ns"}} 5.0',
+                 'tensile_job_stall_seconds_total{', 'tensile_job_observed_eor_ratio{', 'tensile_job_plan_version{',
+                 'tensile_job_forecast_scheduled_peak_bytes{', 'tensile_gpu_forecast_vanilla_peak_bytes{',
+                 f'tensile_agent_replans_total{{gpu="{gpu}",reason="register"}}', 'simulated="true"'):
+        assert line in text, line
+    for c in clients[:2]:
+        assert c.unregister()
+    server.idle()
+    text = get(server.url, "/metrics")[1]
+    assert 'job="m0"' not in text and 'job="m1"' not in text and 'job="m2"' in text
+    assert f'tensile_agent_replans_total{{gpu="{gpu}",reason="unregister"}}' in text
+
+
+def test_knobs_replan_and_reregister_is_idempotent(agent_server, tiny_workload):
+    server = agent_server()
+    client = register(server.url, tiny_workload())
+    client.wait_for_plan(30)
+    server.idle()
+    state = server.agent.state
+    gpu = client.registered.gpu
+    again = client.register(workload=tiny_workload())  # a retry that changes nothing
+    assert again.created is False
+    server.idle()
+    assert state.replans[(gpu, "register")] == 1
+    view = client.update_knobs(max_swap_rate=0.5, recompute=False)
+    assert view["max_swap_rate"] == 0.5 and view["replanning"] is True
+    server.idle()
+    assert state.replans[(gpu, "knobs")] == 1
+    with pytest.raises(ContractError):
+        client.update_knobs(max_swap_rate=5)
+    status, body = call(server.url, "PATCH", "/v1/jobs/ns/a/knobs", {"max_swap_rate": 5}, client.token)
+    assert status == 422
+
+
+def test_cluster_publisher_writes_tensilenode_and_observed(tiny_workload):
+    class FakeApi:
+        def __init__(self) -> None:
+            self.objects: dict = {}
+            self.calls: list = []
+
+        def get_cluster_custom_object(self, group, version, plural, name):  # type: ignore[no-untyped-def]
+            if name not in self.objects:
+                error = Exception("not found")
+                error.status = 404  # type: ignore[attr-defined]
+                raise error
+            return self.objects[name]
+
+        def create_cluster_custom_object(self, group, version, plural, body):  # type: ignore[no-untyped-def]
+            self.objects[body["metadata"]["name"]] = body
+
+        def patch_cluster_custom_object_status(self, group, version, plural, name, body):  # type: ignore[no-untyped-def]
+            self.objects[name]["status"] = body["status"]
+
+        def patch_namespaced_custom_object_status(self, group, version, namespace, plural, name, body):  # type: ignore[no-untyped-def]
+            self.calls.append((namespace, plural, name, body))
+
+    from agent_harness import free_port
+
+    api = FakeApi()
+    agent = Agent(AgentConfig(port=free_port(), simulate=["a6000:48GiB"], node="gpu-node-1", advertise="http://10.0.0.5:8470"),
+                  cluster_api=api)
+    from tensile.agent_contract import RegisterRequest
+
+    agent.planning.start()
+    try:
+        agent.service.register(RegisterRequest(job="j", namespace="ns", workload=workload_to_dict(tiny_workload())))
+        assert agent.planning.wait_idle(30)
+        job = agent.state.jobs["ns/j"]
+        agent.service.measurements(job, Measurements(peak_bytes=99, iteration_seconds=0.1))
+        agent.publisher.publish()
+    finally:
+        agent.planning.stop()
+    node = api.objects["gpu-node-1"]
+    assert node["spec"]["nodeName"] == "gpu-node-1"
+    (gpu,) = node["status"]["gpus"]
+    assert node["status"]["agentAddress"] == "http://10.0.0.5:8470" and gpu["simulated"] is True
+    assert gpu["jobs"][0]["job"] == "ns/j" and gpu["committed"]["scheduledPeakBytes"] > 0
+    assert api.calls[0][:3] == ("ns", "trainingjobs", "j") and api.calls[0][3]["status"]["observed"]["peakBytes"] == 99
+    from tensile.operator.placement import gpus_from_tensilenode
+
+    (seen,) = gpus_from_tensilenode(node)
+    assert seen.uuid == gpu["uuid"] and seen.agent == "http://10.0.0.5:8470" and seen.capacity_bytes == gpu["capacityBytes"]
+
+
+def test_cli_parses_agent_options():
+    from tensile.cli import build_parser
+    from tensile.node_agent.server import config_from_args
+
+    args = build_parser().parse_args(["agent", "--port", "0", "--simulate-gpu", "a6000:48GiB", "--simulate-gpu", "x:1GB"])
+    config = config_from_args(args)
+    assert config.simulate == ["a6000:48GiB", "x:1GB"] and config.host == "127.0.0.1"
+    agent = Agent(config)
+    assert [g.memory_bytes for g in agent.inventory.gpus.values()] == [48 * 2**30, 10**9]
+
+
+def test_client_keeps_plan_and_backs_off_when_agent_is_gone(tiny_workload):
+    from agent_harness import ThreadedAgent
+
+    with ThreadedAgent() as server:
+        client = AgentClient(server.url, "ns/gone", timeout=0.5, retries=1, backoff=0.01, max_backoff=0.2)
+        client.register(workload=tiny_workload())
+        assert client.wait_for_plan(30).version == 1
+    started = time.monotonic()
+    for _ in range(20):
+        plan, changed = client.poll()
+        assert plan is not None and plan.version == 1 and not changed
+        assert client.post_measurements(Measurements(peak_bytes=1)) is None
+    assert time.monotonic() - started < 5  # the quiet period keeps calls from waiting on a dead agent
+    assert not client.reachable and client.last_error
+    with pytest.raises(ContractError):  # refused before any I/O
+        AgentClient("http://127.0.0.1:9", "ns/x").update_knobs(max_swap_rate=7)

@@ -1,0 +1,94 @@
+"""The agent contract (tensile.agent_contract): shapes, validation, body limits, and that both sides agree."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import subprocess
+import sys
+
+import pytest
+
+from tensile import agent_contract as c
+
+
+def test_hook_side_imports_no_web_or_kubernetes():
+    code = ("import sys, tensile.agent_client, tensile.agent_contract\n"
+            "bad = [m for m in ('fastapi', 'pydantic', 'starlette', 'kopf', 'kubernetes', 'uvicorn', 'prometheus_client') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(("model", "contract"), [
+    ("RegisterIn", c.RegisterRequest), ("RegisterOut", c.RegisterResponse), ("PlanOut", c.PlanResponse),
+    ("MeasurementsIn", c.Measurements), ("MeasurementsOut", c.MeasurementsResponse), ("KnobsIn", c.Knobs),
+])
+def test_pydantic_models_mirror_the_contract(model, contract):
+    from tensile.node_agent import app
+
+    assert set(getattr(app, model).model_fields) == {f.name for f in dataclasses.fields(contract)}
+
+
+def test_register_request_round_trip_and_errors():
+    request = c.RegisterRequest.from_dict({"job": "a", "signature": "abcdef0123", "max_swap_rate": 0.5})
+    assert request.namespace == "default" and request.recompute is True
+    assert c.RegisterRequest.from_dict(request.to_dict()) == request
+    for body, field in [
+        ({"job": "a"}, "workload"),
+        ({"job": "-bad", "signature": "abcdef01"}, "job"),
+        ({"job": "a", "signature": "abcdef01", "max_swap_rate": 0}, "max_swap_rate"),
+        ({"job": "a", "signature": "abcdef01", "memory_budget_bytes": -1}, "memory_budget_bytes"),
+        ({"job": "a", "signature": "abcdef01", "token": "short"}, "token"),
+        ({"job": "a", "signature": "abcdef01", "colour": "red"}, "colour"),
+        ({"job": "a", "signature": "NOT-HEX"}, "signature"),
+        ({"signature": "abcdef01"}, "job"),
+    ]:
+        with pytest.raises(c.ContractError) as info:
+            c.RegisterRequest.from_dict(body)
+        assert info.value.field == field, body
+
+
+def test_job_ref_parses_operator_keys():
+    assert c.JobRef.parse("team-a/bert").key == "team-a/bert"
+    assert c.JobRef.parse("local") == c.JobRef("default", "local")
+    assert c.job_path(c.JobRef("ns", "j"), "plan") == "/v1/jobs/ns/j/plan"
+    with pytest.raises(c.ContractError):
+        c.JobRef.parse("ns/a/b")
+
+
+def test_measurements_validation_and_folding():
+    m = c.Measurements.from_iterations(
+        [{"peak_bytes": 10, "seconds": 0.2, "stall_seconds": 0.01, "swap_out_bytes": 5, "swap_in_bytes": 4, "recompute_bytes": 1, "plan_version": 3},
+         {"peak_bytes": 30, "seconds": 0.4, "stall_seconds": 0.02, "swap_out_bytes": 5, "swap_in_bytes": 4, "recompute_bytes": 1, "plan_version": 3}],
+        op_latencies=[[0, 0.001]])
+    assert (m.iterations, m.peak_bytes, m.swap_out_bytes, m.plan_version) == (2, 30, 10, 3)
+    assert m.iteration_seconds == pytest.approx(0.3)
+    for bad in ({"op_latencies": [[-1, 0.1]]}, {"op_latencies": [[0, float("nan")]]}, {"iterations": 0},
+                {"stall_seconds": -1}, {"peak_bytes": True}, {"unknown": 1}):
+        with pytest.raises(c.ContractError):
+            c.Measurements.from_dict(bad)
+
+
+def test_knobs_take_operator_names():
+    knobs = c.Knobs.from_dict({"maxSwapRate": 0.25, "memoryBudgetBytes": 1000, "recompute": False})
+    assert knobs.to_dict() == {"max_swap_rate": 0.25, "memory_budget_bytes": 1000, "recompute": False}
+    with pytest.raises(c.ContractError):
+        c.Knobs.from_dict({"maxSwapRate": 2})
+
+
+def test_body_encoding_caps_and_gzip_bomb():
+    raw, headers = c.encode_body({"x": "a" * 100_000})
+    assert headers["Content-Encoding"] == "gzip"
+    assert c.decode_body(raw, "gzip") == b'{"x":"' + b"a" * 100_000 + b'"}'
+    bomb = gzip.compress(b"\0" * (20 * 1024**2))
+    with pytest.raises(c.BodyTooLarge):
+        c.decode_body(bomb, "gzip", cap=1024**2)
+    with pytest.raises(c.ContractError):
+        c.decode_body(b"not gzip", "gzip")
+    with pytest.raises(c.ContractError):
+        c.decode_body(b"x", "br")
+    with pytest.raises(c.BodyTooLarge):
+        c.decode_body(b"x" * 11, None, cap=10)
+    assert c.body_cap("POST", "/v1/jobs") == c.MAX_REGISTER_BYTES
+    assert c.body_cap("POST", "/v1/jobs/a/b/measurements") == c.MAX_MEASUREMENT_BYTES
+    assert c.body_cap("PATCH", "/v1/jobs/a/b/knobs") == c.MAX_SMALL_BYTES

@@ -1,0 +1,74 @@
+"""Kill the agent (SIGKILL) while hooks train: they keep their last plan, register again when it is back,
+and the agent's state and metrics come back from them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from agent_harness import AgentProcess, get
+
+from tensile.agent_client import AgentClient
+from tensile.agent_contract import Measurements
+
+
+def _wait(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_agent_restart_is_survived(tiny_workload):
+    workload = tiny_workload()
+    agent = AgentProcess().start()
+    stop = threading.Event()
+    clients = [AgentClient(agent.url, f"train/job-{i}", timeout=1.0, retries=1, backoff=0.02, max_backoff=0.3) for i in range(6)]
+    planless_while_down: list[str] = []
+    iterations = [0] * len(clients)
+    down = threading.Event()
+
+    def train(i: int) -> None:
+        client = clients[i]
+        client.register(workload=workload, memory_budget_bytes=6 * 2**20)
+        while not stop.is_set():  # one "iteration": fetch at the boundary, run, report
+            plan, _ = client.poll()
+            if down.is_set() and plan is None:
+                planless_while_down.append(client.ref.key)
+            time.sleep(0.02)
+            iterations[i] += 1
+            client.post_measurements(Measurements(plan_version=client.plan_version, peak_bytes=4_000_000 + i,
+                                                  iteration_seconds=0.02, swap_out_bytes=10, swap_in_bytes=10))
+
+    threads = [threading.Thread(target=train, args=(i,), daemon=True) for i in range(len(clients))]
+    try:
+        for t in threads:
+            t.start()
+        _wait(lambda: all(c.plan_version >= 1 for c in clients), 60, "first plans")
+        versions = [c.plan_version for c in clients]
+        agent.kill()
+        down.set()
+        before = list(iterations)
+        _wait(lambda: all(not c.reachable for c in clients), 20, "clients to notice")
+        _wait(lambda: all(n > b + 3 for n, b in zip(iterations, before)), 20, "training to go on")
+        assert not planless_while_down
+        assert all(c.current_plan is not None and c.plan_version == v for c, v in zip(clients, versions))
+        down.clear()
+        agent.start()
+        _wait(lambda: all(c.registrations >= 2 for c in clients), 60, "re-registration")
+        _wait(lambda: len(get(agent.url, "/v1/jobs")[1]["jobs"]) == len(clients), 30, "jobs back")
+        _wait(lambda: all(j["status"] == "planned" and j["observed"]["iterations"] > 0 for j in get(agent.url, "/v1/jobs")[1]["jobs"]),
+              60, "plans and observations back")
+        jobs = {j["namespace"] + "/" + j["job"]: j for j in get(agent.url, "/v1/jobs")[1]["jobs"]}
+        for client, version in zip(clients, versions):
+            assert jobs[client.ref.key]["plan_version"] >= version  # versions go on, they do not restart at 1
+            assert client.token and jobs[client.ref.key]["gpu"] == client.registered.gpu
+        text = get(agent.url, "/metrics")[1]
+        for client in clients:
+            assert f'tensile_job_observed_peak_bytes{{gpu="{client.registered.gpu}",job="{client.ref.name}",namespace="train"}}' in text
+        assert "tensile_gpu_jobs{gpu=" in text and f"{len(clients)}.0" in text
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        agent.stop()
