@@ -15,6 +15,7 @@ import time
 import warnings
 
 from tensile.agent_contract import (
+    MAX_SECONDS,
     NEEDS_WORKLOAD,
     PLANNING,
     ContractError,
@@ -38,6 +39,9 @@ from tensile.node_agent.state import AgentState, Job
 warnings.filterwarnings("ignore", message="no calibrated latency model", module=__name__)
 
 
+MAX_TENSOR_BYTES = 2**50
+
+
 class Problem(Exception):
     def __init__(self, status: int, code: str, detail: str) -> None:
         super().__init__(detail)
@@ -55,6 +59,22 @@ def parse_workload(data: dict, source: str) -> Workload:
         raise Problem(422, "bad_workload", f"{source}: malformed workload ({type(exc).__name__}: {exc})") from None
     if not workload.ops:
         raise Problem(422, "bad_workload", f"{source}: a workload needs at least one op")
+    for op in workload.ops:  # what workload_from_dict leaves to its callers: numbers the planner sums
+        for name in ("latency", "flops"):
+            value = getattr(op, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= MAX_SECONDS * 1e9:
+                raise Problem(422, "bad_workload", f"{source}: ops[{op.index}].{name} must be a non-negative number (was {value!r:.40})")
+            if name == "latency" and value > MAX_SECONDS:
+                raise Problem(422, "bad_workload", f"{source}: ops[{op.index}].latency must be at most {MAX_SECONDS:g} s")
+        if isinstance(op.bytes_moved, bool) or not isinstance(op.bytes_moved, int) or op.bytes_moved < 0:
+            raise Problem(422, "bad_workload", f"{source}: ops[{op.index}].bytes_moved must be a non-negative integer")
+    for t in workload.tensors.values():
+        if t.size > MAX_TENSOR_BYTES:
+            raise Problem(422, "bad_workload", f"{source}: tensor {t.id} has {t.size} bytes, more than any GPU holds")
+        for name in ("created_by", "freed_after", "reuses"):
+            value = getattr(t, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise Problem(422, "bad_workload", f"{source}: tensor {t.id}.{name} must be an integer or null")
     return workload
 
 
@@ -94,6 +114,14 @@ class AgentService:
 
     def _prepare(self, workload: Workload, gpu: str) -> tuple[str, LatencyEWMA]:
         """Op latencies (the calibrated model or the prior, unless the hook measured them) and their EWMA."""
+        try:
+            return self._predict(workload, gpu)
+        except Problem:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a workload the latency model cannot read is the sender's problem
+            raise Problem(422, "bad_workload", f"cannot predict the workload's op latencies: {type(exc).__name__}: {exc}") from None
+
+    def _predict(self, workload: Workload, gpu: str) -> tuple[str, LatencyEWMA]:
         source = "given"
         if not any(op.latency > 0 for op in workload.ops):
             from tensile.latency import assign_latencies
@@ -132,9 +160,9 @@ class AgentService:
                 return self._response(existing, created=False)  # a retry: nothing changed, nothing to plan
         latency_source, ewma = (None, None)
         if workload is not None:
-            self.state.remember_workload(workload)
-            workload = copy.deepcopy(workload)  # the planning thread writes corrected latencies into it
+            original, workload = workload, copy.deepcopy(workload)  # the planning thread writes latencies into its copy
             latency_source, ewma = self._prepare(workload, gpu)
+            self.state.remember_workload(original)
         token = request.token or (existing.token if existing else secrets.token_urlsafe(24))
         job = Job(ref=ref, gpu=gpu, token=token, incarnation=self.state.next_incarnation(), workload=workload,
                   signature=signature, memory_budget_bytes=request.memory_budget_bytes, max_swap_rate=request.max_swap_rate,
@@ -159,10 +187,10 @@ class AgentService:
                                 status=job.status, message=job.message, plan_version=job.version, created=created)
 
     def upload_workload(self, job: Job, data: dict) -> RegisterResponse:
-        workload = parse_workload(data, f"workload of {job.key}")
-        self.state.remember_workload(workload)
-        workload = copy.deepcopy(workload)
+        original = parse_workload(data, f"workload of {job.key}")
+        workload = copy.deepcopy(original)
         source, ewma = self._prepare(workload, job.gpu)
+        self.state.remember_workload(original)
         with self.state.lock:
             job.workload, job.signature, job.latency_source, job.ewma = workload, workload.signature, source, ewma
             job.planned_sum = ewma.corrected_sum()

@@ -171,7 +171,9 @@ def _detail(payload: Any) -> str:
 
 
 class AgentClient:
-    """One job's link to its node agent. Thread-safe; calls never raise for an unreachable agent."""
+    """One job's link to its node agent. Thread-safe. `fetch_plan`/`poll`/`post_measurements` never raise
+    for the agent's sake (unreachable or refusing: last plan kept, `last_error` says why); `register`,
+    `upload_workload`, `update_knobs` raise AgentError when the agent refuses (e.g. unknown GPU)."""
 
     def __init__(self, url: str, job: str, namespace: str | None = None, token: str | None = None,
                  gpu: str | None = None, timeout: float = 2.0, retries: int = 2, backoff: float = 0.05,
@@ -238,6 +240,11 @@ class AgentClient:
         self.last_error = None
         return result
 
+    def _refused(self, exc: AgentError) -> None:
+        if self.last_error != str(exc):
+            log.warning("node agent refused a call for %s: %s; keeping plan version %d", self.ref.key, exc, self.plan_version)
+        self.last_error = str(exc)
+
     def _failed(self, why: str) -> None:
         self._failures += 1
         self.last_error = why
@@ -277,6 +284,7 @@ class AgentClient:
         return response
 
     def _ensure_registered(self) -> bool:
+        """Registered, or registering now what `register` was given (the agent was away then)."""
         if self.registered is None and self.registration is not None:
             return self._register(self.registration) is not None
         return self.registered is not None
@@ -287,7 +295,11 @@ class AgentClient:
             if not self._ensure_registered():
                 return self.last_plan
             headers = {"If-None-Match": self._etag} if self._etag else None
-            result = self._call("GET", job_path(self.ref, "plan"), headers=headers)
+            try:
+                result = self._call("GET", job_path(self.ref, "plan"), headers=headers)
+            except AgentError as exc:  # refused (e.g. its GPU is gone after a restart): train on with what we have
+                self._refused(exc)
+                return self.last_plan
             if result is None:
                 return self.last_plan
             status, payload, response_headers = result
@@ -320,9 +332,13 @@ class AgentClient:
         """None when unreachable (these measurements are dropped: the next ones carry on)."""
         measurements.validate()
         with self._lock:
-            if not self._ensure_registered():
+            try:
+                if not self._ensure_registered():
+                    return None
+                result = self._call("POST", job_path(self.ref, "measurements"), measurements.to_dict())
+            except AgentError as exc:
+                self._refused(exc)
                 return None
-            result = self._call("POST", job_path(self.ref, "measurements"), measurements.to_dict())
         return MeasurementsResponse.from_dict(result[1] or {}) if result else None
 
     def upload_workload(self, workload: Any) -> RegisterResponse | None:

@@ -60,3 +60,28 @@ def agent_server():
     yield make
     for server in started:
         server.__exit__(None, None, None)
+
+
+@pytest.fixture(autouse=True)
+def _agent_client_stays_on_loopback(monkeypatch):
+    """Tests may reach servers on this machine only: the agent client refuses any other host here.
+
+    (tests/test_operator.py publishes TensileNodes with an agent address of 10.0.0.1; the operator
+    forwards knobs there through tensile.agent_client, which must not leave the machine.)"""
+    import ipaddress
+
+    from tensile import agent_client
+
+    original = agent_client.Http._connect
+
+    def loopback_only(self):  # type: ignore[no-untyped-def]
+        host = self._host
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ConnectionRefusedError(f"tests reach loopback addresses only, not {host}")
+        return original(self)
+
+    monkeypatch.setattr(agent_client.Http, "_connect", loopback_only)

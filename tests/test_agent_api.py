@@ -73,7 +73,10 @@ def test_safety_tokens_404_413_422(agent_server, tiny_workload):
     status, body = call(url, "POST", "/v1/jobs", {"job": "b", "signature": tiny_workload().signature, "gpu": "GPU-nope"})
     assert (status, body["code"]) == (404, "unknown_gpu") and "SIM-" in body["detail"]
     # malformed
-    for bad in ({"job": "b"}, {"job": "b", "workload": {"format": "x"}}, {"job": "b", "signature": "abcdef01", "max_swap_rate": 3},
+    weird = workload_to_dict(tiny_workload())
+    weird["ops"] = [list(row) for row in weird["ops"]]
+    weird["ops"][0][10] = "slow"  # a latency that is not a number
+    for bad in ({"job": "b", "workload": weird}, {"job": "b"}, {"job": "b", "workload": {"format": "x"}}, {"job": "b", "signature": "abcdef01", "max_swap_rate": 3},
                 {"job": "b", "workload": workload_to_dict(tiny_workload()) | {"ops": [["aten::mm", "forward", [999], [], [], [], [], [], 0, 0, 0]]}}):
         status, body = call(url, "POST", "/v1/jobs", bad)
         assert status == 422, (bad, body)
@@ -323,3 +326,16 @@ def test_client_keeps_plan_and_backs_off_when_agent_is_gone(tiny_workload):
     assert not client.reachable and client.last_error
     with pytest.raises(ContractError):  # refused before any I/O
         AgentClient("http://127.0.0.1:9", "ns/x").update_knobs(max_swap_rate=7)
+
+
+def test_a_failing_planner_fails_the_round_not_the_agent(agent_server, tiny_workload):
+    server = agent_server()
+
+    def boom(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("planner exploded")
+
+    server.agent.planning.planner = boom
+    client = register(server.url, tiny_workload())
+    answer = client.wait_for_plan(30)
+    assert answer.status == "failed" and "planner exploded" in answer.message and answer.plan is None
+    assert get(server.url, "/healthz")[0] == 200 and get(server.url, "/metrics")[0] == 200

@@ -41,7 +41,7 @@ def phase(job: dict | None) -> str | None:
 def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster):
     async def scenario():  # type: ignore[no-untyped-def]
         async with cluster(tmp_path) as c:
-            await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4), simulated_gpu("GPU-a1", 8)], agent="http://10.0.0.1:8470")
+            await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4), simulated_gpu("GPU-a1", 8)], agent="http://127.0.0.1:9")
             op = await start_operator(forecaster)
             try:
                 await c.apply(trainingjob("one", "vgg16", 1, scheduling={"maxSwapRate": 0.5}))
@@ -57,14 +57,14 @@ def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster)
                 assert pod["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
                 env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
                 assert env["TENSILE_JOB"] == "default/one" and env["TENSILE_GPU"] == "GPU-a0"
-                assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-a0" and env["TENSILE_AGENT"] == "http://10.0.0.1:8470"
+                assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-a0" and env["TENSILE_AGENT"] == "http://127.0.0.1:9"
                 assert env["TENSILE_MAX_SWAP_RATE"] == "0.5" and len(env["TENSILE_TOKEN"]) == 32
                 assert env["PYTHONPATH"].startswith("/tensile/site")
                 assert pod["spec"]["initContainers"][0]["command"][:3] == ["python", "-m", "tensile.runtime_hook.install"]
                 # the knob annotations of a placed job go to its agent
                 await c.annotate("one", {"tensile.dev/max-swap-rate": "0.25"})
                 await c.wait(lambda: op.app.agent.sent, 10, "knobs forwarded")
-                assert op.app.agent.sent[-1][:2] == ("http://10.0.0.1:8470", "default/one")
+                assert op.app.agent.sent[-1][:2] == ("http://127.0.0.1:9", "default/one")
                 assert op.app.agent.sent[-1][2]["maxSwapRate"] == 0.25
                 await c.set_pod_status(pod, {"phase": "Running"})
                 await c.wait(lambda: phase(c.job("one")) == "Running", 10, "running")
