@@ -34,6 +34,9 @@ MIN_EVICT_BYTES = 4096  # smaller storages are not worth a transfer
 MAX_DIVERGED = 3  # iterations in a row that leave the plan before it is made again
 FREED_SOON_OPS = 8  # a release this close to PyTorch's own free of the tensor is left to PyTorch
 Planner = Callable[[Workload, "int | None"], "Plan | None"]
+# Called after every iteration with its figures and the run's report; returns a newer plan for the
+# same workload (the agent re-planned: drift, knobs, a neighbour came or went) or None.
+IterationListener = Callable[[IterationStats, HookReport], "Plan | None"]
 
 
 @dataclass
@@ -147,6 +150,7 @@ class ActivePlan:
 
     def __init__(self, plan: Plan, workload: Workload) -> None:
         self.plan = plan
+        self.workload = workload
         self.names = [op.name for op in workload.ops]
         self.by_trigger: dict[int, list[Event]] = defaultdict(list)
         self.next_by_trigger: dict[int, list[Event]] = defaultdict(list)
@@ -185,8 +189,10 @@ class PlanExecutor(TorchDispatchMode):
         plan: Plan | None = None,
         plan_workload: Workload | None = None,
         planner: Planner | None = None,
+        listener: IterationListener | None = None,
     ) -> None:
         super().__init__()
+        self.listener = listener
         self.settings = settings
         self.device = device
         self.registry = StorageRegistry(on_free=self._storage_freed)
@@ -286,8 +292,21 @@ class PlanExecutor(TorchDispatchMode):
             classify_roles(self.recorder)
             live = Workload(self.settings.job, 0, self.device.type, self.recorder.tensors, self.recorder.ops)
             self._match(live)
+        if self.listener is not None and not self.disabled:
+            self._take_newer(self.listener(stats, self.report))
         if self.settings.report_path:
             self.report.write(self.settings.report_path)
+
+    def _take_newer(self, plan: Plan | None) -> None:
+        """A re-plan of the workload already matched applies from the next iteration, unmatched again."""
+        current = self.ready or self.candidate
+        if plan is None or current is None or plan.version == current.plan.version:
+            return
+        if plan.signature != current.plan.signature:
+            self._say(f"plan version {plan.version} is for another workload: ignored")
+            return
+        self._offer(plan, current.workload, "agent")
+        self.ready = self.candidate
 
     def _begin_iteration(self) -> None:
         self._finish_iteration()
