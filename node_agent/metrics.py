@@ -34,6 +34,8 @@ class AgentCollector(Collector):
         info.add_metric([state.node or "", state.epoch, str(inventory.simulated).lower(), inventory.reason or ""], 1)
         yield info
         yield GaugeMetricFamily("tensile_agent_gpus", "GPUs this agent manages (0 without NVML)", value=len(inventory.gpus))
+        yield GaugeMetricFamily("tensile_queued_jobs", "Jobs waiting for GPU memory (set by the local runner; 0 otherwise)",
+                                value=getattr(state, "queued_jobs", 0))
 
         gpu_info = GaugeMetricFamily("tensile_gpu_info", "A GPU of this node: 1, with its name and whether it is simulated",
                                      labels=["gpu", "index", "name", "simulated"])

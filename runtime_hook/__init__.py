@@ -14,7 +14,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from tensile.plan import Plan
-from tensile.runtime_hook.executor import PlanExecutor, Planner
+from tensile.runtime_hook.executor import IterationListener, PlanExecutor, Planner
 from tensile.runtime_hook.settings import HookSettings
 
 log = logging.getLogger("tensile.hook")
@@ -42,6 +42,7 @@ def activate(
     plan_workload=None,  # type: ignore[no-untyped-def]
     planner: Planner | None = None,
     device: torch.device | None = None,
+    listener: IterationListener | None = None,
 ) -> PlanExecutor:
     """Install the executor for this thread's PyTorch calls, with optimizer step hooks for iterations."""
     global _active
@@ -49,7 +50,7 @@ def activate(
         raise RuntimeError("the Tensile hook is already active in this process")
     if device is None:
         device = _default_device()
-    executor = PlanExecutor(settings, device, plan, plan_workload, planner)
+    executor = PlanExecutor(settings, device, plan, plan_workload, planner, listener)
     pre = register_optimizer_step_pre_hook(executor.step_pre_hook)
     post = register_optimizer_step_post_hook(executor.step_post_hook)
     _undo.extend([pre.remove, post.remove])
@@ -75,13 +76,27 @@ def deactivate() -> None:
 
 
 def activate_from_env() -> PlanExecutor:
-    """What sitecustomize calls: settings, plan and planner from TENSILE_* variables."""
-    from tensile.runtime_hook.plan_source import load_plan_files, local_planner
+    """What sitecustomize calls: settings, plan and planner from TENSILE_* variables; with
+    TENSILE_AGENT the node agent plans (the local planner is the fallback while it cannot)."""
+    from tensile.runtime_hook.plan_source import agent_link, load_plan_files, local_planner
 
     settings = HookSettings.from_env()
     plan, workload = load_plan_files(settings)
     device = _default_device()
-    return activate(settings, plan, workload, local_planner(settings, device), device)
+    planner = local_planner(settings, device)
+    link = agent_link(settings, planner)
+    if link is None:
+        return activate(settings, plan, workload, planner, device)
+    # registered before activate()'s own handler: atexit runs it after the executor's last report
+    atexit.register(link.close)
+    _undo.append(lambda: atexit.unregister(link.close))
+    try:
+        executor = activate(settings, plan, workload, link.planner, device, link.listener)
+    except Exception:
+        link.close()
+        raise
+    _undo.insert(0, link.close)  # deactivate(): after the executor's finish, before the rest is undone
+    return executor
 
 
 def _default_device() -> torch.device:

@@ -1,4 +1,5 @@
-"""Where the hook's plan comes from: files named by TENSILE_PLAN/TENSILE_WORKLOAD, or the core planner."""
+"""Where the hook's plan comes from: files named by TENSILE_PLAN/TENSILE_WORKLOAD, the node agent
+(TENSILE_AGENT), or the core planner in-process."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import torch
 
 from tensile.plan import Plan
+from tensile.runtime_hook.agent_link import AgentLink
 from tensile.runtime_hook.executor import Planner
 from tensile.runtime_hook.settings import HookSettings
 from tensile.workload import Workload
@@ -21,6 +23,15 @@ def load_plan_files(settings: HookSettings) -> tuple[Plan | None, Workload | Non
     with open(settings.plan_path) as handle:
         plan = Plan.from_dict(json.load(handle))
     return plan, load_workload(settings.workload_path)
+
+
+def agent_link(settings: HookSettings, fallback: Planner) -> AgentLink | None:
+    """The link to the node agent when TENSILE_AGENT is set, started: with TENSILE_WORKLOAD the job
+    registers that workload at once, otherwise the live one after iteration 1."""
+    if not settings.agent_url:
+        return None
+    workload = load_workload(settings.workload_path) if settings.workload_path else None
+    return AgentLink.from_env(settings, fallback).start(workload)
 
 
 def local_planner(settings: HookSettings, device: torch.device) -> Planner:

@@ -17,6 +17,12 @@ class HookSettings:
     gpu: str | None = None
     report_path: str | None = None
     max_swap_rate: float | None = None
+    # the agent path (runtime_hook/agent_link.py): how long iteration 1 may wait for the agent's first
+    # plan, each call's timeout, the longest quiet spell after failures, how often to post and poll
+    agent_wait: float = 5.0
+    agent_timeout: float = 2.0
+    agent_max_backoff: float = 10.0
+    agent_interval: float = 0.5
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> HookSettings:
@@ -33,7 +39,24 @@ class HookSettings:
             gpu=env.get("TENSILE_GPU") or None,
             report_path=env.get("TENSILE_REPORT") or None,
             max_swap_rate=float(rate) if rate else None,
+            agent_wait=_seconds(env, "TENSILE_AGENT_WAIT", cls.agent_wait),
+            agent_timeout=_seconds(env, "TENSILE_AGENT_TIMEOUT", cls.agent_timeout),
+            agent_max_backoff=_seconds(env, "TENSILE_AGENT_MAX_BACKOFF", cls.agent_max_backoff),
+            agent_interval=_seconds(env, "TENSILE_AGENT_INTERVAL", cls.agent_interval),
         )
+
+
+def _seconds(env, name: str, default: float) -> float:  # type: ignore[no-untyped-def]
+    text = env.get(name)
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name}: '{text}' is not a number of seconds") from None
+    if not 0 < value < 3600:
+        raise ValueError(f"{name}: must be between 0 and 3600 seconds (was {text})")
+    return value
 
 
 def parse_budget(text: str, field: str) -> float:

@@ -11,7 +11,7 @@ from rich.console import Console
 from tensile.errors import TensileUserError
 
 # Each module defines `add_parser(subparsers)` and a `run(args) -> int` set as the parser's default.
-COMMANDS = ("forecast", "run", "install-hook", "calibrate", "operator", "simulate", "agent")
+COMMANDS = ("forecast", "run", "install-hook", "calibrate", "operator", "simulate", "agent", "local")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,240 @@
+"""The hook's link to its node agent (TENSILE_AGENT): register, get the plan, report, unregister.
+
+The executor offers two extension points, and this module fills both: `planner` (called once with the
+live workload after iteration 1) and `listener` (called after every iteration). Every HTTP call runs in
+one background thread, so the training loop never waits on the agent except for `planner`, which waits
+at most `agent_wait` seconds for the agent's first plan and otherwise falls back (the local planner, or
+guarded) and adopts the agent's plan when it arrives. An agent that is down, slow or refusing costs the
+training nothing but that wait: the last plan is kept, and the report's messages and the log say so.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from tensile.agent_client import AgentClient, AgentError
+from tensile.agent_contract import FAILED, ContractError, Measurements, PlanResponse
+from tensile.plan import Plan
+from tensile.runtime_hook.executor import Planner
+from tensile.runtime_hook.report import HookReport, IterationStats
+from tensile.runtime_hook.settings import HookSettings, budget_bytes
+from tensile.workload import Workload
+
+log = logging.getLogger("tensile.hook")
+FIRST_PLAN_POLL_SECONDS = 0.02
+
+
+@dataclass
+class _Registration:
+    """What the background thread is asked to send: a registration, or the live workload as an upload."""
+
+    workload: Workload
+    budget: int | None
+    upload: bool
+
+
+class AgentLink:
+    def __init__(self, settings: HookSettings, client: AgentClient, fallback: Planner | None = None) -> None:
+        self.settings = settings
+        self.client = client
+        self.fallback = fallback
+        self._lock = threading.Condition()
+        self._todo: _Registration | None = None
+        self._pending: list[IterationStats] = []
+        self._signature: str | None = None  # the workload whose plans the hook applies
+        self._response: PlanResponse | None = None  # the latest plan response for that signature
+        self._handed: int | None = None  # the plan version last given to the executor
+        self._refused: str | None = None  # the agent refused the job: no more calls
+        self._notes: list[str] = []  # for the report, written by the training thread
+        self._reachable = True
+        self._registrations = 0
+        self._matched: bool | None = None  # the forecast workload's signature against the live one, to report
+        self._source: str | None = None  # plan source to put in the report at the next listener call
+        self._waiting = False  # the training thread waits for the first plan: poll fast
+        self._last_error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tensile-agent-link", daemon=True)
+
+    @classmethod
+    def from_env(cls, settings: HookSettings, fallback: Planner | None = None,
+                 environ: dict[str, str] | None = None) -> AgentLink:
+        client = AgentClient.from_env(environ, timeout=settings.agent_timeout, max_backoff=settings.agent_max_backoff)
+        return cls(settings, client, fallback)
+
+    def start(self, workload: Workload | None = None) -> AgentLink:
+        """Begin; with the forecast workload (TENSILE_WORKLOAD) the job registers now, so the agent
+        plans while the first iterations run. Without it, it registers the live one after iteration 1."""
+        if workload is not None:
+            budget = budget_bytes(self.settings.memory_budget, _vanilla_peak(workload)) if self.settings.memory_budget else None
+            self._todo = _Registration(workload, budget, upload=False)
+            self._signature = workload.signature
+        self._thread.start()
+        return self
+
+    # -- the executor's extension points (training thread) ---------------------------------------
+    def planner(self, live: Workload, budget: int | None) -> Plan | None:
+        """The agent's plan for the live workload, waited for at most `agent_wait` seconds; else the
+        fallback's plan (version 0, so the agent's plan replaces it as soon as it comes)."""
+        with self._lock:
+            if self._signature is not None:  # registered with the forecast workload: did it match?
+                self._matched = self._signature == live.signature
+            if self._signature != live.signature:
+                # registered with another workload (a stale forecast): upload the live one instead
+                unsent = self._todo is not None and not self._todo.upload
+                upload = self._signature is not None and not unsent
+                self._todo = _Registration(live, budget, upload=upload)
+                self._signature = live.signature
+                self._response = None
+            self._waiting = True
+            self._lock.notify_all()
+            self._lock.wait_for(lambda: self._plan_ready() or self._given_up(), timeout=self.settings.agent_wait)
+            self._waiting = False
+            plan = self._take_plan()
+        if plan is not None:
+            self._source = "agent"
+            return plan
+        why = self._refused or self.client.last_error or f"no plan within {self.settings.agent_wait:g} s"
+        if self.fallback is None:
+            self._note(f"node agent gave no plan ({why}): running guarded until it does")
+            return None
+        self._note(f"node agent gave no plan ({why}): planning locally until it does")
+        plan = self.fallback(live, budget)
+        if plan is not None:
+            plan.version = 0  # any agent plan is newer
+            self._handed = 0
+            self._source = "local"
+        return plan
+
+    def listener(self, stats: IterationStats, report: HookReport) -> Plan | None:
+        """Queue this iteration's figures for the agent and hand over a newer plan if one came."""
+        if self._source is not None:
+            report.plan_source, self._source = self._source, None
+        if self._matched is not None:
+            report.signature_match, self._matched = self._matched, None
+        with self._lock:
+            self._pending.append(stats)
+            notes, self._notes = self._notes, []
+            plan = self._take_plan()
+        for note in notes:
+            log.warning("tensile: %s", note)
+            report.messages.append(f"iteration {stats.iteration}: {note}")
+        return plan
+
+    def close(self) -> None:
+        """At exit: the last figures, then unregister (bounded by the client's timeouts)."""
+        if not self._thread.is_alive():
+            return
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+        self._thread.join(2 * self.settings.agent_timeout + 1)
+        if self._refused is None:
+            try:
+                self._flush()
+                self.client.unregister()
+            except Exception as exc:  # noqa: BLE001 - exiting: say so, never raise into the user's exit
+                log.warning("tensile: could not unregister from the node agent: %s", exc)
+        self.client.close()
+
+    # -- helpers under the lock ------------------------------------------------------------------
+    def _plan_ready(self) -> bool:
+        response = self._response
+        return response is not None and response.plan is not None and response.version != self._handed
+
+    def _given_up(self) -> bool:
+        response = self._response
+        return (self._refused is not None or not self._reachable
+                or (response is not None and response.status == FAILED))
+
+    def _take_plan(self) -> Plan | None:
+        if not self._plan_ready():
+            return None
+        assert self._response is not None
+        self._handed = self._response.version
+        return self._response.plan_object()
+
+    def _note(self, message: str) -> None:
+        with self._lock:
+            self._notes.append(message)
+
+    # -- the background thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._round()
+            except Exception as exc:  # noqa: BLE001 - the link may fail, the training may not
+                self._refuse(f"the agent link failed ({type(exc).__name__}: {exc}); training goes on without the agent")
+                return
+            with self._lock:
+                self._lock.wait(FIRST_PLAN_POLL_SECONDS if self._waiting else self.settings.agent_interval)
+
+    def _round(self) -> None:
+        with self._lock:
+            todo, self._todo = self._todo, None
+        if self._refused is not None:
+            return
+        if todo is not None:
+            try:
+                self._send(todo)
+            except (AgentError, ContractError) as exc:
+                self._refuse(f"node agent refused the job ({exc}); training goes on without it")
+                return
+        self._flush()
+        response = self.client.fetch_plan() if self.client.registration is not None else None
+        self._observe()
+        with self._lock:
+            if response is not None and response.plan is not None and response.plan.get("signature") == self._signature:
+                self._response = response
+            elif response is not None and response.status == FAILED:
+                self._response = response
+            self._lock.notify_all()
+
+    def _send(self, todo: _Registration) -> None:
+        if todo.upload:
+            self.client.upload_workload(todo.workload)
+        else:
+            self.client.register(workload=todo.workload, memory_budget_bytes=todo.budget,
+                                 max_swap_rate=self.settings.max_swap_rate, external=True)
+
+    def _flush(self) -> None:
+        """Post what the iterations since the last post measured (dropped if the agent is away)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not pending or self.client.registration is None:
+            return
+        figures = [{"peak_bytes": s.peak_bytes, "seconds": s.seconds, "stall_seconds": s.stall_seconds,
+                    "swap_out_bytes": s.swap_out_bytes, "swap_in_bytes": s.swap_in_bytes,
+                    "recompute_bytes": s.recompute_bytes, "plan_version": s.plan_version} for s in pending]
+        self.client.post_measurements(Measurements.from_iterations(figures))
+
+    def _observe(self) -> None:
+        """Turn the client's state changes into messages: gone, back, registered again."""
+        client = self.client
+        if client.reachable != self._reachable:
+            self._reachable = client.reachable
+            if client.reachable:
+                self._note("node agent answers again")
+            else:
+                self._note(f"node agent unreachable ({client.last_error}); keeping plan version {client.plan_version}")
+        if client.registrations > self._registrations:
+            if self._registrations:
+                self._note(f"registered again with the node agent (it restarted): registration {client.registrations}")
+            self._registrations = client.registrations
+        if client.reachable and client.last_error != self._last_error:
+            self._last_error = client.last_error
+            if client.last_error:  # it answered, but refused a call (e.g. its GPU is gone)
+                self._note(f"node agent: {client.last_error}")
+
+    def _refuse(self, message: str) -> None:
+        with self._lock:
+            self._refused = message
+            self._notes.append(message)
+            self._lock.notify_all()
+
+
+def _vanilla_peak(workload: Workload) -> int:
+    from tensile.peak import analyze_vanilla
+
+    return analyze_vanilla(workload).peak_bytes

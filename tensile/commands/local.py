@@ -1,0 +1,77 @@
+"""`tensile local`: run TrainingJob YAML files on this machine, sharing one GPU (or a simulated one)
+by their forecast scheduled peaks, with the node agent in-process and a live table of peaks."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+
+from tensile.errors import TensileUserError
+from tensile.local_jobs import load_jobs
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("local", help="run TrainingJob YAMLs on this machine under Tensile", description=__doc__)
+    parser.add_argument("jobs", nargs="+", metavar="JOB.yaml", help="TrainingJob files (as for the cluster)")
+    parser.add_argument("--simulate-gpu", action="append", default=[], metavar="NAME:MEMORY",
+                        help="a simulated GPU (e.g. a6000:48GiB); default: NVML's, or a simulated one when there is none")
+    parser.add_argument("--host", default="127.0.0.1", help="the agent's address (default %(default)s)")
+    parser.add_argument("--port", type=int, default=0, help="the agent's port (default: a free one)")
+    parser.add_argument("--plot", metavar="PNG", help="write forecast vs observed peaks per job here")
+    parser.add_argument("--reports", metavar="DIR", help="the hooks' reports and the jobs' logs (default: a temporary folder)")
+    parser.add_argument("--linger", type=float, default=0.0, metavar="SECONDS",
+                        help="keep the agent serving this long after the jobs end (for scraping /metrics)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from tensile.local_agent import LocalAgent
+    from tensile.local_runner import POLL_SECONDS, LocalRunner
+    from tensile.local_view import job_table, plot_peaks
+
+    if not 0 <= args.port < 65536:
+        raise TensileUserError(f"--port must be 0-65535 (was {args.port})")
+    if args.linger < 0:
+        raise TensileUserError(f"--linger must be 0 or more seconds (was {args.linger})")
+    jobs = load_jobs(args.jobs)
+    console = Console()
+    reports = Path(args.reports or tempfile.mkdtemp(prefix="tensile-local-"))
+    reports.mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    agent = LocalAgent(args.host, args.port, list(args.simulate_gpu)).start()
+    if agent.note:
+        console.print(f"[yellow]note:[/] {agent.note}", highlight=False)
+    gpu = agent.gpu
+    kind = "simulated " if gpu.simulated else ""
+    title = f"Tensile local: {kind}{gpu.name} {gpu.capacity_bytes / 2**20:,.0f} MiB for jobs; agent {agent.url}"
+    console.print(f"agent {agent.url} (/v1/jobs, /metrics); reports and logs in {reports}", highlight=False)
+    runner = LocalRunner(jobs, agent, reports, "cuda" if cuda else "cpu", "a6000" if cuda else "cpu")
+    try:
+        with Live(job_table(runner.runs, title), console=console, refresh_per_second=4) as live:
+            runner.forecast_all(lambda: live.update(job_table(runner.runs, title)))
+            while runner.step():
+                live.update(job_table(runner.runs, title))
+                time.sleep(POLL_SECONDS)
+            live.update(job_table(runner.runs, title))
+        if args.plot:
+            console.print(f"plot: {plot_peaks(runner.runs, args.plot, title)}", highlight=False)
+        if args.linger:
+            console.print(f"agent serving {agent.url}/metrics for {args.linger:g} s more", highlight=False)
+            time.sleep(args.linger)
+    except KeyboardInterrupt:
+        runner.stop()
+        return 130
+    finally:
+        runner.http.close()
+        agent.stop()
+    failed = [r for r in runner.runs if r.phase != "Succeeded"]
+    for r in failed:
+        console.print(f"[red]{r.name}:[/] {r.phase}: {r.message}", highlight=False)
+    return 1 if failed else 0

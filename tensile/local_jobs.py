@@ -1,0 +1,150 @@
+"""TrainingJob YAML files for the local runner: validated against the CRD's schema, read into LocalJobs.
+
+The same files as the cluster (examples/trainingjob-*.yaml); a mistake is reported with the file and
+the field, as the API server would with strict field validation.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from tensile.errors import TensileUserError
+
+CRD = Path(__file__).resolve().parents[1] / "crds" / "trainingjobs.tensile.dev.yaml"
+_QUANTITY_UNITS = {"Ki": "KiB", "Mi": "MiB", "Gi": "GiB", "Ti": "TiB"}
+
+
+@dataclass(frozen=True)
+class LocalJob:
+    name: str
+    path: Path
+    model: str | None  # a zoo model the runner traces; None: a profile (admitted by its memoryBudget)
+    profile: str | None
+    batch_size: int
+    input_shape: tuple[int, ...] | None
+    optimizer: str | None  # None: a user model's own make_optimizer (zoo models: adam)
+    dtype: str
+    micro_batches: int
+    memory_budget: int | None  # bytes
+    max_swap_rate: float | None
+    command: list[str]  # the container's command + args, as it runs locally (python -> this Python)
+    problem: str | None = None  # why the command cannot run here (reported, the job fails)
+
+
+def _strict(schema: dict) -> dict:
+    """Unknown fields are errors wherever the schema lists properties (kubectl's strict validation)."""
+    schema = copy.deepcopy(schema)
+    stack: list[object] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if "properties" in node and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+                node["additionalProperties"] = False
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return schema
+
+
+@functools.cache
+def _validator():  # type: ignore[no-untyped-def]
+    try:
+        import jsonschema
+    except ImportError:
+        raise TensileUserError("tensile local checks TrainingJob files with jsonschema: pip install 'tensile[dev]'") from None
+    crd = yaml.safe_load(CRD.read_text())
+    (version,) = crd["spec"]["versions"]
+    # OpenAPI v3.0 schemas use draft 4's boolean exclusiveMinimum
+    return jsonschema.Draft4Validator(_strict(version["schema"]["openAPIV3Schema"]))
+
+
+def parse_quantity(value: object, where: str) -> int:
+    """Bytes from an int or a Kubernetes quantity (6Gi, 512Mi, 2e9)."""
+    from tensile.node_agent.gpus import parse_bytes
+
+    text = str(value)
+    for suffix, unit in _QUANTITY_UNITS.items():
+        if text.endswith(suffix):
+            text = text[: -len(suffix)] + unit
+    try:
+        return parse_bytes(text)
+    except TensileUserError:
+        raise TensileUserError(f"{where}: '{value}' is not a memory size; write bytes or a quantity like 6Gi") from None
+
+
+def load_job(path: str | Path) -> LocalJob:
+    path = Path(path)
+    try:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except OSError as exc:
+        raise TensileUserError(f"{path}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise TensileUserError(f"{path}: not valid YAML ({exc})") from None
+    if len(docs) != 1 or not isinstance(docs[0], dict):
+        raise TensileUserError(f"{path}: give exactly one TrainingJob object per file")
+    doc = docs[0]
+    if (doc.get("apiVersion"), doc.get("kind")) != ("tensile.dev/v1alpha1", "TrainingJob"):
+        raise TensileUserError(f"{path}: apiVersion/kind must be tensile.dev/v1alpha1 / TrainingJob "
+                               f"(was {doc.get('apiVersion')} / {doc.get('kind')})")
+    errors = sorted(_validator().iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        first = errors[0]
+        field = ".".join(map(str, first.absolute_path)) or "(top level)"
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise TensileUserError(f"{path}: {field}: {first.message}{more}")
+    name = (doc.get("metadata") or {}).get("name")
+    if not name:
+        raise TensileUserError(f"{path}: metadata.name is required")
+    spec = doc["spec"]
+    workload = spec["workload"]
+    containers = spec["template"].get("spec", {}).get("containers") or []
+    if not containers or not containers[0].get("command"):
+        raise TensileUserError(f"{path}: spec.template.spec.containers[0].command: the local runner runs this command; give one")
+    command, problem = local_command([*containers[0]["command"], *containers[0].get("args", [])])
+    budget = parse_quantity(spec["memoryBudget"], f"{path}: spec.memoryBudget") if "memoryBudget" in spec else None
+    if workload.get("profile") and budget is None:
+        raise TensileUserError(f"{path}: spec.memoryBudget: a job with workload.profile needs a memory budget "
+                               "(nothing to trace locally); add e.g. memoryBudget: 1Gi")
+    annotations = (doc.get("metadata") or {}).get("annotations") or {}
+    rate = (spec.get("scheduling") or {}).get("maxSwapRate")
+    if "tensile.dev/max-swap-rate" in annotations:
+        try:
+            rate = float(annotations["tensile.dev/max-swap-rate"])
+        except ValueError:
+            raise TensileUserError(f"{path}: metadata.annotations.tensile.dev/max-swap-rate: not a number") from None
+    shape = workload.get("inputShape")
+    return LocalJob(name=name, path=path, model=workload.get("model"), profile=workload.get("profile"),
+                    batch_size=workload.get("batchSize", 16), input_shape=tuple(shape) if shape else None,
+                    optimizer=workload.get("optimizer"), dtype=workload.get("dtype", "float32"),
+                    micro_batches=workload.get("microBatches", 1), memory_budget=budget, max_swap_rate=rate,
+                    command=command, problem=problem)
+
+
+def local_command(command: list[str]) -> tuple[list[str], str | None]:
+    """The container command as it runs here (from the current directory): `python` is this Python
+    (the one with Tensile); a program or script that does not exist here is a problem, not a crash."""
+    program, *rest = command
+    if Path(program).name in ("python", "python3"):
+        program = sys.executable
+        script = next((a for a in rest if not a.startswith("-")), None)
+        if script is not None and script.endswith(".py") and not Path(script).exists():
+            return [program, *rest], f"cannot run locally: {script} does not exist here (the command runs from {Path.cwd()})"
+    elif shutil.which(program) is None:
+        return command, f"cannot run locally: no program '{program}' here"
+    return [program, *rest], None
+
+
+def load_jobs(paths: list[str]) -> list[LocalJob]:
+    jobs = [load_job(p) for p in paths]
+    names = [j.name for j in jobs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise TensileUserError(f"metadata.name: two files name the job '{duplicates[0]}'; job names must differ")
+    return jobs

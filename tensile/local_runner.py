@@ -1,0 +1,214 @@
+"""The local runner (DESIGN §10): TrainingJobs on one machine, admitted onto one GPU by their forecast
+scheduled peaks, each run as a subprocess under the hook and linked to the in-process node agent.
+
+Admission is first come, first served: the next job starts when the sum of the running jobs' demands
+(forecast scheduled peak, or the memory budget of a job without a traceable model, plus the GPU's
+per-job context) leaves room for its own; the others wait, queued.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tensile.local_jobs import LocalJob
+
+POLL_SECONDS = 0.5
+
+
+@dataclass
+class JobRun:
+    """One job's life in the runner: forecast, phase and what the agent and the hook reported."""
+
+    job: LocalJob
+    phase: str = "Pending"  # Pending, Forecasting, Queued, Running, Succeeded, Failed
+    vanilla_peak: int | None = None
+    scheduled_peak: int | None = None
+    workload_path: Path | None = None
+    demand: int | None = None  # bytes it holds on the GPU for admission
+    observed_peak: int | None = None
+    iterations: int = 0
+    stall_seconds: float = 0.0
+    message: str = ""
+    process: subprocess.Popen | None = None
+    log: Path | None = None
+    report: Path | None = None
+    started: float | None = None
+    seconds: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.job.name
+
+
+def forecast(run: JobRun, device: str, preset: str, directory: Path) -> None:
+    """Trace and plan the job's model (CPU, meta device); a job given by profile keeps its budget."""
+    from tensile.commands.forecast import make_forecast
+    from tensile.forecast import trace_workload
+    from tensile.workload_io import save_workload
+
+    job = run.job
+    if job.model is None:
+        run.demand = job.memory_budget
+        run.message = f"profile '{job.profile}': admitted by its memory budget"
+        return
+    optimizer = job.optimizer or (None if ".py:" in job.model else "adam")
+    workload = trace_workload(job.model, job.batch_size, optimizer=optimizer, dtype=job.dtype, device=device,
+                              micro_batches=job.micro_batches, input_shape=job.input_shape)
+    summary, _, _ = make_forecast(workload, preset)
+    run.vanilla_peak = summary["vanilla_peak_bytes"]
+    run.scheduled_peak = summary["scheduled_peak_bytes"]
+    run.demand = run.scheduled_peak if job.memory_budget is None else min(run.scheduled_peak, job.memory_budget)
+    run.workload_path = directory / f"{job.name}.workload.json.gz"
+    save_workload(workload, run.workload_path)
+
+
+def hook_args(run: JobRun, agent_url: str) -> argparse.Namespace:
+    """What `tensile run` would be given for this job: the agent, the budget it was admitted with."""
+    return argparse.Namespace(job=run.name, memory_budget=str(run.demand) if run.demand else None,
+                              workload=str(run.workload_path) if run.workload_path else None, plan=None,
+                              agent=agent_url, token=None, max_swap_rate=run.job.max_swap_rate, report=str(run.report))
+
+
+class Admission:
+    """First come, first served onto one GPU of `capacity` bytes, `context` more per job."""
+
+    def __init__(self, capacity: int, context: int) -> None:
+        self.capacity = capacity
+        self.context = context
+
+    def need(self, run: JobRun) -> int:
+        return (run.demand or 0) + self.context
+
+    def fits_alone(self, run: JobRun) -> bool:
+        return self.need(run) <= self.capacity
+
+    def admit(self, queue: list[JobRun], running: list[JobRun]) -> list[JobRun]:
+        """The queued jobs that start now, in order, while they fit beside the running ones."""
+        used = sum(self.need(r) for r in running)
+        admitted = []
+        for run in queue:
+            if used + self.need(run) > self.capacity:
+                break  # in order: a large job at the head is not overtaken forever
+            used += self.need(run)
+            admitted.append(run)
+        return admitted
+
+
+class LocalRunner:
+    def __init__(self, jobs: list[LocalJob], agent, reports: Path, device: str, preset: str) -> None:  # type: ignore[no-untyped-def]
+        from tensile.agent_client import Http
+
+        self.runs = [JobRun(job) for job in jobs]
+        self.agent = agent
+        self.reports = reports
+        self.device = device
+        self.preset = preset
+        gpu = agent.gpu
+        self.admission = Admission(gpu.capacity_bytes, gpu.context_bytes)
+        self.http = Http(agent.url, timeout=2.0, retries=1)
+
+    # -- phases ------------------------------------------------------------------------------------
+    def forecast_all(self, on_change=lambda: None) -> None:  # type: ignore[no-untyped-def]
+        from tensile.errors import TensileUserError
+
+        for run in self.runs:
+            if run.job.problem:
+                run.phase, run.message = "Failed", run.job.problem
+                continue
+            run.phase = "Forecasting"
+            on_change()
+            try:
+                forecast(run, self.device, self.preset, self.reports)
+            except (TensileUserError, ValueError, RuntimeError) as exc:
+                run.phase, run.message = "Failed", f"forecast failed: {exc}"
+                continue
+            if not self.admission.fits_alone(run):
+                run.phase = "Failed"
+                run.message = (f"needs {self.admission.need(run) / 2**20:,.1f} MiB, more than the GPU's "
+                               f"{self.admission.capacity / 2**20:,.1f} MiB even alone")
+                continue
+            run.phase = "Queued"
+            on_change()
+
+    def step(self) -> bool:
+        """One pass: reap finished jobs, start what fits, refresh from the agent. False when all ended."""
+        for run in self.running():
+            code = run.process.poll() if run.process else None
+            if code is not None:
+                self._finished(run, code)
+        queue = [r for r in self.runs if r.phase == "Queued"]
+        for run in self.admission.admit(queue, self.running()):
+            self._start(run)
+        self.agent.set_queued(sum(1 for r in self.runs if r.phase == "Queued"))
+        self.refresh()
+        return any(r.phase in ("Queued", "Running", "Forecasting", "Pending") for r in self.runs)
+
+    def running(self) -> list[JobRun]:
+        return [r for r in self.runs if r.phase == "Running"]
+
+    def _start(self, run: JobRun) -> None:
+        from tensile.commands.run import hook_environment
+
+        run.report = self.reports / f"{run.name}.report.json"
+        run.log = self.reports / f"{run.name}.log"
+        env = hook_environment(hook_args(run, self.agent.url))
+        with open(run.log, "wb") as log:
+            try:
+                run.process = subprocess.Popen(run.job.command, env=env, stdout=log, stderr=subprocess.STDOUT)
+            except OSError as exc:
+                run.phase, run.message = "Failed", f"cannot start {run.job.command[0]}: {exc.strerror}"
+                return
+        run.phase, run.started = "Running", time.monotonic()
+
+    def _finished(self, run: JobRun, code: int) -> None:
+        run.seconds = time.monotonic() - (run.started or time.monotonic())
+        run.phase = "Succeeded" if code == 0 else "Failed"
+        if code != 0:
+            run.message = f"exit code {code}; see {run.log}"
+        if run.report and run.report.exists():
+            data = json.loads(run.report.read_text())
+            peaks = [it["peak_bytes"] for it in data["iterations"]]
+            run.observed_peak = max(peaks, default=run.observed_peak)
+            run.iterations = len(data["iterations"])
+            run.stall_seconds = sum(it["stall_seconds"] for it in data["iterations"])
+            run.vanilla_peak = run.vanilla_peak or data.get("vanilla_peak_bytes")
+            run.scheduled_peak = run.scheduled_peak or data.get("scheduled_peak_bytes")
+
+    def refresh(self) -> None:
+        """Observed figures of the running jobs, from the agent (a finished job has unregistered)."""
+        from tensile.agent_client import AgentError, AgentUnreachable
+
+        try:
+            _, body, _ = self.http.request("GET", "/v1/jobs")
+        except (AgentError, AgentUnreachable):
+            return
+        by_name = {j["job"]: j for j in (body or {}).get("jobs", [])}
+        for run in self.running():
+            seen = by_name.get(run.name)
+            if seen is None:
+                continue
+            observed = seen["observed"]
+            if observed.get("peak_bytes") is not None:
+                run.observed_peak = max(run.observed_peak or 0, observed["peak_bytes"])
+            run.iterations = max(run.iterations, observed.get("iterations") or 0)
+            run.stall_seconds = observed.get("stall_seconds") or 0.0
+            if run.vanilla_peak is None and seen.get("forecast"):  # a profile job: the agent's plan forecasts it
+                run.vanilla_peak = seen["forecast"]["vanilla_peak_bytes"]
+                run.scheduled_peak = seen["forecast"]["scheduled_peak_bytes"]
+
+    def stop(self) -> None:
+        """Ctrl-C: end the jobs still running."""
+        for run in self.running():
+            if run.process is not None:
+                run.process.terminate()
+                try:
+                    run.process.wait(10)
+                except subprocess.TimeoutExpired:
+                    run.process.kill()
+                run.phase, run.message = "Failed", "stopped by the user"
+        self.http.close()

@@ -1,0 +1,55 @@
+"""What the local runner shows: a live table of forecast and observed peaks, and a plot at the end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from tensile.local_runner import JobRun
+
+MIB = 2**20
+PHASE_STYLE = {"Running": "green", "Succeeded": "bold green", "Failed": "bold red", "Queued": "yellow"}
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / MIB:,.1f}"
+
+
+def job_table(runs: list[JobRun], title: str) -> Table:
+    table = Table(title=title)
+    table.caption = "peaks in MiB: forecast vanilla and scheduled, observed by the hook"
+    for column in ("job", "phase", "vanilla", "sched.", "observed", "iter", "stalls s", "note"):
+        table.add_column(column, justify="left" if column in ("job", "phase", "note") else "right",
+                         no_wrap=column != "note")
+    for run in runs:
+        style = PHASE_STYLE.get(run.phase, "")
+        table.add_row(run.name, f"[{style}]{run.phase}[/]" if style else run.phase, _mib(run.vanilla_peak),
+                      _mib(run.scheduled_peak), _mib(run.observed_peak), str(run.iterations),
+                      f"{run.stall_seconds:.3f}", run.message)
+    return table
+
+
+def plot_peaks(runs: list[JobRun], path: str | Path, title: str) -> Path:
+    """Grouped bars per job: forecast vanilla, forecast scheduled, observed peak (MiB)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = (("forecast vanilla", "vanilla_peak", "#bbbbbb"), ("forecast scheduled", "scheduled_peak", "#4c72b0"),
+              ("observed", "observed_peak", "#dd8452"))
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.8 * len(runs) + 2), 4))
+    for i, (label, attr, color) in enumerate(series):
+        xs = [j + (i - 1) * width for j in range(len(runs))]
+        ax.bar(xs, [(getattr(r, attr) or 0) / MIB for r in runs], width, label=label, color=color)
+    ax.set_xticks(range(len(runs)), [r.name for r in runs])
+    ax.set_ylabel("memory peak (MiB)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,111 @@
+"""`tensile local`: TrainingJob YAMLs run on this machine under the hook, admitted onto one (simulated)
+GPU by their forecast scheduled peaks, with the node agent in-process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from agent_harness import ROOT, get
+
+from tensile.commands.forecast import make_forecast
+from tensile.errors import TensileUserError
+from tensile.forecast import trace_workload
+from tensile.local_agent import LocalAgent
+from tensile.local_jobs import load_job, load_jobs
+from tensile.local_runner import LocalRunner
+from tensile.local_view import plot_peaks
+
+JOB = """apiVersion: tensile.dev/v1alpha1
+kind: TrainingJob
+metadata:
+  name: {name}
+spec:
+  workload:
+    model: examples/tiny_mlp.py:build
+    batchSize: 64
+  template:
+    spec:
+      containers:
+        - name: train
+          image: example
+          command: [python, {script}, --steps, "8", --batch-size, "64", --pause, "0.05"]
+"""
+
+
+def _write(tmp_path: Path, name: str, script: str = "examples/train_mlp.py") -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(JOB.format(name=name, script=script))
+    return path
+
+
+def test_two_jobs_share_a_gpu_too_small_for_both_one_waits_queued(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the container commands run from the repository, as in the quickstart
+    workload = trace_workload("examples/tiny_mlp.py:build", 64, optimizer=None, device="cpu")
+    scheduled = make_forecast(workload, "cpu")[0]["scheduled_peak_bytes"]
+    memory = int(1.5 * scheduled / 0.95)  # one job's scheduled peak fits in the capacity, two do not
+    jobs = load_jobs([str(_write(tmp_path, "first")), str(_write(tmp_path, "second")),
+                      str(_write(tmp_path, "missing", "examples/no_such_script.py"))])
+    agent = LocalAgent("127.0.0.1", 0, [f"small:{memory}"]).start()
+    runner = LocalRunner(jobs, agent, tmp_path, "cpu", "cpu")
+    phases: dict[str, set[str]] = {j.name: set() for j in jobs}
+    in_agent: set[str] = set()
+    queued_gauge: list[float] = []
+    try:
+        runner.forecast_all()
+        deadline = time.monotonic() + 120
+        while runner.step():
+            assert time.monotonic() < deadline, "the jobs did not finish"
+            for run in runner.runs:
+                phases[run.name].add(run.phase)
+            in_agent |= {j["job"] for j in get(agent.url, "/v1/jobs")[1]["jobs"]}
+            metrics = get(agent.url, "/metrics")[1]
+            queued_gauge.append(float(next(l for l in metrics.splitlines() if l.startswith("tensile_queued_jobs ")).split()[1]))
+            time.sleep(0.1)
+    finally:
+        runner.stop()
+        agent.stop()
+    first, second, missing = runner.runs
+    assert first.phase == second.phase == "Succeeded", [(r.name, r.message) for r in runner.runs]
+    assert "Queued" in phases["second"] and 1.0 in queued_gauge and queued_gauge[-1] == 0.0
+    assert in_agent == {"first", "second"}  # both registered through their hooks
+    for run in (first, second):
+        assert run.scheduled_peak == scheduled and run.observed_peak > 0 and run.iterations == 8
+        assert run.report.exists() and run.log.exists()
+    assert missing.phase == "Failed" and "no_such_script.py does not exist" in missing.message
+    png = plot_peaks(runner.runs, tmp_path / "peaks.png", "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda t: t.replace("batchSize: 64", "batchSize: 0"), "spec.workload.batchSize"),
+    (lambda t: t.replace("batchSize: 64", "batchSize: 64\n    optimiser: adam"), "spec.workload"),
+    (lambda t: t.replace("kind: TrainingJob", "kind: Job"), "apiVersion/kind"),
+    (lambda t: t + "  memoryBudget: lots\n", "spec.memoryBudget"),
+    (lambda t: t.replace("  workload:", "  workload: [", 1), "not valid YAML"),
+])
+def test_a_bad_job_file_is_refused_naming_the_file_and_field(tmp_path, edit, field):
+    path = tmp_path / "bad.yaml"
+    path.write_text(edit(JOB.format(name="bad", script="examples/train_mlp.py")))
+    with pytest.raises(TensileUserError) as error:
+        load_job(path)
+    assert str(path) in str(error.value) and field in str(error.value)
+
+
+def test_the_command_line_refuses_a_bad_file_before_starting_anything(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(JOB.format(name="bad", script="examples/train_mlp.py").replace("batchSize: 64", "batchSize: -1"))
+    done = subprocess.run([sys.executable, "-m", "tensile.cli", "local", str(path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert "bad.yaml" in done.stderr and "spec.workload.batchSize" in done.stderr
+
+
+def test_the_shipped_examples_load_for_local_runs(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    jobs = load_jobs(sorted(str(p) for p in (ROOT / "examples").glob("trainingjob-mlp*.yaml")))
+    assert sorted(j.name for j in jobs) == ["mlp", "mlp-wide"]
+    assert all(j.problem is None and j.command[0] == sys.executable for j in jobs)
