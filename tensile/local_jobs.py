@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import yaml
 
 from tensile.errors import TensileUserError
@@ -38,7 +39,7 @@ class LocalJob:
     problem: str | None = None  # why the command cannot run here (reported, the job fails)
 
 
-def _strict(schema: dict) -> dict:
+def strict_schema(schema: dict) -> dict:
     """Unknown fields are errors wherever the schema lists properties (kubectl's strict validation)."""
     schema = copy.deepcopy(schema)
     stack: list[object] = [schema]
@@ -54,15 +55,11 @@ def _strict(schema: dict) -> dict:
 
 
 @functools.cache
-def _validator():  # type: ignore[no-untyped-def]
-    try:
-        import jsonschema
-    except ImportError:
-        raise TensileUserError("tensile local checks TrainingJob files with jsonschema: pip install 'tensile[dev]'") from None
+def _validator() -> jsonschema.Draft4Validator:
     crd = yaml.safe_load(CRD.read_text())
     (version,) = crd["spec"]["versions"]
     # OpenAPI v3.0 schemas use draft 4's boolean exclusiveMinimum
-    return jsonschema.Draft4Validator(_strict(version["schema"]["openAPIV3Schema"]))
+    return jsonschema.Draft4Validator(strict_schema(version["schema"]["openAPIV3Schema"]))
 
 
 def parse_quantity(value: object, where: str) -> int:

@@ -22,6 +22,8 @@ import pytest
 import yaml
 from helm_python import Chart, HelmValuesError, lint
 
+from tensile.local_jobs import strict_schema
+
 from chart_render import CHART_DIR, NAMESPACE, find, objects, one, render
 
 ROOT = CHART_DIR.parents[1]
@@ -112,32 +114,12 @@ def test_lint_strict_is_clean(name: str) -> None:
 # ---- the examples against the CRD ---------------------------------------------------------------
 
 
-def strict_crd_schema(schema: dict) -> dict:
-    """The CRD's openAPIV3Schema as the API server applies it with strict field validation: an unknown
-    field is an error wherever the schema lists properties and does not preserve unknown fields."""
-    schema = copy.deepcopy(schema)
-
-    def close(node: object) -> None:
-        if isinstance(node, dict):
-            if ("properties" in node and "additionalProperties" not in node
-                    and not node.get("x-kubernetes-preserve-unknown-fields")):
-                node["additionalProperties"] = False
-            for value in node.values():
-                close(value)
-        elif isinstance(node, list):
-            for value in node:
-                close(value)
-
-    close(schema)
-    return schema
-
-
 @pytest.fixture(scope="module")
 def trainingjob_validator() -> jsonschema.Draft4Validator:
     crd = yaml.safe_load((ROOT / "crds" / "trainingjobs.tensile.dev.yaml").read_text())
     (version,) = crd["spec"]["versions"]
     # OpenAPI v3.0 schemas use draft 4's boolean exclusiveMinimum.
-    return jsonschema.Draft4Validator(strict_crd_schema(version["schema"]["openAPIV3Schema"]))
+    return jsonschema.Draft4Validator(strict_schema(version["schema"]["openAPIV3Schema"]))
 
 
 EXAMPLES = sorted((ROOT / "examples").glob("trainingjob-*.yaml"))
