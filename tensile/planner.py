@@ -150,6 +150,10 @@ class JobState:
     def pinned(self, root: int, lo: int, hi: int) -> bool:
         return any(lo <= k <= hi for k in self.pins.get(root, ()))
 
+    def first_pin(self, root: int, lo: int, hi: int) -> int | None:
+        """The first op in lo..hi where a planned replay reads the slot, or None."""
+        return min((k for k in self.pins.get(root, ()) if lo <= k <= hi), default=None)
+
     def add_absent(self, root: int, k1: int, k2: int) -> None:
         """The slot is off the device for unrolled ops k1..k2 (folded into one iteration)."""
         n = self.n
@@ -264,7 +268,7 @@ class JobState:
                 break
             if not self.present(root, p):
                 continue
-            option = recompute_option(self.workload, self.slots[root], p, self.usable, self.pinned, self.root_of, self.writers)
+            option = recompute_option(self.workload, self.slots[root], p, self.usable, self.first_pin, self.root_of, self.writers)
             if option is not None and (best is None or option.msps > best.msps) and self.cut_is_safe(option):
                 best = option
         self._best = best

@@ -47,14 +47,16 @@ def recompute_option(
     slot: Slot,
     p: int,
     present: Callable[[int, int], bool],
-    pinned: Callable[[int, int, int], bool],
+    first_pin: Callable[[int, int, int], int | None],
     root_of: dict[int, int],
     writers: dict[int, list[int]],
 ) -> Recompute | None:
     """The recomputation of `slot` that frees it at op p, if one is legal.
 
-    `present(root, op)`: the slot is on the device with its data for op; `pinned(root, lo, hi)`: some planned
-    replay needs the slot between ops lo and hi, so it may not go away there."""
+    `present(root, op)`: the slot is on the device with its data for op; `first_pin(root, lo, hi)`: the first
+    op in lo..hi where a planned replay reads the slot (None: none). A slot some replay reads inside its gap
+    is replayed *early*, just before that op, so it is back for that replay: it then saves memory only
+    up to there, which is enough when the peak lies before it."""
     if slot.recomputable_by is None or slot.persistent:
         return None
     acc = slot.accesses
@@ -62,8 +64,11 @@ def recompute_option(
     if i is None or i == 0 or acc[i - 1] == p:
         return None
     after, before = acc[i - 1], acc[i]
-    if pinned(slot.root, after + 1, before - 1):
-        return None
+    pin = first_pin(slot.root, after + 1, before - 1)
+    if pin is not None:
+        if pin <= p:
+            return None
+        before = pin  # no access of the slot lies in its gap: the chain is the same
     chain = slot.chain(before)
     for k, tensor in chain_inputs(workload, slot, chain):
         root = root_of[tensor]

@@ -232,3 +232,28 @@ def test_lowest_peak_mode_recomputes_without_a_budget():
     assert any(e.kind == "recompute" for e in lowest.plans["job"].events)
     budgeted = plan_job(workload, BANDWIDTH, budget_bytes=lowest.scheduled_peak_bytes)
     assert lowest.scheduled_peak_bytes <= budgeted.scheduled_peak_bytes
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_input_of_a_replay_is_itself_replayed_early(seed):
+    """A tensor that a planned replay reads inside its gap is replayed just before that replay (not
+    before its own next access), so both save memory at the peak; the simulator needs no passive fetch."""
+    workload = chain_workload(seed)
+    result = plan_job(workload, BANDWIDTH, name="a")
+    check_invariants(result, {"a": workload}, BANDWIDTH)
+    plan = result.plans["a"]
+    slots = build_slots(workload)
+    root_of = slot_of(slots)
+    recomputes = [e for e in plan.events if e.kind == "recompute"]
+    replay_reads = {  # (slot, op after which a replay that reads it runs)
+        (root_of[t], e.trigger)
+        for e in recomputes
+        for _, t in chain_inputs(workload, slots[root_of[e.tensor]], slots[root_of[e.tensor]].chain(e.trigger + 1))
+    }
+    early = [e for e in recomputes if (root_of[e.tensor], e.trigger + 1) in replay_reads]
+    assert early, "no input of a replay was replayed itself"
+    for e in early:  # back just before the replay that reads it, well before its own next access
+        assert min(a for a in slots[root_of[e.tensor]].accesses if a > e.trigger) > e.trigger + 1
+    sim = simulate([SimJob("a", workload, plan)], DEVICE).jobs["a"]
+    assert sim.passive_swap_ins == 0 and sim.stall_seconds == 0
+    assert sim.peak_bytes <= plan.forecast.scheduled_peak_bytes
