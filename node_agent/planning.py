@@ -78,14 +78,26 @@ def _plan_in_child(jobs: list[tuple[str, str, list[float], float]], new: dict[st
 
 
 def _child_init() -> None:
-    """Planning is background work: let the agent's request loop win the CPU over it."""
+    """Planning is background work: let the agent's request loop win the CPU over it. The child
+    also leaves when the agent is gone (SIGTERM, SIGKILL): a pool shut down without waiting does not
+    stop a round in progress, and an orphaned planner would burn a core for nothing."""
     import os
 
     try:
         os.nice(PLANNER_NICE)
     except OSError:
         pass
+    parent = os.getppid()
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="tensile-planner-watchdog").start()
     import tensile.planner  # noqa: F401 - import numpy and the planner before the first round
+
+
+def _exit_with_parent(parent: int, interval: float = 1.0) -> None:
+    import os
+
+    while os.getppid() == parent:
+        time.sleep(interval)
+    os._exit(0)
 
 
 def _warm() -> None:

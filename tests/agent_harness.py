@@ -58,10 +58,13 @@ def call(url: str, method: str, path: str, body=None, token: str | None = None, 
 class ThreadedAgent:
     """Agent + uvicorn in a thread of the test process (state inspectable from the test)."""
 
-    def __init__(self, simulate: list[str] | None = None, **config) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, simulate: list[str] | None = None, cluster_api: object | None = None, **config) -> None:  # type: ignore[no-untyped-def]
         self.port = free_port()
         config.setdefault("planning", "thread")  # no child process per test (the restart test runs the default)
-        self.agent = Agent(AgentConfig(port=self.port, simulate=simulate if simulate is not None else ["a6000:48GiB"], **config))
+        if cluster_api is not None:  # publishing to a (test) cluster: advertise this loopback address
+            config.setdefault("advertise", f"http://127.0.0.1:{self.port}")
+        self.agent = Agent(AgentConfig(port=self.port, simulate=simulate if simulate is not None else ["a6000:48GiB"], **config),
+                           cluster_api=cluster_api)
         self.server = uvicorn.Server(uvicorn.Config(self.agent.app(), host="127.0.0.1", port=self.port,
                                                     log_level="warning", access_log=False))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -115,6 +118,17 @@ class AgentProcess:
             if time.monotonic() > deadline:
                 raise RuntimeError("agent did not answer /healthz")
             time.sleep(0.05)
+
+    def children(self) -> list[int]:
+        """Pids of the agent's child processes (its planner), from /proc."""
+        if self.proc is None:
+            return []
+        path = f"/proc/{self.proc.pid}/task/{self.proc.pid}/children"
+        try:
+            with open(path) as handle:
+                return [int(pid) for pid in handle.read().split()]
+        except OSError:
+            return []
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

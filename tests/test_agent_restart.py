@@ -19,6 +19,15 @@ def _wait(predicate, timeout: float, what: str) -> None:  # type: ignore[no-unty
         time.sleep(0.05)
 
 
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its new parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def test_agent_restart_is_survived(tiny_workload):
     workload = tiny_workload()
     agent = AgentProcess().start()
@@ -46,12 +55,16 @@ def test_agent_restart_is_survived(tiny_workload):
             t.start()
         _wait(lambda: all(c.plan_version >= 1 for c in clients), 60, "first plans")
         versions = [c.plan_version for c in clients]
+        planners = agent.children()
+        assert planners, "the agent plans in a child process"
         agent.kill()
         down.set()
         before = list(iterations)
         _wait(lambda: all(not c.reachable for c in clients), 20, "clients to notice")
         _wait(lambda: all(n > b + 3 for n, b in zip(iterations, before)), 20, "training to go on")
         assert not planless_while_down
+        _wait(lambda: not any(_alive(pid) for pid in planners), 10,
+              "the planning process to leave with the killed agent")
         assert all(c.current_plan is not None and c.plan_version == v for c, v in zip(clients, versions))
         down.clear()
         agent.start()
