@@ -1,6 +1,7 @@
 """Admission latency of the operator with a warm forecast cache: TrainingJob created -> status Admitted.
 
-Kopf runs the real operator against the Kubernetes emulator of tests/ (in-process, loopback HTTP).
+Kopf runs the real operator against the Kubernetes emulator of tests/ (one process, loopback HTTP; the
+operator in a thread with its own event loop, as tests/operator_harness.py runs it).
 Jobs of three zoo models (their forecasts traced once before timing) are created one every
 `--interval` seconds onto 2 nodes x 2 simulated GPUs large enough to hold them all, so each
 admission includes the joint-plan fit test on every candidate GPU (the planner and its cache

@@ -13,12 +13,14 @@ import datetime
 import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass
 
 from tensile.operator import model
 from tensile.operator.agent import AgentLink
 from tensile.operator.forecasting import Forecaster, ForecastError, JobForecast
 from tensile.operator.kube import Conflict, Kube, NotFound
+from tensile.operator.metrics import OperatorMetrics
 from tensile.operator.placement import MIB, Booking, Candidate, Gpu, JointPlanner, Ledger, choose, gpus_from_tensilenode
 from tensile.operator.pods import DEFAULT_IMAGE, build_pod, job_token, pod_name
 
@@ -69,6 +71,8 @@ class Admission:
         self.inventory: dict[str, list[Gpu]] = {}
         self.pending: dict[str, Pending] = {}
         self.conditions: dict[str, list[dict]] = {}
+        self.phases: dict[str, str] = {}  # key -> the phase last seen or written (metrics)
+        self.metrics = OperatorMetrics(lambda: dict(self.phases))
         self.tokens: dict[str, str] = {}  # key -> the job's agent token
         self.admitted_at: dict[str, float] = {}  # key -> loop time the placement was written (benchmarks)
         self.wake = asyncio.Event()
@@ -93,6 +97,8 @@ class Admission:
         if conds:
             self.conditions[key] = merge_conditions(self.conditions.get(key, []), *conds)
             status = dict(status, conditions=self.conditions[key])
+        if status.get("phase"):
+            self.phases[key] = status["phase"]
         try:
             await self.kube.patch_job_status(namespace, name, status)
         except NotFound:
@@ -102,6 +108,7 @@ class Admission:
         key = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
         if key not in self.conditions:
             self.conditions[key] = list((body.get("status") or {}).get("conditions") or [])
+        self.phases.setdefault(key, (body.get("status") or {}).get("phase") or "Pending")
 
     # ---- admit: validate + forecast + enqueue ---------------------------------------------------
     async def admit(self, body: dict) -> None:
@@ -120,6 +127,7 @@ class Admission:
         try:
             spec = model.parse_spec(body.get("spec") or {}, meta.get("annotations"))
         except model.SpecError as exc:
+            self.metrics.admissions.labels("invalid").inc()
             await self.set_status(namespace, name, {"phase": "Failed", "message": str(exc)},
                                   condition("Validated", False, "InvalidSpec", str(exc)))
             return
@@ -127,17 +135,24 @@ class Admission:
             await self.set_status(namespace, name, {"phase": "Forecasting", "message": "tracing and planning on the CPU"},
                                   condition("Validated", True, "Valid"))
         forecast: JobForecast | None = None
+        failure: ForecastError | None = None
+        started = time.perf_counter()
         try:
             forecast = await self.forecaster.forecast(spec.workload)
         except ForecastError as exc:
+            failure = exc
+        self.metrics.forecast_seconds.observe(time.perf_counter() - started)
+        if failure is not None:
             if spec.memory_budget is None:
-                await self.set_status(namespace, name, {"phase": "Failed", "message": f"forecast failed: {exc}"},
+                self.metrics.admissions.labels("forecast_failed").inc()
+                await self.set_status(namespace, name, {"phase": "Failed", "message": f"forecast failed: {failure}"},
                                       condition("Forecasted", False, "ForecastFailed",
-                                                f"{exc}; fix spec.workload, or set spec.memoryBudget to admit the job by it"))
+                                                f"{failure}; fix spec.workload, or set spec.memoryBudget to admit the job by it"))
                 return
             self.conditions[key] = merge_conditions(self.conditions.get(key, []), condition(
-                "Forecasted", False, "ForecastFailed", f"{exc}; admitted by spec.memoryBudget"))
+                "Forecasted", False, "ForecastFailed", f"{failure}; admitted by spec.memoryBudget"))
         if forecast is None and spec.memory_budget is None:
+            self.metrics.admissions.labels("no_budget").inc()
             await self.set_status(namespace, name, {"phase": "Failed", "message": "no forecastable workload and no budget"},
                                   condition("Forecasted", False, "NoProfile",
                                             f"profile '{spec.workload.profile}' is not stored yet: set spec.memoryBudget to admit the job by it"))
@@ -145,6 +160,7 @@ class Admission:
         if forecast is not None and spec.memory_budget is not None and spec.memory_budget < forecast.min_peak_bytes:
             message = (f"spec.memoryBudget {spec.memory_budget / MIB:,.0f} MiB is below the lowest peak any plan reaches, "
                        f"{forecast.min_peak_bytes / MIB:,.0f} MiB: raise it or reduce spec.workload.batchSize")
+            self.metrics.admissions.labels("budget_unreachable").inc()
             await self.set_status(namespace, name, {"phase": "Failed", "message": message},
                                   condition("Forecasted", True, "BudgetUnreachable", message))
             return
@@ -196,8 +212,9 @@ class Admission:
                     budget = model.parse_quantity(spec["memoryBudget"], "spec.memoryBudget")
                 except model.SpecError:
                     pass
+            profile = (spec.get("workload") or {}).get("profile") if forecast is None else None
             ledger.book(Booking(key, placement["gpu"], placement["node"], int(fstatus.get("reservedBytes") or 0),
-                                forecast, budget, knobs.get("maxSwapRate")))
+                                forecast, budget, knobs.get("maxSwapRate"), profile))
         self.ledger = ledger
 
     async def _schedule_forever(self) -> None:
@@ -229,6 +246,8 @@ class Admission:
         if decision.gpu is None:
             reason = decision.reason if self.gpus else "no TensileNode publishes a GPU yet"
             if reason != pending.queued_reason:
+                if not pending.queued_reason:
+                    self.metrics.admissions.labels("queued").inc()
                 pending.queued_reason = reason
                 await self.set_status(pending.namespace, pending.name, {
                     "phase": "Queued", "message": reason,
@@ -243,7 +262,8 @@ class Admission:
         changes = {j: p for j, p in peaks.items() if j != key and j in self.ledger.bookings and self.ledger.bookings[j].reserved_bytes != p}
         lower = {j: p for j, p in changes.items() if p < self.ledger.bookings[j].reserved_bytes}
         await self._repeak(lower)
-        booking = Booking(key, gpu.uuid, gpu.node, reserved, pending.forecast, pending.spec.memory_budget, pending.spec.max_swap_rate)
+        profile = pending.spec.workload.profile if pending.forecast is None else None
+        booking = Booking(key, gpu.uuid, gpu.node, reserved, pending.forecast, pending.spec.memory_budget, pending.spec.max_swap_rate, profile)
         self.ledger.book(booking)
         fstatus = (pending.forecast.to_status() if pending.forecast else {"source": "budget"}) | {
             "scheduledPeakBytes": reserved, "reservedBytes": reserved, "plannedWith": sum(1 for j in peaks if j != key)}
@@ -253,6 +273,7 @@ class Admission:
             "phase": "Admitted", "message": f"placed on {gpu.node} GPU {gpu.uuid}", "placement": placement,
             "forecast": fstatus, "queue": None}, condition("Admitted", True, "Placed", f"{reserved / MIB:,.0f} MiB on {gpu.node}/{gpu.uuid}"))
         self.admitted_at[key] = asyncio.get_running_loop().time()
+        self.metrics.admissions.labels("admitted").inc()
         self.pending.pop(key, None)
         await self._repeak({j: p for j, p in changes.items() if j not in lower})
         await self.ensure_pod(pending.body, booking)
@@ -322,10 +343,11 @@ class Admission:
             return
         gpu = next((g for g in self.gpus if g.uuid == booking.gpu), None)
         token = self.tokens.pop(key, "")
-        if booking.forecast is None and gpu is not None:
+        if booking.profile and gpu is not None:
             live = await self.agent.live_workload(gpu.agent, key, token)
             if live is not None:
-                self.forecaster.store_profile(key, live)
+                self.forecaster.store_profile(booking.profile, live)
+                log.info("%s: its live workload is now profile %r", key, booking.profile)
         await self.agent.unregister(gpu.agent if gpu else None, key, token)
 
     async def deleted(self, body: dict) -> None:
@@ -334,6 +356,7 @@ class Admission:
         booking = self.ledger.release(key)
         self.pending.pop(key, None)
         self.conditions.pop(key, None)
+        self.phases.pop(key, None)
         await self.kube.delete_pod(meta["namespace"], pod_name(meta["name"]))
         await self.after_release(key, booking)
 

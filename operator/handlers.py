@@ -7,6 +7,7 @@ import os
 
 import kopf
 
+from tensile.errors import TensileUserError
 from tensile.operator import GROUP, VERSION
 from tensile.operator.admission import Admission
 from tensile.operator.model import ANNOTATIONS
@@ -36,7 +37,9 @@ def webhook_server() -> kopf.WebhookServer | None:
     )
 
 
-def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None) -> kopf.OperatorRegistry:
+def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, metrics_port: int = 0,
+                   metrics_addr: str = "0.0.0.0") -> kopf.OperatorRegistry:
+    """`metrics_port`: serve /metrics there while the operator runs (0: off)."""
     registry = kopf.OperatorRegistry()
     tj = dict(group=GROUP, version=VERSION, plural="trainingjobs", registry=registry)
 
@@ -56,7 +59,6 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None) ->
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="operator.tensile.dev", key="last-handled-configuration")
         settings.watching.server_timeout = 300
         settings.posting.level = logging.WARNING  # Kubernetes Events only for problems, not every handler run
-        settings.queueing.batch_window = 0.02  # events of one object are debounced this long (default 0.1 s)
         if webhook is not None:
             settings.admission.server = webhook
         info = login(settings=settings)
@@ -64,10 +66,15 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None) ->
             app.kube.login(info)
         if info is None:
             raise kopf.PermanentError("no Kubernetes credentials: no service account and no kubeconfig")
+        try:
+            app.metrics.serve(metrics_port, metrics_addr)
+        except TensileUserError as exc:
+            raise kopf.PermanentError(str(exc)) from exc
         await app.start()
 
     @kopf.on.cleanup(registry=registry)
     async def _cleanup(**_) -> None:  # type: ignore[no-untyped-def]
+        app.metrics.close()
         await app.stop()
 
     if webhook is not None:

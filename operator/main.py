@@ -7,15 +7,17 @@ import kopf
 from tensile.operator.admission import Admission
 from tensile.operator.forecasting import Forecaster, ProfileStore
 from tensile.operator.handlers import PEERING, build_registry, webhook_server
+from tensile.operator import metrics
 
 
 async def operator(app: Admission | None = None, *, standalone: bool = False, priority: int = 0,
                    webhook: kopf.WebhookServer | None = None, liveness: str | None = None,
-                   stop_flag=None, ready_flag=None) -> None:  # type: ignore[no-untyped-def]
+                   stop_flag=None, ready_flag=None, metrics_port: int = 0,  # type: ignore[no-untyped-def]
+                   metrics_addr: str = "127.0.0.1") -> None:
     """The operator as a coroutine (tests run several in one event loop, one after another)."""
     app = app or Admission()
     await kopf.operator(
-        registry=build_registry(app, webhook),
+        registry=build_registry(app, webhook, metrics_port, metrics_addr),
         clusterwide=True,
         standalone=standalone,
         priority=priority,
@@ -27,12 +29,13 @@ async def operator(app: Admission | None = None, *, standalone: bool = False, pr
     )
 
 
-def run(*, standalone: bool = False, priority: int = 0, profiles: str | None = None, liveness: str | None = None) -> None:
+def run(*, standalone: bool = False, priority: int = 0, profiles: str | None = None, liveness: str | None = None,
+        metrics_port: int = metrics.DEFAULT_PORT, metrics_addr: str = "0.0.0.0") -> None:
     app = Admission(Forecaster(ProfileStore(profiles)))
     kopf.configure(verbose=False)
-    kopf.run(registry=build_registry(app, webhook_server()), clusterwide=True, standalone=standalone, priority=priority,
+    kopf.run(registry=build_registry(app, webhook_server(), metrics_port, metrics_addr), clusterwide=True, standalone=standalone, priority=priority,
              peering_name=PEERING, liveness_endpoint=liveness, memo=kopf.Memo(app=app))
 
 
 if __name__ == "__main__":
-    run()
+    run(metrics_port=metrics.metrics_port())

@@ -69,6 +69,7 @@ class Booking:
     forecast: JobForecast | None = None
     budget_bytes: int | None = None
     max_swap_rate: float | None = None
+    profile: str | None = None  # admitted by budget: the profile its live workload is stored under
 
 
 @dataclass

@@ -7,10 +7,13 @@ import contextlib
 import os
 import random
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import kmock
+import kopf
 import yaml
 
 from tensile.operator.admission import Admission
@@ -54,6 +57,15 @@ class Cluster:
         status = {"gpus": gpus, "agentAddress": agent, "updatedAt": "2026-01-01T00:00:00Z"}
         await self.request("PATCH", f"/apis/tensile.dev/v1alpha1/tensilenodes/{name}/status", {"status": status})
 
+    def node(self, name: str) -> dict | None:
+        return self.emu.get(TN, None, name)
+
+    def custom_objects_api(self):  # type: ignore[no-untyped-def]
+        """A kubernetes-client CustomObjectsApi on the emulator: what a node agent's in-cluster config gives it."""
+        from kubernetes import client
+
+        return client.CustomObjectsApi(client.ApiClient(client.Configuration(host=self.url)))
+
     def job(self, name: str, namespace: str = "default") -> dict | None:
         return self.emu.get(TJ, namespace, name)
 
@@ -82,6 +94,15 @@ class Cluster:
             if asyncio.get_running_loop().time() > deadline:
                 raise AssertionError(f"timed out waiting for {what or predicate}")
             await asyncio.sleep(0.05)
+
+
+def phase(job: dict | None) -> str | None:
+    return ((job or {}).get("status") or {}).get("phase")
+
+
+def pod_env(pod: dict) -> dict[str, str]:
+    """The training container's environment, as the hook in it sees it."""
+    return {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0].get("env") or []}
 
 
 def simulated_gpu(uuid: str, gib: float, name: str = "Simulated GPU") -> dict:
@@ -115,24 +136,53 @@ async def cluster(tmp: Path) -> AsyncIterator[Cluster]:
 
 
 class RunningOperator:
-    def __init__(self, app: Admission, task: asyncio.Task, stop: asyncio.Event):
-        self.app, self.task, self.stop_flag = app, task, stop
+    """The operator in a thread with an event loop of its own, as in a cluster where it is its own process.
+
+    Kopf, when it stops, cancels every task created in its event loop after it started (it cannot tell
+    its own tasks from others). Sharing the test's loop, that included the emulator's per-connection
+    handler tasks: their kept-alive connections stayed open with no reader, and the next requests the
+    test kubelet sent on them were never answered (the stall of the restart test)."""
+
+    def __init__(self, app: Admission, webhook: kopf.WebhookServer | None = None, metrics_port: int = 0):
+        self.app = app
+        self.metrics_port = metrics_port
+        self.stop_flag = threading.Event()
+        self.error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, args=(webhook,), name="tensile-operator", daemon=True)
+
+    def _run(self, webhook: kopf.WebhookServer | None) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            await operator(self.app, webhook=webhook, stop_flag=self.stop_flag, metrics_port=self.metrics_port,
+                           metrics_addr="127.0.0.1")
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # noqa: BLE001 - reported by started()/stop()
+            self.error = exc
+
+    async def started(self, timeout: float = 30.0) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.app.ready.is_set():
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise AssertionError(f"the operator did not start: {self.error!r}")
+            await asyncio.sleep(0.02)
 
     async def stop(self) -> None:
         self.stop_flag.set()
-        try:
-            await asyncio.wait_for(self.task, 15)
-        except (TimeoutError, asyncio.CancelledError):
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+        await asyncio.to_thread(self._thread.join, 20)
+        if self._thread.is_alive() and self._loop is not None:
+            self._loop.call_soon_threadsafe(lambda: [t.cancel() for t in asyncio.all_tasks()])
+            await asyncio.to_thread(self._thread.join, 10)
+        assert not self._thread.is_alive(), "the operator did not stop"
 
 
-async def start_operator(forecaster: Forecaster, webhook=None, **kwargs) -> RunningOperator:  # type: ignore[no-untyped-def]
-    app = Admission(forecaster, token_key=b"test-key", **kwargs)
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.get_running_loop().create_task(operator(app, webhook=webhook, stop_flag=stop, ready_flag=ready))
-    await asyncio.wait_for(app.ready.wait(), 30)
-    return RunningOperator(app, task, stop)
+async def start_operator(forecaster: Forecaster, webhook=None, metrics_port: int = 0, **kwargs) -> RunningOperator:  # type: ignore[no-untyped-def]
+    op = RunningOperator(Admission(forecaster, token_key=b"test-key", **kwargs), webhook, metrics_port)
+    await op.started()
+    return op
 
 
 async def fake_kubelet(c: Cluster, run_seconds: Callable[[dict], float] = lambda pod: 0.3, fail: set[str] = frozenset()) -> None:

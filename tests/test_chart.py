@@ -43,7 +43,8 @@ CASES: dict[str, tuple[dict, tuple[str, ...]]] = {
     "pod-network": ({"agent": {"hostNetwork": False, "runtimeClassName": "nvidia"}}, (MONITORING,)),
     "custom-placement": ({
         "operator": {"resources": {"requests": {"cpu": "2", "memory": "3Gi"}, "limits": {"memory": "6Gi"}},
-                     "nodeSelector": {"pool": "system"}, "profiles": {"existingClaim": "tensile-profiles"}},
+                     "nodeSelector": {"pool": "system"}, "profiles": {"existingClaim": "tensile-profiles"},
+                     "metricsPort": 9090, "healthPort": 9091},
         "agent": {"resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"cpu": 1, "memory": "1Gi"}},
                   # Helm merges maps with the defaults: null removes the default GPU label.
                   "nodeSelector": {"gpu": "a100", "nvidia.com/gpu.present": None}, "tolerations": [],
@@ -173,11 +174,13 @@ def test_rbac_is_exactly_the_call_lists(chart: Chart) -> None:
 # ---- operator ----------------------------------------------------------------------------------
 
 
-def test_operator_runs_the_cli_it_is_given(chart: Chart, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("values", ["defaults", "custom-placement"])
+def test_operator_runs_the_cli_it_is_given(chart: Chart, monkeypatch: pytest.MonkeyPatch, values: str) -> None:
     from tensile.cli import build_parser
     from tensile.operator.handlers import PEERING
+    from tensile.operator.metrics import metrics_port
 
-    objs = case(chart, "defaults")
+    objs = case(chart, values)
     deployment = one(objs, "Deployment", "operator")
     c = container(deployment)
     env = env_of(c)
@@ -195,11 +198,12 @@ def test_operator_runs_the_cli_it_is_given(chart: Chart, monkeypatch: pytest.Mon
         get = c[probe]["httpGet"]
         assert (ports[get["port"]], get["path"]) == (int(liveness[1]), liveness[2])
     assert env["TENSILE_IMAGE"]["value"] == c["image"], "training pods' init container uses the same image"
+    assert ports["metrics"] == metrics_port(args.metrics_port), "the operator serves metrics where the Service points"
     secret = next(o for o in objs if o["kind"] == "Secret" and "token-key" in o["data"])
     ref = env["TENSILE_TOKEN_KEY"]["valueFrom"]["secretKeyRef"]
     assert (ref["name"], ref["key"]) == (secret["metadata"]["name"], "token-key")
     assert len(base64.b64decode(secret["data"]["token-key"])) >= 32
-    assert c["resources"] == chart.values["operator"]["resources"]
+    assert c["resources"] == CASES[values][0].get("operator", {}).get("resources", chart.values["operator"]["resources"])
 
 
 def test_custom_resources_and_placement_reach_the_pods(chart: Chart) -> None:

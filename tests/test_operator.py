@@ -12,10 +12,13 @@ from pathlib import Path
 import aiohttp
 import kopf
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from operator_harness import (GIB, cluster, fake_kubelet, jitter, process_kubelet, simulated_gpu, start_operator,
-                              trainingjob)
+from operator_harness import (GIB, cluster, fake_kubelet, jitter, phase, pod_env, process_kubelet, simulated_gpu,
+                              start_operator, trainingjob)
+from tensile.errors import TensileUserError
 from tensile.operator.forecasting import Forecaster
+from tensile.operator.metrics import OperatorMetrics, metrics_port
 from tensile.operator.rbac import RULES, cluster_role
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,10 +35,6 @@ def forecaster():
 
 def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
-
-
-def phase(job: dict | None) -> str | None:
-    return ((job or {}).get("status") or {}).get("phase")
 
 
 def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster):
@@ -55,7 +54,7 @@ def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster)
                 pod = c.pods()[0]
                 assert pod["spec"]["nodeName"] == "node-a"
                 assert pod["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
-                env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+                env = pod_env(pod)
                 assert env["TENSILE_JOB"] == "default/one" and env["TENSILE_GPU"] == "GPU-a0"
                 assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-a0" and env["TENSILE_AGENT"] == "http://127.0.0.1:9"
                 assert env["TENSILE_MAX_SWAP_RATE"] == "0.5" and len(env["TENSILE_TOKEN"]) == 32
@@ -87,7 +86,8 @@ def test_forecast_failure_and_budget_only_jobs(tmp_path, forecaster):
     async def scenario():  # type: ignore[no-untyped-def]
         async with cluster(tmp_path) as c:
             await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4)])
-            op = await start_operator(forecaster)
+            port = _free_port()
+            op = await start_operator(forecaster, metrics_port=port)
             try:
                 await c.apply(trainingjob("nomodel", "no_such_model", 1))
                 await c.apply(trainingjob("custom", None, profile="my-mlp", memoryBudget="512Mi"))
@@ -101,14 +101,23 @@ def test_forecast_failure_and_budget_only_jobs(tmp_path, forecaster):
                 assert custom["forecast"]["source"] == "budget" and custom["forecast"]["reservedBytes"] == 512 * 2**20
                 queued = c.job("toobig")["status"]
                 assert queued["queue"]["shortfallBytes"] > 0 and "no GPU has room" in queued["queue"]["reason"]
+                # what Prometheus scrapes from the operator
+                async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as r:
+                    assert r.status == 200
+                    families = {f.name: f for f in text_string_to_metric_families(await r.text())}
+                samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+                assert samples[("tensile_queued_jobs", ())] == 1
+                assert {p: samples[("tensile_trainingjobs", (("phase", p),))] for p in ("Failed", "Admitted", "Queued")} == \
+                    {"Failed": 1, "Admitted": 1, "Queued": 1}
+                assert {r: samples[("tensile_admissions_total", (("result", r),))] for r in ("forecast_failed", "admitted", "queued")} == \
+                    {"forecast_failed": 1, "admitted": 1, "queued": 1}
+                assert samples[("tensile_forecast_seconds_count", ())] == 3 and families["tensile_forecast_seconds"].type == "histogram"
             finally:
                 await op.stop()
 
     run(scenario())
 
 
-@pytest.mark.xfail(strict=False, reason="intermittent (2 of 5 runs): after the restart some pods' status requests from the "
-                   "test kubelet stall, cause not found yet (emulator or harness); see docs/operator.md 'Left open'")
 def test_sixty_jobs_two_nodes_with_restart(tmp_path, forecaster):
     """60 mixed jobs at once onto 2 nodes x 2 simulated GPUs; the operator restarts mid-way."""
     async def scenario():  # type: ignore[no-untyped-def]
@@ -133,7 +142,6 @@ def test_sixty_jobs_two_nodes_with_restart(tmp_path, forecaster):
                     violations.extend(f"{g}: {b} > {capacity}" for g, b in per_gpu.items() if b > capacity)
                     await asyncio.sleep(0.02)
 
-            # (tasks started before the operator: Kopf cancels the tasks started during its run when it stops)
             checker = asyncio.create_task(watch_invariant())
             op = await start_operator(forecaster)
             try:
@@ -143,13 +151,12 @@ def test_sixty_jobs_two_nodes_with_restart(tmp_path, forecaster):
                 await asyncio.sleep(0.5)
                 op = await start_operator(forecaster)
                 try:
-                    await c.wait(lambda: all(phase(j) == "Succeeded" for j in c.jobs()), 150, "all done")
+                    await c.wait(lambda: all(phase(j) == "Succeeded" for j in c.jobs()), 90, "all done")
                 except AssertionError:
-                    stuck = [(j["metadata"]["name"], j.get("status")) for j in c.jobs() if phase(j) != "Succeeded"]
                     if kubelet.done():
                         kubelet.result()
-                    pods = {p["metadata"]["name"]: (p["metadata"]["uid"], p["metadata"]["creationTimestamp"], [x for x in c.kubelet_log if x[0] == p["metadata"]["name"]]) for p in c.pods() if not p.get("status")}
-                    raise AssertionError(f"{len(stuck)} not done: {[(n, (s or {}).get('phase')) for n, s in stuck]} pods {pods}") from None
+                    stuck = [(j["metadata"]["name"], phase(j)) for j in c.jobs() if phase(j) != "Succeeded"]
+                    raise AssertionError(f"{len(stuck)} not done: {stuck}") from None
             finally:
                 checker.cancel()
                 kubelet.cancel()
@@ -256,6 +263,23 @@ def test_end_to_end_training_run_under_the_hook(tmp_path, forecaster):
     assert data["iterations"], data
     out = "".join(logs.values())
     assert "tensile hook installed" in out and "step 0" in out
+
+
+def test_metrics_port_settings_name_the_fix(monkeypatch):
+    monkeypatch.delenv("TENSILE_OPERATOR_METRICS_PORT", raising=False)
+    assert metrics_port() == 8080 and metrics_port(0) == 0 and metrics_port(9100) == 9100
+    monkeypatch.setenv("TENSILE_OPERATOR_METRICS_PORT", "0")
+    assert metrics_port() == 0
+    monkeypatch.setenv("TENSILE_OPERATOR_METRICS_PORT", "eighty")
+    with pytest.raises(TensileUserError, match="TENSILE_OPERATOR_METRICS_PORT='eighty': set a port number"):
+        metrics_port()
+    with pytest.raises(TensileUserError, match="--metrics-port=70000"):
+        metrics_port(70000)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(TensileUserError, match="pick a free port, or 0"):
+            OperatorMetrics(dict).serve(taken.getsockname()[1], "127.0.0.1")
 
 
 def test_rbac_renders_a_cluster_role():

@@ -1,0 +1,97 @@
+"""The operator and a real node agent together: Kopf against the kube emulator, the agent served by uvicorn
+on 127.0.0.1 and publishing its own TensileNode there. The test plays the runtime hook (AgentClient, with
+the token and address the operator put in the pod's environment) and the kubelet."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+from agent_harness import ThreadedAgent, get
+from operator_harness import cluster, phase, pod_env, start_operator, trainingjob
+
+from tensile.agent_client import AgentClient
+from tensile.operator.forecasting import Forecaster
+from tensile.operator.pods import pod_name
+
+MIB = 2**20
+
+
+def agent_jobs(url: str) -> dict[str, dict]:
+    status, body = get(url, "/v1/jobs")
+    assert status == 200, body
+    return {f"{j['namespace']}/{j['job']}": j for j in body["jobs"]}  # type: ignore[index]
+
+
+def test_knobs_reach_the_agent_and_release_unregisters(tmp_path, tiny_workload):
+    workload = tiny_workload()
+    forecaster = Forecaster()
+
+    async def hook_for(c, name: str) -> AgentClient:  # type: ignore[no-untyped-def]
+        """Register the job as its hook would, from what the operator put in the pod."""
+        await c.wait(lambda: c.emu.get("v1/pods", "default", pod_name(name)), 30, f"{name}'s pod")
+        env = pod_env(c.emu.get("v1/pods", "default", pod_name(name)))
+        hook = AgentClient.from_env(env, max_backoff=0.2)
+        registered = await asyncio.to_thread(hook.register, workload=workload,
+                                             memory_budget_bytes=int(env["TENSILE_MEMORY_BUDGET"]))
+        assert registered is not None and registered.gpu == env["TENSILE_GPU"]
+        assert (await asyncio.to_thread(hook.wait_for_plan, 30)).status == "planned"
+        return hook
+
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            agent = ThreadedAgent(["a6000:8GiB"], cluster_api=c.custom_objects_api(), node="node-a")
+            await asyncio.to_thread(agent.__enter__)
+            op = None
+            try:
+                await c.wait(lambda: ((c.node("node-a") or {}).get("status") or {}).get("gpus"), 30, "the agent's TensileNode")
+                assert c.node("node-a")["status"]["agentAddress"] == agent.url
+                op = await start_operator(forecaster)
+
+                # 1. a job without a profile yet: admitted by its budget, registered by its hook
+                await c.apply(trainingjob("first", None, profile="tiny-mlp", memoryBudget="256Mi"))
+                hook = await hook_for(c, "first")
+                assert pod_env(c.pods()[0])["TENSILE_AGENT"] == agent.url
+                before = agent_jobs(agent.url)["default/first"]
+                assert before["memory_budget_bytes"] == 256 * MIB
+
+                # 2. annotations change the running job: the agent re-plans it under the new knobs
+                await c.annotate("first", {"tensile.dev/memory-budget": "6Mi", "tensile.dev/max-swap-rate": "0.5"})
+                await c.wait(lambda: agent_jobs(agent.url)["default/first"]["plan_version"] > before["plan_version"], 30,
+                             "a new plan for the new knobs")
+                after = agent_jobs(agent.url)["default/first"]
+                assert after["memory_budget_bytes"] == 6 * MIB and after["max_swap_rate"] == 0.5
+                plan, changed = await asyncio.to_thread(hook.poll)
+                assert changed and hook.plan_version == after["plan_version"]
+                conditions = {x["type"]: x for x in c.job("first")["status"]["conditions"]}
+                assert conditions["KnobsApplied"]["status"] == "True", conditions["KnobsApplied"]
+
+                # 3. completion: the live workload becomes the profile, and the job leaves the agent
+                pod = c.pods()[0]
+                await c.set_pod_status(pod, {"phase": "Succeeded", "containerStatuses": [
+                    {"name": "train", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}]})
+                await c.wait(lambda: "default/first" not in agent_jobs(agent.url), 30, "unregistered on completion")
+                assert phase(c.job("first")) == "Succeeded"
+                assert forecaster.profiles.get("tiny-mlp").signature == workload.signature
+
+                # 4. the next job of that profile is forecast from it; deleting it unregisters it
+                await c.apply(trainingjob("second", None, profile="tiny-mlp", memoryBudget="256Mi"))
+                await hook_for(c, "second")
+                assert c.job("second")["status"]["forecast"]["source"] == "profile"
+                await c.delete("second")
+                await c.wait(lambda: "default/second" not in agent_jobs(agent.url) and c.job("second") is None, 30,
+                             "unregistered on deletion")
+            finally:
+                if op is not None:
+                    await op.stop()
+                agent.__exit__(None, None, None)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        forecaster.close()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-x", "-q"]))
