@@ -1,11 +1,17 @@
-"""The paper's Executor inside the user's process: one dispatch mode that sees every aten op.
+"""The paper's Executor inside the user's process: a dispatch mode that sees every aten op, for
+the iterations that need it, and native hooks for the others.
 
-Per op it (1) checks that every input is resident and fetches it if not (a stall: a late or wrong
+On the dispatch path (the recorded iteration, the first one under a plan, plans with events the
+native hooks cannot carry, budget guarding), per op it (1) checks that every input is resident and fetches it if not (a stall: a late or wrong
 plan costs time, never correctness), (2) runs the op, (3) records it with the tracer's Recorder so
 live tensors map positionally onto the plan's tensor ids, and (4) fires the plan's events whose
 trigger is this op. Iterations are delimited by optimizer step hooks. Anything that goes wrong
 inside the hook makes it stand down: every tensor comes back to the device and training goes on
 without Tensile.
+
+On the native path (`native_map.py` says which plans may take it) the hook leaves the dispatch
+mode at an optimizer step: iterations start at the first module forward after a step (a global
+module forward pre-hook) and no op passes through Python.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from tensile.peak import analyze_vanilla
 from tensile.plan import Event, Plan
 from tensile.runtime_hook.movers import CpuMover, CudaMover
+from tensile.runtime_hook.native_map import NativeMap, map_plan
 from tensile.runtime_hook.report import HookReport, IterationStats
 from tensile.runtime_hook.settings import HookSettings, budget_bytes
 from tensile.runtime_hook.storages import Slot, StorageRegistry
@@ -179,6 +186,8 @@ class ActivePlan:
                 if tensor in needed and tensor not in seen and reused is not None:
                     seen.add(tensor)
                     self.capture[op.index].append((tensor, "reuse", reused))
+        self.native: NativeMap | None = None  # where its events go on native hooks, once mapped
+        self.native_checked = False
 
 
 class PlanExecutor(TorchDispatchMode):
@@ -220,6 +229,15 @@ class PlanExecutor(TorchDispatchMode):
         self.names: dict[Any, str] = {}  # op -> its name, cached: str(op) is costly per call
         self.match_at = 1  # the iteration whose recording is matched against the plan (0 is a warm-up)
         self.diverged_in_a_row = 0
+        self.in_mode = False  # pushed on the dispatch mode stack
+        self.path = "dispatch"  # this iteration's path
+        self.next_path = "dispatch"  # decided at the optimizer step for the next iteration ...
+        self.prepared: ActivePlan | None = None  # ... under this plan
+        self.module_hook: Any = None  # the global module forward pre-hook, on the native path
+        self.live: Workload | None = None  # the matched iteration
+        # On the CPU device a native iteration's peak is only known when observed by the dispatch
+        # mode (every op's outputs watched, nothing else done): tests and audits turn this on.
+        self.observe_native = False
         if plan is not None and plan_workload is not None:
             self._offer(plan, plan_workload, "file")
 
@@ -247,6 +265,7 @@ class PlanExecutor(TorchDispatchMode):
     def _match(self, live: Workload) -> None:
         """After a steady iteration: compare signatures; on a mismatch, plan from the live workload."""
         self.report.live_signature = live.signature
+        self.live = live
         self.report.guard_slack_bytes = max(
             (sum(live.tensors[t].size for t in {*op.inputs, *op.outputs}) for op in live.ops), default=0
         )
@@ -277,6 +296,100 @@ class PlanExecutor(TorchDispatchMode):
     def step_post_hook(self, *_: Any) -> None:
         self.in_step = max(0, self.in_step - 1)
         self.step_done = True
+        try:
+            self._at_step()
+        except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
+            self._stand_down(exc)
+
+    # -- paths --------------------------------------------------------------------------------
+    def _at_step(self) -> None:
+        """Choose the next iteration's path here, outside any op and outside the user's forward:
+        the dispatch mode and the saved-tensor hooks can be left or pushed safely."""
+        if self.disabled:
+            self._leave_mode()
+            return
+        self.prepared = self.ready
+        native = self._native_map(self.prepared) if self.match_at <= self.iteration else None
+        self.next_path = "dispatch" if native is None else "native"
+        if native is not None and not self.observe_native:
+            self._leave_mode()
+
+    def _native_map(self, plan: ActivePlan | None) -> NativeMap | None:
+        """The plan on native hook points, or None where the next iteration needs the dispatch mode:
+        the first iteration under a plan (exact, measured), an event that does not map, a budget
+        the plan (or, without one, the vanilla peak) does not keep."""
+        if self.live is None or self.stats.mode in ("recording", "stood_down") or plan is not self.active:
+            return None
+        if self.budget is not None:
+            expected = self.report.scheduled_peak_bytes if plan is not None else self.vanilla_peak
+            last = self.report.iterations[-1] if self.report.iterations else None
+            if expected is None or expected > self.budget or (
+                    last is not None and last.peak_source == "measured" and last.peak_bytes > self.budget):
+                return None
+        if plan is None:
+            return NativeMap([])
+        if not plan.native_checked:
+            plan.native_checked = True
+            native = map_plan(plan.plan, plan.workload, plan.freed_soon)
+            if native.unmapped:
+                self._say(f"{len(native.unmapped)} events of plan version {plan.plan.version} do not map onto native hooks "
+                          f"(e.g. {'; '.join(native.unmapped[:3])}): its iterations run on the dispatch path")
+            else:
+                plan.native = native
+        return plan.native
+
+    def _leave_mode(self) -> None:
+        """Off the dispatch mode stack (only from its top): every absent tensor comes back first,
+        since no op will be checked before use any more."""
+        if not self.in_mode:
+            return
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if _get_current_dispatch_mode() is not self:
+            return  # another mode sits above: stay, the dispatch path keeps working
+        self.restore_all()
+        super().__exit__(None, None, None)
+        self.in_mode = False
+        if self.module_hook is None and not self.disabled:
+            self.module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_pre_hook)
+
+    def _enter_mode(self) -> bool:
+        """Back on the stack, only when it is empty: pushed above a user's mode it would be popped by theirs."""
+        if self.in_mode:
+            return True
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if _get_current_dispatch_mode() is not None:
+            return False
+        super().__enter__()
+        self.in_mode = True
+        if self.module_hook is not None:
+            self.module_hook.remove()
+            self.module_hook = None
+        return True
+
+    def _module_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        """On the native path: the first module forward after the step(s) starts the next iteration."""
+        if self.step_done and self.in_step == 0 and torch.is_grad_enabled() and torch._C._current_autograd_node() is None:
+            started = time.perf_counter()
+            try:
+                self._begin_iteration()
+            except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
+                self._stand_down(exc)
+            self.stats.hook_seconds += time.perf_counter() - started
+
+    def __enter__(self) -> PlanExecutor:
+        self.in_mode = True
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        """Deactivation: off the stack (if on it) and every native hook removed."""
+        if self.module_hook is not None:
+            self.module_hook.remove()
+            self.module_hook = None
+        if self.in_mode:
+            self.in_mode = False
+            super().__exit__(*exc)
 
     def _finish_iteration(self) -> None:
         self.mover.finish_iteration()
@@ -286,6 +399,8 @@ class PlanExecutor(TorchDispatchMode):
         if self.device.type == "cuda":
             stats.peak_bytes = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        elif stats.peak_source == "planned":  # nothing watched the storages: the forecast, marked as such
+            stats.peak_bytes = (self.report.scheduled_peak_bytes if self.active else None) or self.vanilla_peak or 0
         self.report.iterations.append(stats)
         if not self.disabled and self.iteration == self.match_at:
             self.recorder.stop()
@@ -327,7 +442,21 @@ class PlanExecutor(TorchDispatchMode):
         self.active = None if self.disabled else self.ready
         mode = "planned" if self.active else ("recording" if self.iteration <= self.match_at else "guarded")
         self.stats = IterationStats(self.iteration, mode, self.active.plan.version if self.active else None)
+        self._choose_path()
         self.iteration_started = time.perf_counter()
+
+    def _choose_path(self) -> None:
+        """What the step decided, unless the plan changed since (a newer one from the agent) or the
+        hook stood down: then this iteration runs on the dispatch path, where it can."""
+        native = self.next_path == "native" and self.active is self.prepared and not self.disabled
+        if not native and not self._enter_mode():
+            if self.active is not None:
+                self._say("another dispatch mode is active: this iteration's plan is not applied")
+            self.active = None
+            native = True
+        self.path = self.stats.path = "native" if native else "dispatch"
+        if native and not self.in_mode:
+            self.stats.peak_source = "planned"
 
     def finish(self) -> None:
         """At exit: close the last iteration and write the report."""
@@ -347,6 +476,8 @@ class PlanExecutor(TorchDispatchMode):
             leaves = _tensors((args, kwargs))
             if self.step_done and self._starts_iteration(leaves):
                 self._begin_iteration()
+            if self.path == "native":
+                return self._dispatch_observed(func, args, kwargs)
             if self.iteration == self.match_at:
                 return self._dispatch_recording(func, args, kwargs, leaves, started)
             return self._dispatch_fast(func, args, kwargs, leaves, started)
@@ -355,6 +486,18 @@ class PlanExecutor(TorchDispatchMode):
         except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
             self._stand_down(exc)
             return func(*args, **kwargs)
+
+    def _dispatch_observed(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A native iteration under observation: its storages are watched for the CPU peak, nothing else."""
+        out = self._run(func, args, kwargs)
+        device_type = self.device.type
+        slots = self.registry.slots
+        for value in _tensors(out):
+            if value.device.type == device_type and id(storage := value.untyped_storage()) not in slots:
+                self.registry.watch(storage)
+        if device_type != "cuda" and self.registry.device_bytes > self.stats.peak_bytes:
+            self.stats.peak_bytes = self.registry.device_bytes
+        return out
 
     def _dispatch_recording(self, func: Any, args: tuple, kwargs: dict, leaves: list[Any], started: float) -> Any:
         """The iteration the plan is matched against: recorded in full with the tracer's Recorder."""
@@ -597,7 +740,7 @@ class PlanExecutor(TorchDispatchMode):
         if storage is None:
             return False
         try:
-            self.mover.swap_out(slot, storage)
+            self._transfer(self.mover.swap_out, slot, storage)
         except RuntimeError:  # e.g. a storage that is not resizable (from numpy): leave it alone
             slot.extra["pinned"] = True
             return False
@@ -612,10 +755,20 @@ class PlanExecutor(TorchDispatchMode):
         if slot.recipe is not None:
             self._recompute(slot, storage)
         else:
-            self.mover.swap_in(slot, storage)
+            self._transfer(self.mover.swap_in, slot, storage)
             self.stats.swap_in_bytes += slot.nbytes
         slot.passive = False
         self.registry.mark_resident(slot)
+
+    def _transfer(self, move: Any, *args: Any) -> None:
+        """A copy through the mover: counted as transfer time, not as the hook's own."""
+        started = time.perf_counter()
+        try:
+            move(*args)
+        finally:
+            spent = time.perf_counter() - started
+            self.stats.transfer_seconds += spent
+            self.stats.hook_seconds -= spent
 
     def _recompute(self, slot: Slot, storage: torch.UntypedStorage) -> None:
         """Replay the recipe with the random states it first ran with: dropout draws the same numbers."""

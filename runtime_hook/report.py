@@ -15,7 +15,9 @@ class IterationStats:
     iteration: int
     mode: str = "recording"  # recording | planned | guarded | diverged | stood_down
     plan_version: int | None = None
+    path: str = "dispatch"  # dispatch (every op seen, exact) | native (module and step hooks only, no op in Python)
     peak_bytes: int = 0
+    peak_source: str = "measured"  # measured | planned: a native CPU iteration not observed reports the forecast
     seconds: float = 0.0
     stall_seconds: float = 0.0
     swap_out_bytes: int = 0
@@ -23,7 +25,8 @@ class IterationStats:
     recompute_bytes: int = 0
     passive_evictions: int = 0
     events: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVENT_KINDS, 0))
-    hook_seconds: float = 0.0
+    hook_seconds: float = 0.0  # the hook's own logic, without the mover's copies
+    transfer_seconds: float = 0.0  # time in the mover's copies (synchronous on the CPU device, enqueued on CUDA)
     ops: int = 0
 
 

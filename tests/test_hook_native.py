@@ -1,0 +1,134 @@
+"""The native path: after the matched iteration an event-free plan leaves the dispatch mode, trains
+bit-identically, and comes back to the dispatch mode when a plan needs it (unmappable events, a newer
+plan from the agent, a budget to guard)."""
+
+from __future__ import annotations
+
+import torch
+
+import tracing_models
+from tensile.plan import Event, Plan
+from tensile.runtime_hook import activate, deactivate
+from tensile.runtime_hook.settings import HookSettings
+from tensile.workload import Workload
+from test_hook_correctness import STEPS, aggressive_plan, assert_identical, deterministic, state_of, train  # noqa: F401
+
+
+def empty_plan(workload: Workload, budget: int | None = None) -> Plan:
+    return Plan("job", 1, workload.signature, [])
+
+
+def one_swap(workload: Workload, budget: int | None = None) -> Plan:
+    """The aggressive plan's first swap-out/swap-in pair only: an event the native path cannot carry."""
+    events = aggressive_plan(workload).events
+    out = next(e for e in events if e.kind == "swap_out" and workload.tensors[e.tensor].role == "activation")
+    back = next(e for e in events if e.kind == "swap_in" and e.tensor == out.tensor)
+    return Plan("job", 1, workload.signature, [out, back])
+
+
+def test_an_empty_plan_leaves_the_dispatch_mode_and_trains_identically():
+    plain, _ = train(tracing_models.views, 4)
+    hooked, report = train(tracing_models.views, 4, planner=empty_plan)
+    assert_identical(plain, hooked)
+    paths = [it.path for it in report.iterations]
+    assert paths[:3] == ["dispatch"] * 3 and paths[3:] == ["native"] * (STEPS - 3), paths
+    native = [it for it in report.iterations if it.path == "native"]
+    assert all(it.peak_source == "planned" and it.peak_bytes == report.vanilla_peak_bytes for it in native)
+    assert all(it.mode == "planned" and it.seconds > 0 for it in native)
+
+
+def test_an_observed_native_iteration_measures_its_peak():
+    executor = activate(HookSettings(job="job"), planner=empty_plan, device=torch.device("cpu"))
+    executor.observe_native = True
+    try:
+        torch.manual_seed(1234)
+        model, batch, loss_fn, make_optimizer = tracing_models.views(4)
+        optimizer = make_optimizer(model.parameters())
+        for _ in range(STEPS):
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model, batch).backward()
+            optimizer.step()
+    finally:
+        deactivate()
+    native = [it for it in executor.report.iterations if it.path == "native"]
+    assert native and all(it.peak_source == "measured" for it in native)
+    # the parameters and optimizer state alone are resident: a real measurement, never above vanilla
+    assert all(0 < it.peak_bytes <= executor.report.vanilla_peak_bytes for it in native)
+
+
+def test_a_plan_with_an_unmappable_event_stays_on_the_dispatch_path():
+    plain, _ = train(tracing_models.tied, 4)
+    hooked, report = train(tracing_models.tied, 4, planner=one_swap)
+    assert_identical(plain, hooked)
+    assert any("do not map onto native hooks" in m and "swap_out of tensor" in m for m in report.messages)
+    planned = [it for it in report.iterations if it.mode == "planned"]
+    assert planned and all(it.path == "dispatch" and it.events["swap_out"] == 1 for it in planned)
+
+
+def test_a_newer_plan_with_events_brings_the_dispatch_mode_back():
+    """The agent re-plans while the hook runs natively: the next iteration enters the dispatch mode
+    again and applies the new plan's events; training stays bit-identical."""
+    plain, _ = train(tracing_models.views, 4)
+    newer: list[Plan] = []
+
+    def listener(stats, report):  # type: ignore[no-untyped-def]
+        if stats.path == "native" and executor.live is not None and not newer:
+            newer.append(aggressive_plan(executor.live))
+            newer[0].version = 2
+            return newer[0]
+        return None
+
+    executor = activate(HookSettings(job="job"), planner=empty_plan, device=torch.device("cpu"))
+    executor.listener = listener
+    try:
+        torch.manual_seed(1234)
+        model, batch, loss_fn, make_optimizer = tracing_models.views(4)
+        optimizer = make_optimizer(model.parameters())
+        for _ in range(STEPS + 2):
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model, batch).backward()
+            optimizer.step()
+        hooked = state_of(model, [optimizer])
+    finally:
+        deactivate()
+    iterations = executor.report.iterations
+    assert [it.path for it in iterations[3:5]] == ["native", "dispatch"], [it.path for it in iterations]
+    assert iterations[4].plan_version == 2 and iterations[4].events["swap_out"] > 0
+    plain_longer, _ = train_steps(STEPS + 2)
+    assert_identical(plain_longer, hooked)
+
+
+def train_steps(steps: int) -> tuple[dict, None]:
+    torch.manual_seed(1234)
+    model, batch, loss_fn, make_optimizer = tracing_models.views(4)
+    optimizer = make_optimizer(model.parameters())
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model, batch).backward()
+        optimizer.step()
+    return state_of(model, [optimizer]), None
+
+
+def test_a_budget_the_plan_does_not_keep_stays_guarded_on_the_dispatch_path():
+    plain, _ = train(tracing_models.views, 8)
+    hooked, report = train(tracing_models.views, 8, planner=empty_plan, budget=0.5)
+    assert_identical(plain, hooked)
+    assert all(it.path == "dispatch" for it in report.iterations)
+    assert all(it.passive_evictions > 0 for it in report.iterations[3:])
+
+
+def test_an_event_that_maps_is_a_release_pytorch_makes_itself():
+    from tensile.runtime_hook.native_map import map_plan
+
+    workload = tracing_models_workload()
+    temp = next(t for t in workload.tensors.values() if t.created_by >= 0 and t.freed_after is not None)
+    plan = Plan("job", 1, workload.signature, [Event("job", "release", temp.id, temp.created_by)])
+    assert map_plan(plan, workload, set()).unmapped == []
+    plan.events.append(Event("job", "recompute", temp.id, temp.freed_after))
+    assert len(map_plan(plan, workload, set()).unmapped) == 2
+
+
+def tracing_models_workload() -> Workload:
+    from tensile.forecast import trace_workload
+
+    return trace_workload("examples/tiny_mlp.py:build", 8, optimizer=None, device="cpu", live=True)
