@@ -40,6 +40,11 @@ log = logging.getLogger("tensile.hook")
 MIN_EVICT_BYTES = 4096  # smaller storages are not worth a transfer
 MAX_DIVERGED = 3  # iterations in a row that leave the plan before it is made again
 FREED_SOON_OPS = 8  # a release this close to PyTorch's own free of the tensor is left to PyTorch
+# ops that read a tensor without computing with it: never the start of a forward pass
+INSPECTION_OPS = frozenset({
+    torch.ops.aten._local_scalar_dense.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default,
+    torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default,
+})
 Planner = Callable[[Workload, "int | None"], "Plan | None"]
 # Called after every iteration with its figures and the run's report; returns a newer plan for the
 # same workload (the agent re-planned: drift, knobs, a neighbour came or went) or None.
@@ -474,7 +479,7 @@ class PlanExecutor(TorchDispatchMode):
         started = time.perf_counter()
         try:
             leaves = _tensors((args, kwargs))
-            if self.step_done and self._starts_iteration(leaves):
+            if self.step_done and self._starts_iteration(func, leaves):
                 self._begin_iteration()
             if self.path == "native":
                 return self._dispatch_observed(func, args, kwargs)
@@ -520,8 +525,10 @@ class PlanExecutor(TorchDispatchMode):
         index = self.op_index
         self.op_index += 1
         active = self.active
-        if active is not None and (index >= len(active.names) or active.names[index] != self._name(func)):
-            self._diverge(f"op {index} is {func}, the plan expected {active.names[index] if index < len(active.names) else 'the end of the iteration'}")
+        if active is not None and index >= len(active.names):
+            active = None  # after the plan's last op (a script logging loss.item()): nothing left to fire
+        elif active is not None and active.names[index] != self._name(func):
+            self._diverge(f"op {index} is {func}, the plan expected {active.names[index]}")
             active = None
         device_type = self.device.type
         arg_keys = list(dict.fromkeys(id(v.untyped_storage()) for v in leaves if v.device.type == device_type))
@@ -606,17 +613,20 @@ class PlanExecutor(TorchDispatchMode):
                 raise _OpFailed(exc) from None
         raise AssertionError("unreachable")
 
-    def _starts_iteration(self, leaves: list[Any]) -> bool:
-        """After the step(s): the first forward op on tensors that require grad starts the next one.
+    def _starts_iteration(self, func: Any, leaves: list[Any]) -> bool:
+        """After the step(s): the first forward op on a leaf that requires grad (a parameter, or an
+        input the user marked) starts the next one.
 
         Not simply "the first op after a step": a GradScaler and several optimizers run ops between
-        and after the steps; those stay with the iteration they belong to.
+        and after the steps, and scripts log `loss.item()` or copy parameters out (`detach`) after
+        them; those stay with the iteration they belong to.
         """
         return (
             self.in_step == 0
+            and func not in INSPECTION_OPS
             and torch.is_grad_enabled()
             and torch._C._current_autograd_node() is None
-            and any(v.requires_grad for v in leaves)
+            and any(v.requires_grad and v.is_leaf for v in leaves)
         )
 
     def _phase(self) -> str:
