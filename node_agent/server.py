@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass, field
 
 from tensile.agent_contract import DEFAULT_PORT
-from tensile.errors import TensileUserError
+from tensile.errors import TensileUserError, print_user_error
 
 from tensile.node_agent.cluster import ClusterPublisher, in_cluster
 from tensile.node_agent.gpus import DEFAULT_HEADROOM, Inventory, parse_bytes
@@ -137,14 +137,11 @@ def serve(config: AgentConfig, log_level: str = "info") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
-
     parser = argparse.ArgumentParser(prog="python -m tensile.node_agent", description="the Tensile node agent")
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         serve(config_from_args(args), args.log_level)
     except TensileUserError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
-        return 2
+        return print_user_error(exc)
     return 0

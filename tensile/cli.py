@@ -6,9 +6,8 @@ import argparse
 import importlib
 import sys
 
-from rich.console import Console
 
-from tensile.errors import TensileUserError
+from tensile.errors import TensileUserError, print_user_error
 
 # Each module defines `add_parser(subparsers)` and a `run(args) -> int` set as the parser's default.
 COMMANDS = ("forecast", "run", "install-hook", "calibrate", "operator", "simulate", "agent", "local")
@@ -27,8 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except TensileUserError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
-        return 2
+        return print_user_error(exc)
 
 
 if __name__ == "__main__":
