@@ -10,6 +10,7 @@ next iteration boundary (the hook and the simulator fetch plans only there).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 
 from tensile.latency import LatencyEWMA
@@ -29,7 +30,7 @@ class PlanUpdater:
         **planner_options,
     ) -> None:
         # own copies: corrected latencies are written into the workloads when re-planning
-        self.jobs = {job.name: JobSpec(job.name, copy.deepcopy(job.workload), job.max_swap_rate) for job in jobs}
+        self.jobs = {job.name: dataclasses.replace(job, workload=copy.deepcopy(job.workload)) for job in jobs}
         self.bandwidth = bandwidth
         self.threshold = threshold
         self.options = planner_options

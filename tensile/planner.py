@@ -34,11 +34,13 @@ MAX_ROUNDS = 100_000
 
 @dataclass(slots=True)
 class JobSpec:
-    """One job of the GPU: its name, its workload (op latencies filled in) and its max swapping rate."""
+    """One job of the GPU: its name, its workload (op latencies filled in), its max swapping rate and
+    whether it may recompute (a user who wants no replayed ops turns it off for their job alone)."""
 
     name: str
     workload: Workload
     max_swap_rate: float = 1.0  # share of all the GPU's swaps this job may hold (1.0: no limit)
+    recompute: bool = True
 
 
 @dataclass(slots=True)
@@ -323,7 +325,6 @@ def plan_gpu(
     capacity_bytes: int | None = None,
     slowdown: float = 1.0,
     min_swap_bytes: int = MIN_SWAP_BYTES,
-    allow_recompute: bool = True,
     stop_after_rounds: int = 100,
     stop_gain: float = 0.0005,
 ) -> GpuPlan:
@@ -397,9 +398,7 @@ def plan_gpu(
                 if len(history) > max(stop_after_rounds, 3) and history[-4] - history[-1] < stop_gain * history[-4]:
                     swaps_spent = True
             continue
-        if not allow_recompute:
-            break
-        choices = [(c, s) for s in states if (c := s.best_recompute()) is not None]
+        choices = [(c, s) for s in states if s.spec.recompute and (c := s.best_recompute()) is not None]
         if not choices:
             break
         choice, state = max(choices, key=lambda cs: cs[0].msps)

@@ -257,3 +257,19 @@ def test_an_input_of_a_replay_is_itself_replayed_early(seed):
     sim = simulate([SimJob("a", workload, plan)], DEVICE).jobs["a"]
     assert sim.passive_swap_ins == 0 and sim.stall_seconds == 0
     assert sim.peak_bytes <= plan.forecast.scheduled_peak_bytes
+
+
+def test_recompute_is_turned_off_per_job():
+    """A job that may not recompute gets none; its neighbour on the same GPU still does."""
+    workloads = {name: random_workload(seed, layers=16) for name, seed in (("a", 1), ("b", 1))}
+
+    def kinds(recompute_a: bool) -> dict[str, set[str]]:
+        specs = [JobSpec("a", workloads["a"], recompute=recompute_a), JobSpec("b", workloads["b"])]
+        result = plan_gpu(specs, BANDWIDTH, budget_bytes=1)  # unreachable: every legal event is taken
+        check_invariants(result, workloads, BANDWIDTH)
+        return {name: {e.kind for e in plan.events} for name, plan in result.plans.items()}
+
+    both = kinds(True)
+    assert "recompute" in both["a"] and "recompute" in both["b"]
+    only_b = kinds(False)
+    assert "recompute" not in only_b["a"] and "recompute" in only_b["b"]
