@@ -42,8 +42,7 @@ MAX_DIVERGED = 3  # iterations in a row that leave the plan before it is made ag
 FREED_SOON_OPS = 8  # a release this close to PyTorch's own free of the tensor is left to PyTorch
 # ops that read a tensor without computing with it: never the start of a forward pass
 INSPECTION_OPS = frozenset({
-    torch.ops.aten._local_scalar_dense.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default,
-    torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default,
+    torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default,
 })
 Planner = Callable[[Workload, "int | None"], "Plan | None"]
 # Called after every iteration with its figures and the run's report; returns a newer plan for the
@@ -618,8 +617,9 @@ class PlanExecutor(TorchDispatchMode):
         input the user marked) starts the next one.
 
         Not simply "the first op after a step": a GradScaler and several optimizers run ops between
-        and after the steps, and scripts log `loss.item()` or copy parameters out (`detach`) after
-        them; those stay with the iteration they belong to.
+        and after the steps, and scripts log `loss.item()` after them; those stay with the iteration
+        they belong to. (A parameter copied out with `detach()` does start one: after the last step
+        that ends the plan's iteration cleanly, and a detach inside a forward is rare.)
         """
         return (
             self.in_step == 0

@@ -19,7 +19,7 @@ from tensile.runtime_hook import activate, deactivate
 from tensile.runtime_hook.agent_link import AgentLink
 from tensile.runtime_hook.plan_source import local_planner
 from tensile.runtime_hook.settings import HookSettings
-from test_hook_correctness import STEPS, assert_identical, deterministic, state_of, train  # noqa: F401
+from test_hook_correctness import assert_identical, deterministic, fit, train  # noqa: F401
 
 SCRIPT = str(ROOT / "examples" / "train_mlp.py")
 FAST = {"TENSILE_AGENT_MAX_BACKOFF": "0.3", "TENSILE_AGENT_INTERVAL": "0.1", "TENSILE_AGENT_TIMEOUT": "0.5"}
@@ -104,14 +104,7 @@ def test_no_agent_at_all_falls_back_to_the_local_planner_at_once():
     link.start()
     executor = activate(settings, planner=link.planner, device=device, listener=link.listener)
     try:
-        torch.manual_seed(1234)
-        model, batch, loss_fn, make_optimizer = tracing_models.views(4)
-        optimizer = make_optimizer(model.parameters())
-        for _ in range(STEPS):
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model, batch).backward()
-            optimizer.step()
-        hooked = state_of(model, [optimizer])
+        hooked = fit(tracing_models.views, 4)
     finally:
         deactivate()
         link.close()

@@ -69,19 +69,30 @@ def train(build: Callable[[int], tuple], batch_size: int, planner=None, micro_ba
     if planner is not None or budget is not None:
         executor = activate(HookSettings(job="job", memory_budget=budget), planner=planner, device=torch.device("cpu"))
     try:
-        torch.manual_seed(1234)
-        model, batch, loss_fn, make_optimizer = build(batch_size)
-        optimizer = make_optimizer(model.parameters())
-        for _ in range(STEPS):
-            optimizer.zero_grad(set_to_none=True)
-            for _ in range(micro_batches):
-                loss = loss_fn(model, batch) / micro_batches
-                loss.backward()
-            optimizer.step()
-        return state_of(model, [optimizer]), executor.report if executor else None
+        return fit(build, batch_size, STEPS, micro_batches), executor.report if executor else None
     finally:
         if executor is not None:
             deactivate()
+
+
+def fit(build: Callable[[int], tuple], batch_size: int, steps: int = STEPS, micro_batches: int = 1) -> dict:
+    """Parameters, buffers and optimizer state after `steps` steps of `fit_model`."""
+    return state_of(*fit_model(build, batch_size, steps, micro_batches))
+
+
+def fit_model(build: Callable[[int], tuple], batch_size: int, steps: int = STEPS,
+              micro_batches: int = 1) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+    """A plain training loop, seeded."""
+    torch.manual_seed(1234)
+    model, batch, loss_fn, make_optimizer = build(batch_size)
+    optimizer = make_optimizer(model.parameters())
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        for _ in range(micro_batches):
+            loss = loss_fn(model, batch) / micro_batches
+            loss.backward()
+        optimizer.step()
+    return model, [optimizer]
 
 
 def assert_identical(plain: dict, hooked: dict) -> None:

@@ -11,7 +11,7 @@ import torch
 import tracing_models
 from tensile.plan import EVENT_KINDS, Event, Plan
 from tensile.workload import Workload
-from test_hook_correctness import aggressive_plan, assert_identical, deterministic, train  # noqa: F401
+from test_hook_correctness import aggressive_plan, assert_identical, deterministic, fit, train  # noqa: F401
 
 
 def wrong_plan(workload: Workload, budget: int | None = None) -> Plan:
@@ -53,16 +53,7 @@ def test_a_stale_plan_is_replaced_by_one_from_the_live_iteration():
     plain, _ = train(tracing_models.views, 4)
     executor = activate(HookSettings(job="job"), stale, stale_workload, planner=aggressive_plan, device=torch.device("cpu"))
     try:
-        torch.manual_seed(1234)
-        model, batch, loss_fn, make_optimizer = tracing_models.views(4)
-        optimizer = make_optimizer(model.parameters())
-        for _ in range(5):
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model, batch).backward()
-            optimizer.step()
-        from test_hook_correctness import state_of
-
-        hooked = state_of(model, [optimizer])
+        hooked = fit(tracing_models.views, 4, 5)
     finally:
         deactivate()
     assert_identical(plain, hooked)

@@ -11,7 +11,7 @@ from tensile.plan import Event, Plan
 from tensile.runtime_hook import activate, deactivate
 from tensile.runtime_hook.settings import HookSettings
 from tensile.workload import Workload
-from test_hook_correctness import STEPS, aggressive_plan, assert_identical, deterministic, state_of, train  # noqa: F401
+from test_hook_correctness import STEPS, aggressive_plan, assert_identical, deterministic, fit, fit_model, train  # noqa: F401
 
 
 def empty_plan(workload: Workload, budget: int | None = None) -> Plan:
@@ -41,13 +41,7 @@ def test_an_observed_native_iteration_measures_its_peak():
     executor = activate(HookSettings(job="job"), planner=empty_plan, device=torch.device("cpu"))
     executor.observe_native = True
     try:
-        torch.manual_seed(1234)
-        model, batch, loss_fn, make_optimizer = tracing_models.views(4)
-        optimizer = make_optimizer(model.parameters())
-        for _ in range(STEPS):
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model, batch).backward()
-            optimizer.step()
+        fit_model(tracing_models.views, 4)
     finally:
         deactivate()
     native = [it for it in executor.report.iterations if it.path == "native"]
@@ -81,32 +75,13 @@ def test_a_newer_plan_with_events_brings_the_dispatch_mode_back():
     executor = activate(HookSettings(job="job"), planner=empty_plan, device=torch.device("cpu"))
     executor.listener = listener
     try:
-        torch.manual_seed(1234)
-        model, batch, loss_fn, make_optimizer = tracing_models.views(4)
-        optimizer = make_optimizer(model.parameters())
-        for _ in range(STEPS + 2):
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model, batch).backward()
-            optimizer.step()
-        hooked = state_of(model, [optimizer])
+        hooked = fit(tracing_models.views, 4, STEPS + 2)
     finally:
         deactivate()
     iterations = executor.report.iterations
     assert [it.path for it in iterations[3:5]] == ["native", "dispatch"], [it.path for it in iterations]
     assert iterations[4].plan_version == 2 and iterations[4].events["swap_out"] > 0
-    plain_longer, _ = train_steps(STEPS + 2)
-    assert_identical(plain_longer, hooked)
-
-
-def train_steps(steps: int) -> tuple[dict, None]:
-    torch.manual_seed(1234)
-    model, batch, loss_fn, make_optimizer = tracing_models.views(4)
-    optimizer = make_optimizer(model.parameters())
-    for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(model, batch).backward()
-        optimizer.step()
-    return state_of(model, [optimizer]), None
+    assert_identical(fit(tracing_models.views, 4, STEPS + 2), hooked)
 
 
 def test_a_budget_the_plan_does_not_keep_stays_guarded_on_the_dispatch_path():
