@@ -226,7 +226,10 @@ class PlanExecutor(TorchDispatchMode):
         self.keys: dict[int, int] = {}  # plan tensor id -> id(storage), positional each iteration
         self.recipes: dict[int, Recipe] = {}  # id(storage) -> recipe, this iteration
         self.recipe_inputs: dict[int, set[int]] = defaultdict(set)  # id(input storage) -> recipes using it
-        self.budget: int | None = None
+        # a budget in bytes (what the job was admitted with) holds from the first op; a fraction waits
+        # for the vanilla peak
+        self.budget: int | None = budget_bytes(settings.memory_budget, 0) if (settings.memory_budget or 0) > 1 else None
+        self.report.memory_budget_bytes = self.budget
         self.vanilla_peak: int | None = None
         self.candidate: ActivePlan | None = None  # offered, not yet matched against a live iteration
         self.op_index = 0  # position in the iteration (fast path)

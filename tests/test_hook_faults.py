@@ -76,3 +76,15 @@ def test_an_undersized_budget_evicts_passively_and_stays_under_it(budget):
     assert report.guard_slack_bytes > 0
     assert all(it.peak_bytes <= report.memory_budget_bytes + report.guard_slack_bytes for it in guarded)
     assert all(it.peak_bytes < report.vanilla_peak_bytes for it in guarded)
+
+
+def test_a_budget_in_bytes_holds_from_the_first_iteration():
+    """What a job was admitted with (bytes) is known before any plan: the recorded iterations are guarded too."""
+    plain, vanilla = train(tracing_models.views, 16, planner=lambda workload, b: None)
+    budget = vanilla.vanilla_peak_bytes // 2
+    hooked, report = train(tracing_models.views, 16, planner=lambda workload, b: None, budget=float(budget))
+    assert_identical(plain, hooked)
+    assert report.memory_budget_bytes == budget
+    recorded = [it for it in report.iterations if it.mode == "recording"]
+    assert recorded and all(it.passive_evictions > 0 for it in recorded)
+    assert all(it.peak_bytes <= budget + report.guard_slack_bytes for it in report.iterations)
