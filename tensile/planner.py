@@ -34,13 +34,16 @@ MAX_ROUNDS = 100_000
 
 @dataclass(slots=True)
 class JobSpec:
-    """One job of the GPU: its name, its workload (op latencies filled in), its max swapping rate and
-    whether it may recompute (a user who wants no replayed ops turns it off for their job alone)."""
+    """One job of the GPU: its name, its workload (op latencies filled in), its max swapping rate,
+    whether it may recompute (a user who wants no replayed ops turns it off for their job alone) and
+    its own memory budget (what it was admitted with: its plan must keep it, whatever room its
+    neighbours leave on the GPU)."""
 
     name: str
     workload: Workload
     max_swap_rate: float = 1.0  # share of all the GPU's swaps this job may hold (1.0: no limit)
     recompute: bool = True
+    budget_bytes: int | None = None
 
 
 @dataclass(slots=True)
@@ -330,7 +333,8 @@ def plan_gpu(
 ) -> GpuPlan:
     """Plan all jobs of one GPU together.
 
-    With `budget_bytes` the planner stops once the GPU's peak fits it (fewer events, less risk);
+    With `budget_bytes` the planner stops once the GPU's peak fits it and each job's peak fits the
+    job's own budget (fewer events, less risk);
     without, it plans for the lowest peak it can reach: swaps first, then recomputations by MSPS
     until none is legal at any job's peak. `capacity_bytes` (the paper's Free_GPU_Memory) then only
     decides `fits`. `slowdown` stretches op latencies for co-running jobs. Swapping pauses, past
@@ -356,11 +360,18 @@ def plan_gpu(
     def total_peak() -> int:
         return sum(s.peak[0] for s in states)
 
-    def swap_round() -> bool | None:
+    def pressing() -> list[JobState]:
+        """The jobs a round works on: all of them while the GPU is above its budget (or has none),
+        else only those above their own budget."""
+        if target is None or total_peak() > target:
+            return states
+        return [s for s in states if s.spec.budget_bytes is not None and s.peak[0] > s.spec.budget_bytes]
+
+    def swap_round(candidates: list[JobState]) -> bool | None:
         """One Algorithm 2 round: True placed, False rejected, None when no job has a candidate left."""
         total_swaps = sum(s.swaps for s in states)
         options = []
-        for state in states:
+        for state in candidates:
             if state.swaps >= state.spec.max_swap_rate * (total_swaps + 1):
                 continue
             candidate = state.next_swap_candidate()
@@ -386,11 +397,12 @@ def plan_gpu(
     # budget (or, without a budget, for the lowest peak), recompute the best MSPS at a job's peak. A
     # recomputation moves the peak, so swapping is tried again at the new one before the next recompute.
     while rounds < MAX_ROUNDS:
-        if target is not None and total_peak() <= target:
+        candidates = pressing()
+        if not candidates:
             break
         rounds += 1
         if not swaps_spent:
-            placed = swap_round()
+            placed = swap_round(candidates)
             if placed is None:
                 swaps_spent = True
             elif placed:
@@ -398,7 +410,7 @@ def plan_gpu(
                 if len(history) > max(stop_after_rounds, 3) and history[-4] - history[-1] < stop_gain * history[-4]:
                     swaps_spent = True
             continue
-        choices = [(c, s) for s in states if s.spec.recompute and (c := s.best_recompute()) is not None]
+        choices = [(c, s) for s in candidates if s.spec.recompute and (c := s.best_recompute()) is not None]
         if not choices:
             break
         choice, state = max(choices, key=lambda cs: cs[0].msps)

@@ -273,3 +273,20 @@ def test_recompute_is_turned_off_per_job():
     assert "recompute" in both["a"] and "recompute" in both["b"]
     only_b = kinds(False)
     assert "recompute" not in only_b["a"] and "recompute" in only_b["b"]
+
+
+def test_each_job_keeps_its_own_budget_when_the_gpu_has_room():
+    """The GPU's budget is loose, one job's own budget is tight: only that job gets events, down to it."""
+    workloads = {"tight": random_workload(4, layers=16), "loose": random_workload(5, layers=16)}
+    vanilla = {name: analyze_vanilla(w).peak_bytes for name, w in workloads.items()}
+    own = int(0.8 * vanilla["tight"])
+    specs = [JobSpec("tight", workloads["tight"], budget_bytes=own), JobSpec("loose", workloads["loose"])]
+    result = plan_gpu(specs, BANDWIDTH, budget_bytes=10 * sum(vanilla.values()))
+    check_invariants(result, workloads, BANDWIDTH)
+    assert result.plans["tight"].forecast.scheduled_peak_bytes <= own
+    moves = {"swap_out", "swap_in", "recompute"}  # releases after last use come with every plan
+    assert not moves & {e.kind for e in result.plans["loose"].events}
+    assert moves & {e.kind for e in result.plans["tight"].events}
+    # without its own budget the loose GPU budget asks nothing of it
+    alone = plan_gpu([JobSpec("tight", workloads["tight"])], BANDWIDTH, budget_bytes=10 * vanilla["tight"])
+    assert not moves & {e.kind for e in alone.plans["tight"].events}
