@@ -6,7 +6,8 @@ Jobs of three zoo models (their forecasts traced once before timing) are created
 `--interval` seconds onto 2 nodes x 2 simulated GPUs large enough to hold them all, so each
 admission includes the joint-plan fit test on every candidate GPU (the planner and its cache
 included). Latency is measured on one clock: from just before the create request to the moment
-the operator's status write with the placement returned.
+the operator's status write with the placement returned. The machine may be shared: the 1-minute load
+average before and after the run is recorded with the figures.
 
     python benchmarks/operator_admission.py [--jobs 120] [--interval 0.02]
 """
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
+import os
 import platform
 import statistics
 import sys
@@ -35,6 +38,26 @@ from tensile.operator.model import WorkloadSpec  # noqa: E402
 MODELS = [("vgg16", 1), ("gpt2", 1), ("bert_base", 1)]
 
 
+class GcPauses:
+    """Full (generation 2) garbage collections while timing: CPython stops every thread for them."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds.append(time.perf_counter() - self._started)
+
+    def summary(self) -> dict:
+        return {"count": len(self.seconds), "max_seconds": round(max(self.seconds, default=0.0), 4),
+                "total_seconds": round(sum(self.seconds), 4)}
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
@@ -42,6 +65,7 @@ def percentile(values: list[float], q: float) -> float:
 
 async def measure(jobs: int, interval: float, gpu_gib: float) -> dict:
     forecaster = Forecaster()
+    load_before = os.getloadavg()[0]
     started = time.perf_counter()
     for model, batch in MODELS:
         await forecaster.forecast(WorkloadSpec(model=model, batch_size=batch))
@@ -53,6 +77,8 @@ async def measure(jobs: int, interval: float, gpu_gib: float) -> dict:
         op = await start_operator(forecaster)
         loop = asyncio.get_running_loop()
         created: dict[str, float] = {}
+        pauses = GcPauses()
+        gc.callbacks.append(pauses)
         try:
             for i in range(jobs):
                 name = f"bench-{i:04d}"
@@ -63,6 +89,7 @@ async def measure(jobs: int, interval: float, gpu_gib: float) -> dict:
             latencies = [op.app.admitted_at[k] - created[k] for k in created]
             planner_runs = op.app.planner.runs
         finally:
+            gc.callbacks.remove(pauses)
             await op.stop()
             kubelet.cancel()
             await asyncio.gather(kubelet, return_exceptions=True)
@@ -85,6 +112,9 @@ async def measure(jobs: int, interval: float, gpu_gib: float) -> dict:
             "mean": round(statistics.fmean(latencies), 4),
         },
         "target_p99_seconds": 0.2,
+        "full_gc_pauses": pauses.summary(),
+        "load_average_1min": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2),
+                              "cores": os.cpu_count()},
         "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
     }
 

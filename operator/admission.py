@@ -1,9 +1,10 @@
 """The operator's state and flow: forecast, queue, place, start the pod, follow it, release.
 
 One `Admission` per operator run. Placement is done by one scheduler task, so two jobs can never
-take the same memory; before each pass it rebuilds the ledger from the TrainingJobs' statuses (the
-durable record: a placement is written to the status before its pod exists), so a restarted
-operator, or one that takes over through peering, starts from what the cluster says.
+take the same memory. The ledger is rebuilt from the TrainingJobs' statuses (the durable record: a
+placement is written to the status before its pod exists) at start-up, after a failed pass and every
+RESYNC_SECONDS, so a restarted operator, or one that takes over through peering, starts from what
+the cluster says.
 """
 
 from __future__ import annotations
@@ -14,17 +15,23 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from tensile.operator import model
 from tensile.operator.agent import AgentLink
 from tensile.operator.forecasting import Forecaster, ForecastError, JobForecast
+from tensile.operator.heap import freeze_long_lived
 from tensile.operator.kube import Conflict, Kube, NotFound
 from tensile.operator.metrics import OperatorMetrics
-from tensile.operator.placement import MIB, Booking, Candidate, Gpu, JointPlanner, Ledger, choose, gpus_from_tensilenode
+from tensile.operator.placement import (MIB, Booking, Candidate, Gpu, JointPlanner, Ledger, choose, fit_unchanged,
+                                        gpus_from_tensilenode, matching)
 from tensile.operator.pods import DEFAULT_IMAGE, build_pod, job_token, pod_name
 
 log = logging.getLogger("tensile.operator")
+PROFILE_POLL_SECONDS = 1.0  # how often the live workload of a running job admitted by its budget is asked for
+RESYNC_SECONDS = 30.0  # the ledger is checked against the statuses at most this often (and after a failed pass)
 
 
 def now() -> str:
@@ -76,8 +83,12 @@ class Admission:
         self.tokens: dict[str, str] = {}  # key -> the job's agent token
         self.admitted_at: dict[str, float] = {}  # key -> loop time the placement was written (benchmarks)
         self.wake = asyncio.Event()
+        self.rebuilt_at = float("-inf")  # loop time of the last rebuild from the statuses
+        self._released: set[str] = set()  # jobs released while a rebuild's LIST was in flight
         self.ready = asyncio.Event()  # set once the ledger was rebuilt and the scheduler runs
         self._scheduler: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()  # pod creations, profile fetches
+        self._profiling: set[str] = set()  # jobs whose live workload is being fetched
 
     # ---- inventory ------------------------------------------------------------------------------
     @property
@@ -131,9 +142,11 @@ class Admission:
             await self.set_status(namespace, name, {"phase": "Failed", "message": str(exc)},
                                   condition("Validated", False, "InvalidSpec", str(exc)))
             return
-        if status.get("phase") != "Forecasting":
-            await self.set_status(namespace, name, {"phase": "Forecasting", "message": "tracing and planning on the CPU"},
-                                  condition("Validated", True, "Valid"))
+        valid = condition("Validated", True, "Valid")
+        if self.forecaster.ready(spec.workload):  # cached: straight to Queued, one status write less
+            self.conditions[key] = merge_conditions(self.conditions.get(key, []), valid)
+        elif status.get("phase") != "Forecasting":
+            await self.set_status(namespace, name, {"phase": "Forecasting", "message": "tracing and planning on the CPU"}, valid)
         forecast: JobForecast | None = None
         failure: ForecastError | None = None
         started = time.perf_counter()
@@ -183,25 +196,32 @@ class Admission:
         for node in await self.kube.list_tensilenodes():
             self.inventory[node["metadata"]["name"]] = gpus_from_tensilenode(node)
         await self.rebuild()
+        freeze_long_lived()
         self._scheduler = asyncio.get_running_loop().create_task(self._schedule_forever())
         self.ready.set()
 
     async def stop(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.cancel()
-            await asyncio.gather(self._scheduler, return_exceptions=True)
+        tasks = [t for t in [self._scheduler, *self._background] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.kube.close()
 
     async def rebuild(self) -> None:
-        """The ledger from the statuses: every job that holds a placement and has not finished."""
+        """The ledger from the statuses: every job that holds a placement and has not finished (a job
+        released while the LIST was in flight stays released: its final status may not be in it)."""
         ledger = Ledger()
-        for body in await self.kube.list_trainingjobs():
+        self._released.clear()
+        items = await self.kube.list_trainingjobs()
+        for body in items:
             status = body.get("status") or {}
             placement = status.get("placement")
             if not placement or status.get("phase") in model.FINISHED:
                 continue
             meta = body["metadata"]
             key = f"{meta['namespace']}/{meta['name']}"
+            if key in self._released:
+                continue
             fstatus = status.get("forecast") or {}
             forecast = self.forecaster.by_signature(fstatus.get("signature", ""))
             spec = body.get("spec") or {}
@@ -216,21 +236,31 @@ class Admission:
             ledger.book(Booking(key, placement["gpu"], placement["node"], int(fstatus.get("reservedBytes") or 0),
                                 forecast, budget, knobs.get("maxSwapRate"), profile))
         self.ledger = ledger
+        self.rebuilt_at = asyncio.get_running_loop().time()
+
+    def release(self, key: str) -> Booking | None:
+        self._released.add(key)
+        return self.ledger.release(key)
 
     async def _schedule_forever(self) -> None:
+        """Passes over the pending jobs. The ledger is kept in memory between passes (only this task books,
+        releases are immediate) and checked against the statuses every RESYNC_SECONDS: a LIST of every
+        TrainingJob before each pass cost O(all jobs) per admission."""
         while True:
             await self.wake.wait()
             self.wake.clear()
             if not self.pending:
                 continue
             try:
-                await self.rebuild()
+                if asyncio.get_running_loop().time() - self.rebuilt_at > RESYNC_SECONDS:
+                    await self.rebuild()
                 for pending in sorted(self.pending.values(), key=lambda p: p.enqueued):
                     await self.place(pending)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the scheduler must survive a failed pass
-                log.exception("scheduling pass failed; retrying")
+                log.exception("scheduling pass failed; rebuilding from the statuses and retrying")
+                self.rebuilt_at = float("-inf")
                 await asyncio.sleep(1.0)
                 self.wake.set()
 
@@ -240,9 +270,11 @@ class Admission:
             return
         spec = pending.spec
         candidate = Candidate(pending.key, pending.forecast, spec.memory_budget, spec.selector, spec.max_swap_rate)
-        snapshot = Ledger()
-        snapshot.bookings = dict(self.ledger.bookings)
-        decision = await asyncio.to_thread(choose, self.gpus, snapshot, candidate, self.planner)
+        decision = fit_unchanged(matching(self.gpus, candidate), self.ledger, candidate)
+        if decision is None:  # the joint planner may run: off the event loop, on a snapshot of the ledger
+            snapshot = Ledger()
+            snapshot.bookings = dict(self.ledger.bookings)
+            decision = await asyncio.to_thread(choose, self.gpus, snapshot, candidate, self.planner)
         if decision.gpu is None:
             reason = decision.reason if self.gpus else "no TensileNode publishes a GPU yet"
             if reason != pending.queued_reason:
@@ -276,7 +308,19 @@ class Admission:
         self.metrics.admissions.labels("admitted").inc()
         self.pending.pop(key, None)
         await self._repeak({j: p for j, p in changes.items() if j not in lower})
-        await self.ensure_pod(pending.body, booking)
+        # the placement is durable now; the scheduler goes on to the next job while the pod is created
+        self._spawn(self._start_pod(pending.body, booking))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _start_pod(self, body: dict, booking: Booking) -> None:
+        try:
+            await self.ensure_pod(body, booking)
+        except Exception:  # noqa: BLE001 - the job stays placed; a restarted operator creates its pod (resume)
+            log.exception("%s: creating its pod failed", booking.job)
 
     async def _repeak(self, peaks: dict[str, int]) -> None:
         """Co-located jobs' scheduled peaks after planning them together with a newcomer."""
@@ -322,6 +366,10 @@ class Admission:
                 await self.finish(namespace, job, "Failed", "PodDeleted", "the training pod was deleted before it finished")
             return
         if phase == "Running":
+            booking = self.ledger.bookings.get(key)
+            if booking is not None and booking.profile and key not in self._profiling:
+                self._profiling.add(key)
+                self._spawn(self._profile_while_running(key))
             await self.set_status(namespace, job, {"phase": "Running", "message": "training", "podName": meta["name"]},
                                   condition("PodRunning", True, "Running", f"pod {meta['name']} on {pod['spec'].get('nodeName')}"))
         elif phase in ("Succeeded", "Failed"):
@@ -331,7 +379,7 @@ class Admission:
 
     async def finish(self, namespace: str, name: str, phase: str, reason: str, message: str) -> None:
         key = f"{namespace}/{name}"
-        booking = self.ledger.release(key)
+        booking = self.release(key)
         self.pending.pop(key, None)
         await self.set_status(namespace, name, {"phase": phase, "message": message, "finishedAt": now()},
                               condition("PodRunning", False, reason, message), condition("Finished", True, reason, message))
@@ -341,19 +389,38 @@ class Admission:
         self.wake.set()
         if booking is None:
             return
+        await self._store_profile(key, booking)  # not fetched while it ran (or the operator restarted)
         gpu = next((g for g in self.gpus if g.uuid == booking.gpu), None)
-        token = self.tokens.pop(key, "")
-        if booking.profile and gpu is not None:
-            live = await self.agent.live_workload(gpu.agent, key, token)
-            if live is not None:
-                self.forecaster.store_profile(booking.profile, live)
-                log.info("%s: its live workload is now profile %r", key, booking.profile)
-        await self.agent.unregister(gpu.agent if gpu else None, key, token)
+        await self.agent.unregister(gpu.agent if gpu else None, key, self.tokens.pop(key, ""))
+
+    async def _store_profile(self, key: str, booking: Booking) -> bool:
+        """The live workload the job's hook gave its agent, stored under the booking's profile name."""
+        gpu = next((g for g in self.gpus if g.uuid == booking.gpu), None)
+        if not booking.profile or gpu is None:
+            return False
+        live = await self.agent.live_workload(gpu.agent, key, self.tokens.get(key, ""))
+        if live is None:
+            return False
+        self.forecaster.store_profile(booking.profile, live)
+        log.info("%s: its live workload is now profile %r", key, booking.profile)
+        booking.profile = None  # stored: not asked for again
+        return True
+
+    async def _profile_while_running(self, key: str) -> None:
+        """The hook gives the agent its live workload after iteration 1 and unregisters when the training
+        exits, before the pod's end reaches the operator: so it is asked for while the job runs."""
+        try:
+            while (booking := self.ledger.bookings.get(key)) is not None and booking.profile:
+                if await self._store_profile(key, booking):
+                    return
+                await asyncio.sleep(PROFILE_POLL_SECONDS)
+        finally:
+            self._profiling.discard(key)
 
     async def deleted(self, body: dict) -> None:
         meta = body["metadata"]
         key = f"{meta['namespace']}/{meta['name']}"
-        booking = self.ledger.release(key)
+        booking = self.release(key)
         self.pending.pop(key, None)
         self.conditions.pop(key, None)
         self.phases.pop(key, None)

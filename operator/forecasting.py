@@ -18,6 +18,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from tensile.operator.heap import freeze_long_lived
 from tensile.operator.model import WorkloadSpec
 from tensile.workload import Workload
 
@@ -142,6 +143,7 @@ class Forecaster:
             log.warning("forecast of %s failed: %s", spec, exc)
             raise ForecastError(f"{type(exc).__name__}: {exc}") from exc
         self._by_signature[forecast.signature] = forecast
+        freeze_long_lived()
         return forecast
 
     def submit(self, spec: WorkloadSpec) -> concurrent.futures.Future[JobForecast]:
@@ -168,7 +170,15 @@ class Forecaster:
             loop = asyncio.get_running_loop()
             found = await loop.run_in_executor(self._executor, _standalone, workload, "profile", self.bandwidth)
             self._by_signature[found.signature] = found
+            freeze_long_lived()
         return found
+
+    def ready(self, spec: WorkloadSpec) -> bool:
+        """Whether `forecast(spec)` answers at once (no trace or plan to wait for)."""
+        if spec.model is not None:
+            return self.cached(spec) is not None
+        workload = self.profiles.get(spec.profile or "")
+        return workload is None or workload.signature in self._by_signature
 
     def store_profile(self, name: str, workload: Workload) -> None:
         self.profiles.put(name, workload)

@@ -31,7 +31,7 @@ class Gpu:
     simulated: bool = False
     bandwidth: float = DEFAULT_BANDWIDTH
     agent: str | None = None  # the node agent's URL
-    external_bytes: int = 0  # committed by jobs the agent hosts that no TrainingJob placed
+    hosted: tuple[tuple[str, int], ...] = ()  # (job, scheduled peak) of every job the agent hosts on it
 
 
 def gpus_from_tensilenode(body: dict) -> list[Gpu]:
@@ -42,7 +42,7 @@ def gpus_from_tensilenode(body: dict) -> list[Gpu]:
     result = []
     for gpu in status.get("gpus") or []:
         memory = int(gpu.get("memoryBytes") or 0)
-        external = sum(int(j.get("scheduledPeakBytes") or 0) for j in gpu.get("jobs") or [] if j.get("external"))
+        hosted = tuple((str(j.get("job", "")), int(j.get("scheduledPeakBytes") or 0)) for j in gpu.get("jobs") or [])
         result.append(Gpu(
             node=name,
             uuid=gpu["uuid"],
@@ -53,7 +53,7 @@ def gpus_from_tensilenode(body: dict) -> list[Gpu]:
             simulated=bool(gpu.get("simulated", False)),
             bandwidth=float(gpu.get("hostLinkBandwidth") or DEFAULT_BANDWIDTH),
             agent=agent,
-            external_bytes=external,
+            hosted=hosted,
         ))
     return result
 
@@ -137,7 +137,13 @@ class Ledger:
 
     def committed(self, gpu: Gpu) -> int:
         jobs = self.on_gpu(gpu.uuid)
-        return sum(b.reserved_bytes for b in jobs) + gpu.context_bytes * len(jobs) + gpu.external_bytes
+        return sum(b.reserved_bytes for b in jobs) + gpu.context_bytes * len(jobs) + self.external(gpu)
+
+    def external(self, gpu: Gpu) -> int:
+        """What the jobs the GPU's agent hosts and no booking holds commit (e.g. `tensile run --agent`).
+        By job name, not the agent's `external` flag: the hook registers every job as external, and a
+        job placed here is already counted by its booking."""
+        return sum(peak for job, peak in gpu.hosted if job not in self.bookings)
 
     def book(self, booking: Booking) -> None:
         if booking.job in self.bookings and self.bookings[booking.job].gpu != booking.gpu:
@@ -156,7 +162,7 @@ def _reserve(peak: int, budget: int | None) -> int:
 def evaluate(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
     """Does `new` fit on `gpu` with the jobs already there, planned together? With which peaks?"""
     jobs = ledger.on_gpu(gpu.uuid)
-    available = gpu.capacity_bytes - gpu.context_bytes * (len(jobs) + 1) - gpu.external_bytes
+    available = gpu.capacity_bytes - gpu.context_bytes * (len(jobs) + 1) - ledger.external(gpu)
     fixed = sum(b.reserved_bytes for b in jobs if b.forecast is None)
     planned = [(b.job, b.forecast, b.max_swap_rate, b.budget_bytes) for b in jobs if b.forecast is not None]
     if new.forecast is None:
@@ -190,38 +196,46 @@ def _fixed(jobs: list[Booking], new: Candidate) -> dict[str, int]:
     return fixed
 
 
+def matching(gpus: list[Gpu], new: Candidate) -> list[Gpu]:
+    return [g for g in gpus if new.selector.matches(g.node, g.uuid, g.name, g.memory_bytes, g.simulated)]
+
+
+def fit_unchanged(gpus: list[Gpu], ledger: Ledger, new: Candidate) -> Decision | None:
+    """Best fit among the GPUs where `new` fits at its vanilla peak with every committed peak unchanged:
+    nobody pays swap time and the planner need not run (microseconds: the scheduler calls it inline)."""
+    need = new.fixed_bytes if new.forecast is None else _reserve(new.forecast.vanilla_peak_bytes, new.budget_bytes)
+    easy: list[Decision] = []
+    for gpu in gpus:
+        jobs = ledger.on_gpu(gpu.uuid)
+        available = gpu.capacity_bytes - gpu.context_bytes * (len(jobs) + 1) - ledger.external(gpu)
+        if sum(b.reserved_bytes for b in jobs) + (need or 0) <= available:
+            easy.append(Decision(gpu, {b.job: b.reserved_bytes for b in jobs} | {new.job: need or 0}))
+    return min(easy, key=lambda d: _left(d, ledger)) if easy else None
+
+
 def choose(gpus: list[Gpu], ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
     """Best fit: among GPUs where the job fits, the one left with the least free memory.
 
     GPUs where the job fits without changing anyone's plan (vanilla peaks fit) are preferred: they
     cost no job any swapping time. The joint planner runs only when no such GPU exists."""
-    candidates = [g for g in gpus if new.selector.matches(g.node, g.uuid, g.name, g.memory_bytes, g.simulated)]
+    candidates = matching(gpus, new)
     if not candidates:
         return Decision(None, reason="no GPU matches spec.gpuSelector", shortfall_bytes=0)
-    easy: list[Decision] = []
-    hard: list[Gpu] = []
+    easy = fit_unchanged(candidates, ledger, new)
+    if easy is not None:
+        return easy
+    fitting: list[Decision] = []
     refusals: list[Decision] = []
     for gpu in candidates:
-        jobs = ledger.on_gpu(gpu.uuid)
-        available = gpu.capacity_bytes - gpu.context_bytes * (len(jobs) + 1) - gpu.external_bytes
-        need = new.fixed_bytes if new.forecast is None else _reserve(new.forecast.vanilla_peak_bytes, new.budget_bytes)
-        if sum(b.reserved_bytes for b in jobs) + (need or 0) <= available:
-            easy.append(Decision(gpu, {b.job: b.reserved_bytes for b in jobs} | {new.job: need or 0}))
-        else:
-            hard.append(gpu)
-    if easy:
-        return min(easy, key=lambda d: _left(d))
-    fitting: list[Decision] = []
-    for gpu in hard:
         decision = evaluate(gpu, ledger, new, planner)
         (fitting if decision.gpu is not None else refusals).append(decision)
     if fitting:
-        return min(fitting, key=lambda d: _left(d))
+        return min(fitting, key=lambda d: _left(d, ledger))
     smallest = min(refusals, key=lambda d: d.shortfall_bytes)
     return Decision(None, reason=f"no GPU has room: the closest is {smallest.reason}", shortfall_bytes=smallest.shortfall_bytes)
 
 
-def _left(decision: Decision) -> int:
+def _left(decision: Decision, ledger: Ledger) -> int:
     gpu = decision.gpu
     assert gpu is not None
-    return gpu.capacity_bytes - gpu.context_bytes * len(decision.peaks) - gpu.external_bytes - sum(decision.peaks.values())
+    return gpu.capacity_bytes - gpu.context_bytes * len(decision.peaks) - ledger.external(gpu) - sum(decision.peaks.values())

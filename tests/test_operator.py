@@ -19,6 +19,7 @@ from operator_harness import (GIB, cluster, fake_kubelet, jitter, phase, pod_env
 from tensile.errors import TensileUserError
 from tensile.operator.forecasting import Forecaster
 from tensile.operator.metrics import OperatorMetrics, metrics_port
+from tensile.operator.placement import Booking, Ledger, gpus_from_tensilenode
 from tensile.operator.rbac import RULES, cluster_role
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -280,6 +281,18 @@ def test_metrics_port_settings_name_the_fix(monkeypatch):
         taken.listen()
         with pytest.raises(TensileUserError, match="pick a free port, or 0"):
             OperatorMetrics(dict).serve(taken.getsockname()[1], "127.0.0.1")
+
+
+def test_external_capacity_is_what_no_booking_holds():
+    """The agent lists every job it hosts (the hook registers each as external): only those no booking
+    holds take capacity beyond the ledger's."""
+    gpu = gpus_from_tensilenode({"metadata": {"name": "node-a"}, "status": {"gpus": [simulated_gpu("GPU-a0", 8) | {"jobs": [
+        {"job": "default/placed", "external": True, "scheduledPeakBytes": 3 * GIB},
+        {"job": "default/local", "external": True, "scheduledPeakBytes": GIB}]}]}})[0]
+    ledger = Ledger()
+    assert ledger.external(gpu) == 4 * GIB
+    ledger.book(Booking("default/placed", gpu.uuid, "node-a", 3 * GIB))
+    assert ledger.external(gpu) == GIB and ledger.committed(gpu) == 4 * GIB
 
 
 def test_rbac_renders_a_cluster_role():
