@@ -195,8 +195,9 @@ class AgentLink:
         if todo.upload:
             self.client.upload_workload(todo.workload)
         else:
+            # the operator gives every pod it places a token; a job without one came by itself
             self.client.register(workload=todo.workload, memory_budget_bytes=todo.budget,
-                                 max_swap_rate=self.settings.max_swap_rate, external=True)
+                                 max_swap_rate=self.settings.max_swap_rate, external=self.settings.token is None)
 
     def _flush(self) -> None:
         """Post what the iterations since the last post measured (dropped if the agent is away)."""
