@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="ResNet-50 iterations (the first 2 are recorded)")
     args = parser.parse_args()
     console = Console()
+    load_before = os.getloadavg()[0]
     rows = []
     # 1. tiny ops, empty plan; interleave repeats so noise hits both alike
     plain_times, hooked_times, hook_seconds = [], [], []
@@ -131,7 +133,11 @@ def main() -> None:
         )
     console.print(table)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"device": f"cpu ({platform.machine()})", "torch": torch.__version__, "rows": rows}, indent=2))
+    # the ResNet-50 ratios compare runs made one after the other: only meaningful on a quiet machine
+    load = {"before": load_before, "after": os.getloadavg()[0], "cores": os.cpu_count()}
+    console.print(f"load average (1 min): {load['before']:.2f} before, {load['after']:.2f} after, {load['cores']} cores")
+    RESULTS.write_text(json.dumps({"device": f"cpu ({platform.machine()})", "torch": torch.__version__,
+                                   "load_average_1min": load, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

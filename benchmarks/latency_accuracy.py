@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import tempfile
 import time
 import warnings
@@ -43,7 +42,9 @@ from tensile.forecast import trace_workload
 from tensile.latency import assign_latencies, iteration_seconds, predict_seconds
 from tensile.latency.calibrate import calibrate, family_samples, local_device, measure_probes
 from tensile.latency.device import resolve_target
-from tensile.latency.families import FAMILIES
+from tensile.latency.families import FAMILIES, family_of
+from tensile.latency.measure import (load_average, outliers, repeat_until_settled, robust_seconds, time_plain_iteration,
+                                     uses_cpu_clock)
 from tensile.latency.online import op_key
 from tensile.latency.predict import find_model
 from tensile.latency.probes import ZOO_CALIBRATION_BATCHES, ZOO_MODELS, build_step, make_grid, zoo_probes
@@ -75,13 +76,8 @@ def percent_errors(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
     return np.abs(predicted - measured) / measured * 100.0
 
 
-def family_accuracy(model, prior, device_type: str, console: Console, seen: set[str],  # type: ignore[no-untyped-def]
-                    probes: list | None = None, label: str = "held-out grid") -> dict:
+def family_accuracy(model, prior, measured: list, seen: set[str]) -> dict:  # type: ignore[no-untyped-def]
     """Per family, errors of the op's own time on ops whose key calibration never measured."""
-    probes = probes if probes is not None else make_grid("holdout", seed=1, device_type=device_type)
-    started = time.perf_counter()
-    measured = measure_probes(probes, device_type)
-    console.print(f"{label}: {len(measured)} probe steps measured in {time.perf_counter() - started:.0f} s")
     rows = {}
     for family, (ops, seconds, utils) in sorted(family_samples(measured).items()):
         keep = [i for i, op in enumerate(ops) if op_key(op) not in seen]
@@ -89,42 +85,73 @@ def family_accuracy(model, prior, device_type: str, console: Console, seen: set[
             continue
         held = [ops[i] for i in keep]
         truth = np.array([seconds[i] for i in keep])
-        calibrated = percent_errors(predict_seconds(held, model, utilization=0.0, include_gaps=False), truth)
+        predicted = predict_seconds(held, model, utilization=0.0, include_gaps=False)
+        calibrated = percent_errors(predicted, truth)
         roofline = percent_errors(predict_seconds(held, None, prior, include_gaps=False), truth)
         rows[family] = {
             "ops": len(held), "dropped_as_seen_in_training": len(ops) - len(held),
             "median_ape": float(np.median(calibrated)), "p90_ape": float(np.percentile(calibrated, 90)),
             "prior_median_ape": float(np.median(roofline)), "prior_p90_ape": float(np.percentile(roofline, 90)),
-            "measured_seconds_total": float(truth.sum()),
+            "measured_seconds_total": float(truth.sum()), "predicted_seconds_total": float(predicted.sum()),
         }
     return rows
 
 
+def measure_grid(probes: list, device_type: str, console: Console, label: str) -> list:
+    started = time.perf_counter()
+    measured = measure_probes(probes, device_type)
+    loads = [m.timing.load_average for m in measured]
+    console.print(f"{label}: {len(measured)} probe steps measured in {time.perf_counter() - started:.0f} s "
+                  f"(load average {min(loads, default=0):.1f}-{max(loads, default=0):.1f})")
+    return measured
+
+
+def load_summary(measured: list) -> dict:
+    loads = [m.timing.load_average for m in measured]
+    return {"min": min(loads), "median": float(np.median(loads)), "max": max(loads)} if loads else {}
+
+
+def family_breakdown(workload, measured) -> dict:  # type: ignore[no-untyped-def]
+    """Where an iteration's prediction goes, against the same iteration measured op by op: per family the
+    sum of predicted latencies (own time x phase scale + host gap) and of measured in-iteration op times,
+    and per phase the bare iteration's time left over after its ops (the host gap actually paid)."""
+    predicted: dict[str, float] = defaultdict(float)
+    for op in workload.ops:
+        predicted[family_of(op) or "other"] += op.latency
+    timed: dict[str, float] = defaultdict(float)
+    for op, seconds in zip(measured.timing.ops, measured.timing.seconds):
+        timed[family_of(op) or "other"] += seconds
+    gaps = {}
+    for phase, total in measured.timing.phase_seconds.items():
+        in_phase = [s for op, s in zip(measured.timing.ops, measured.timing.seconds) if op.phase == phase]
+        gaps[phase] = {"bare_seconds": total, "ops_seconds": float(sum(in_phase)), "ops": len(in_phase),
+                       "gap_per_op_us": (total - sum(in_phase)) / max(len(in_phase), 1) * 1e6}
+    return {"families": {f: {"predicted_seconds": predicted.get(f, 0.0), "measured_op_seconds": timed.get(f, 0.0)}
+                         for f in sorted(set(predicted) | set(timed))},
+            "phases_measured_op_by_op": gaps}
+
+
 def measure_iteration(model_name: str, batch: int, repeats: int) -> dict:
-    """Median wall time of real training iterations (and of each phase), after two warm-ups."""
+    """Robust time of real training iterations (and of each phase) after two warm-ups, timed as calibration
+    times them (host_clock; repeats re-measured while fewer than two agree; outliers reported)."""
     net, data, loss_fn, _ = build_zoo_parts(model_name, batch, device="cpu")
     step = TrainingStep(net, data, loss_fn, [torch.optim.Adam(net.parameters())])
-    marks: list[tuple[str, float]] = []
-    step.phase_listener = lambda phase: marks.append((phase, time.perf_counter()))
-    totals, phases = [], defaultdict(list)
-    for i in range(repeats + 2):
-        step.zero_grad()
-        marks.clear()
-        t0 = time.perf_counter()
-        step.run()
-        end = time.perf_counter()
-        if i < 2:
-            continue
-        totals.append(end - t0)
-        bounds = [*marks, ("end", end)]
-        for (phase, start), (_, stop) in zip(bounds, bounds[1:]):
-            phases[phase].append(stop - start)
-    return {"seconds": statistics.median(totals), "runs": totals,
-            "phases": {phase: statistics.median(v) for phase, v in phases.items()}}
+    for _ in range(2):
+        time_plain_iteration(step, "cpu")
+    runs: list[tuple[float, dict[str, float]]] = []
+
+    def once() -> float:
+        runs.append(time_plain_iteration(step, "cpu"))
+        return runs[-1][0]
+
+    totals = repeat_until_settled(once, repeats)
+    phases = {phase: robust_seconds([run[phase] for _, run in runs]) for phase in runs[0][1]}
+    return {"seconds": robust_seconds(totals), "runs": totals, "outlier_runs": outliers(totals), "phases": phases,
+            "clock": "cpu" if uses_cpu_clock("cpu") else "wall", "load_average": load_average()}
 
 
 def zoo_accuracy(device: str, model_dir: str, prior, models: list[str], repeats: int, console: Console,  # type: ignore[no-untyped-def]
-                 seen: set[str]) -> dict:
+                 seen: set[str], op_by_op: dict) -> dict:
     """Predicted against measured whole iterations; the real iterations of all models are measured one
     after another in this run (so they share the machine's load of the moment)."""
     rows = {}
@@ -146,8 +173,11 @@ def zoo_accuracy(device: str, model_dir: str, prior, models: list[str], repeats:
             "error_percent": error, "prior_seconds": prior_total,
             "prior_error_percent": (prior_total - real["seconds"]) / real["seconds"] * 100.0,
             "predicted_phases": dict(by_phase), "measured_phases": real["phases"],
-            "seen_share": seen_seconds / predicted if predicted > 0 else 0.0,
+            "seen_share": seen_seconds / predicted if predicted > 0 else 0.0, "clock": real["clock"],
+            "outlier_runs": real["outlier_runs"], "load_average": real["load_average"],
         }
+        if name in op_by_op:
+            rows[name]["breakdown"] = family_breakdown(workload, op_by_op[name])
         console.print(f"{name} b{batch}: predicted {predicted:.3f} s, measured {real['seconds']:.3f} s ({error:+.1f}%)")
     return rows
 
@@ -180,16 +210,20 @@ def main() -> None:
     prior = resolve_target(args.device, model_dir).prior
     seen = training_keys(device_type)
     models = [m for m in args.models.split(",") if m]
-    families = {} if args.skip_families else family_accuracy(model, prior, device_type, console, seen)
-    zoo_ops = {} if args.skip_families or args.skip_zoo_ops else family_accuracy(
-        model, prior, device_type, console, seen, zoo_probes(tuple(sorted(set(BATCHES.values()))), tuple(models)),
+    held_out = [] if args.skip_families else measure_grid(make_grid("holdout", seed=1, device_type=device_type),
+                                                          device_type, console, "held-out grid")
+    families = family_accuracy(model, prior, held_out, seen) if held_out else {}
+    zoo_measured = [] if args.skip_families or args.skip_zoo_ops else measure_grid(
+        zoo_probes(tuple(sorted(set(BATCHES.values()))), tuple(models)), device_type, console,
         "zoo models op by op at the evaluation batch")
-    zoo = zoo_accuracy(args.device, model_dir, prior, models, args.repeats, console, seen)
+    zoo_ops = family_accuracy(model, prior, zoo_measured, seen) if zoo_measured else {}
+    op_by_op = {m.probe.params["model"]: m for m in zoo_measured}
+    zoo = zoo_accuracy(args.device, model_dir, prior, models, args.repeats, console, seen, op_by_op)
 
     table = Table(title=f"Op latency on held-out shapes ({name}, {args.threads} thread(s))")
     for column in ("family", "ops", "median APE", "p90 APE", "prior median APE"):
         table.add_column(column, justify="right" if column != "family" else "left")
-    for family in FAMILIES:
+    for family in (*FAMILIES, "view"):
         if family in families:
             r = families[family]
             table.add_row(family, str(r["ops"]), f"{r['median_ape']:.1f}%", f"{r['p90_ape']:.1f}%", f"{r['prior_median_ape']:.1f}%")
@@ -198,7 +232,7 @@ def main() -> None:
         table = Table(title=f"Op latency of the zoo models at batch {sorted(set(BATCHES.values()))} (held-out keys only)")
         for column in ("family", "ops", "median APE", "p90 APE", "prior median APE"):
             table.add_column(column, justify="right" if column != "family" else "left")
-        for family in FAMILIES:
+        for family in (*FAMILIES, "view"):
             if family in zoo_ops:
                 r = zoo_ops[family]
                 table.add_row(family, str(r["ops"]), f"{r['median_ape']:.1f}%", f"{r['p90_ape']:.1f}%",
@@ -214,7 +248,10 @@ def main() -> None:
 
     result = {
         "device": name, "device_key": key, "kind": device_type, "threads": args.threads, "torch": torch.__version__,
-        "host": platform.node(), "cpu_count": os.cpu_count(), "load_average": os.getloadavg(),
+        "host": platform.node(), "cpu_count": os.cpu_count(), "load_average_at_end": os.getloadavg(),
+        "load_average_during": {"held_out_grid": load_summary(held_out), "zoo_op_by_op": load_summary(zoo_measured),
+                                "zoo_iterations": [r["load_average"] for r in zoo.values()]},
+        "clock": "process CPU time (1 torch thread)" if uses_cpu_clock(device_type) else "wall",
         "model_file_bytes": os.path.getsize(path), "calibration": model.meta,
         "roofline": model.roofline.to_dict(), "families": families, "zoo_ops": zoo_ops, "zoo": zoo,
         "evaluation_batches": BATCHES, "calibration_zoo_batches": list(ZOO_CALIBRATION_BATCHES),

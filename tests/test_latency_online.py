@@ -63,6 +63,8 @@ def test_quick_calibrate_end_to_end(tmp_path, traced):
     assert path.exists() and path.stat().st_size < 5 * 1024**2
     model = load_model(path)
     assert model.kind == "cpu" and model.families and model.roofline.flops_per_second > 0
+    # one thread: timed on the process CPU clock, with the machine's load recorded
+    assert model.meta["clock"] == "cpu" and model.meta["load_average"]["max"] >= 0 and model.view_ops
     w = traced("resnet50", 1, device="cpu")
     w = Workload(w.model, w.batch_size, w.device, w.tensors, [Op(**{f: getattr(o, f) for f in o.__slots__}) for o in w.ops])
     with warnings.catch_warnings():

@@ -28,6 +28,23 @@ def test_compute_bound_matmul_is_flops_over_rate_plus_floor_and_gap():
     assert prior_seconds(mm, ROOF) == pytest.approx(2 * 1024**3 / 1e11 + 2e-6 + 10e-6)
 
 
+def test_a_big_fresh_output_pays_first_touch_page_faults_in_place_ops_do_not():
+    """VGG-16's Adam: sqrt(exp_avg_sq) on the 103M-element FC weight writes 412 MB of fresh pages."""
+    from dataclasses import replace
+
+    roof = replace(ROOF, fault_bytes_per_second=4e9)
+    shape = [(4096, 25088)]
+    out_bytes = 4096 * 25088 * 4
+    sqrt = op("aten.sqrt.default", shape, phase="optimizer", bytes_moved=2 * out_bytes)
+    assert compute_seconds(sqrt, roof) == pytest.approx(2 * out_bytes / 1e10 + out_bytes / 4e9 + 2e-6)
+    assert compute_seconds(sqrt, ROOF) == pytest.approx(2 * out_bytes / 1e10 + 2e-6)  # a GPU / preset: no term
+    in_place = op("aten.addcdiv_.default", shape * 3, phase="optimizer", bytes_moved=4 * out_bytes)
+    assert compute_seconds(in_place, roof) == compute_seconds(in_place, ROOF)
+    small = op("aten.sqrt.default", [(1024, 1024)], phase="optimizer", bytes_moved=8 << 20)  # below the mmap threshold
+    assert compute_seconds(small, roof) == compute_seconds(small, ROOF)
+    assert Roofline.from_dict(roof.to_dict()) == roof and roof.alone().fault_bytes_per_second == 4e9
+
+
 def test_memory_bound_elementwise_is_bytes_over_bandwidth():
     add = op("aten.add.Tensor", [(1 << 20,), (1 << 20,)], phase="backward", bytes_moved=3 * 4 << 20)
     assert prior_seconds(add, ROOF) == pytest.approx((3 * 4 << 20) / 1e10 + 2e-6 + 20e-6)

@@ -12,7 +12,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,16 +20,17 @@ import torch
 
 from tensile.errors import TensileUserError
 from tensile.latency.device import cpu_key, cpu_name, gpu_utilization
-from tensile.latency.families import FAMILIES, family_of, features
+from tensile.latency.families import FAMILIES, base_name, family_of, features
 from tensile.latency.online import op_key
 from tensile.latency.measure import StepTiming, measure_roofline, measure_step
 from tensile.latency.prior import Roofline, compute_seconds
 from tensile.latency.probes import Probe, build_step, make_grid
 from tensile.latency.store import LatencyModel, save_model, slug
-from tensile.latency.train import fit_mlp
+from tensile.latency.train import fit_ensemble
 from tensile.workload import PHASES
 
 MIN_SAMPLES = 8  # a family with fewer measured ops keeps the prior
+MIN_WHOLE_MODELS = 4  # the phase fit uses whole-model iterations when at least this many were measured
 
 
 @dataclass(slots=True)
@@ -51,7 +52,7 @@ def local_device(device: str) -> tuple[str, str, str]:
     raise TensileUserError(f"--device must be cpu or cuda (was '{device}')")
 
 
-def measure_probes(probes: Iterable[Probe], device_type: str, *, timed: int = 3, plain: int = 2,
+def measure_probes(probes: Iterable[Probe], device_type: str, *, timed: int = 5, plain: int = 2,
                    budget_s: float | None = None, on_probe=None) -> list[Measured]:  # type: ignore[no-untyped-def]
     """Measure each probe's iteration op by op; stop early (keeping what is measured) past budget_s."""
     start = time.perf_counter()
@@ -62,7 +63,8 @@ def measure_probes(probes: Iterable[Probe], device_type: str, *, timed: int = 3,
         try:
             step = build_step(probe, device_type)
             utilization = (gpu_utilization() or 0.0) if device_type == "cuda" else 0.0
-            # a zoo model's iteration is seconds long and repeats its blocks: 2 timed iterations suffice
+            # a zoo model's iteration is seconds long and repeats its blocks: 2 timed iterations suffice;
+            # a probe's ops take microseconds, where 5 repeats (robust_seconds) beat the machine's noise
             n_timed = min(timed, 2) if probe.kind == "zoo" else timed
             results.append(Measured(probe, measure_step(step, device_type, n_timed, plain, utilization=utilization)))
             del step
@@ -78,11 +80,16 @@ def fit_phases(measured: list[Measured]) -> tuple[dict[str, float], dict[str, fl
     """(gaps, scales): per phase, bare phase time T = scale * (sum of its ops' measured times) + gap * ops.
 
     The gap is the host time between ops (Python, autograd, the optimizer's loop); the scale absorbs
-    what timing ops one by one adds or hides (cache state, the timer itself), as seen in whole bare
-    iterations. Least squares weighted by 1 / T^2, since timing noise grows with the phase's length:
-    probes with many cheap ops decide the gap, long ones the scale, and one probe's noise on a big op
-    cannot swamp a gap of microseconds. The gap is never negative and the scale stays in [0.5, 2].
+    what timing ops one by one adds or hides. Whole models' iterations (the zoo probes) are what a job
+    runs, so they are fitted when calibration has them: a small probe's bare phase is mostly per-step
+    host cost (bare / ops time 1.07-1.5, median by phase) where a zoo model's is 0.93-1.08, and fitted
+    on the probes that became a scale of 1.04-1.17 that made every zoo prediction 7-25% high.
+    Least squares weighted by 1 / T^2, since timing noise grows with the phase's length: many cheap ops
+    decide the gap, long phases the scale, and one noisy big op cannot swamp a gap of microseconds.
+    The gap is never negative and the scale stays in [0.5, 2].
     """
+    whole = [m for m in measured if m.probe.kind == "zoo"]
+    measured = whole if len(whole) >= MIN_WHOLE_MODELS else measured
     gaps, scales = {}, {}
     for phase in PHASES:
         rows = []
@@ -151,22 +158,33 @@ def training_arrays(ops: list, seconds: list[float], utils: list[float], family:
 
 def fit_model(measured: list[Measured], roofline: Roofline, key: str, name: str, kind: str, meta: dict,
               steps: int = 1500, on_family=None) -> LatencyModel:  # type: ignore[no-untyped-def]
-    """Gaps, the view-op constant and one MLP per family with enough samples."""
+    """Gaps, the view-op costs and an MLP ensemble per family with enough samples."""
     gaps, scales = fit_phases(measured) if kind == "cpu" else ({}, {})
-    roofline = Roofline(roofline.flops_per_second, roofline.bytes_per_second, roofline.op_overhead, gaps, scales)
+    roofline = replace(roofline, gaps=gaps, scales=scales)
     samples = family_samples(measured)
     counts = {f: len(s[0]) for f, s in samples.items()}
     view = samples.pop("view", None)
     view_seconds = float(np.median(view[1])) if view else None
+    view_ops = view_table(view[0], view[1]) if view else {}
     families = {}
     for family in FAMILIES:
         if family in samples and len(samples[family][0]) >= MIN_SAMPLES:
             x, y = training_arrays(*deduplicated(*samples[family]), family, roofline)
-            families[family] = fit_mlp(x, y, steps=steps, seed=FAMILIES.index(family))
+            families[family] = fit_ensemble(x, y, steps=steps, seed=FAMILIES.index(family))
         if on_family is not None:
             on_family(family)
-    meta = {**meta, "samples": counts}
-    return LatencyModel(key, name, kind, roofline, families, view_seconds, meta)
+    loads = [m.timing.load_average for m in measured]
+    meta = {**meta, "samples": counts, "clock": measured[0].timing.clock if measured else "wall",
+            "load_average": {"min": min(loads), "median": float(np.median(loads)), "max": max(loads)} if loads else {}}
+    return LatencyModel(key, name, kind, roofline, families, view_seconds, meta, view_ops)
+
+
+def view_table(ops: list, seconds: list[float]) -> dict[str, float]:
+    """Median cost per view op name: `view` and `as_strided` differ, one constant for all misses both."""
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for op, value in zip(ops, seconds):
+        by_name[base_name(op.name)].append(value)
+    return {name: float(np.median(values)) for name, values in sorted(by_name.items())}
 
 
 def calibrate(device: str = "cpu", quick: bool = False, model_dir: str | os.PathLike | None = None,
@@ -198,15 +216,15 @@ def _calibrate(device_type: str, key: str, name: str, quick: bool, model_dir: st
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not progress, transient=False) as bar:
         task = bar.add_task("roofline", total=1)
-        flops, bandwidth, tiny = measure_roofline(device_type, quick=quick)
+        roofline = measure_roofline(device_type, quick=quick)
         bar.update(task, advance=1)
         task = bar.add_task(f"measuring {len(probes)} probe steps on {name}", total=len(probes))
-        measured = measure_probes(probes, device_type, timed=2 if quick else 3, plain=1 if quick else 2,
+        measured = measure_probes(probes, device_type, timed=2 if quick else 5, plain=1 if quick else 2,
                                   budget_s=budget_s, on_probe=lambda _: bar.update(task, advance=1))
         task = bar.add_task("training family models", total=len(FAMILIES))
         meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "grid": "quick" if quick else "default",
                 "probes": len(measured), "probes_planned": len(probes), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        model = fit_model(measured, Roofline(flops, bandwidth, tiny), key, name, device_type, meta,
+        model = fit_model(measured, roofline, key, name, device_type, meta,
                           steps=300 if quick else 1500, on_family=lambda _: bar.update(task, advance=1))
     model.meta["calibration_seconds"] = round(time.perf_counter() - started, 1)
     return model, save_model(model, model_dir)
@@ -219,6 +237,7 @@ def describe(model: LatencyModel) -> list[tuple[str, str]]:
             ("matmul rate", f"{r.flops_per_second / 1e9:,.1f} GFLOP/s"),
             ("copy bandwidth", f"{r.bytes_per_second / 1e9:,.1f} GB/s"),
             ("per-op floor", f"{r.op_overhead * 1e6:,.1f} us"),
+            ("fresh-page rate", f"{r.fault_bytes_per_second / 1e9:,.1f} GB/s" if r.fault_bytes_per_second else "none"),
             ("host gap per op", ", ".join(f"{k} {v * 1e6:,.1f} us" for k, v in r.gaps.items()) or "hidden (GPU)"),
             ("in-iteration scale", ", ".join(f"{k} x{v:.2f}" for k, v in r.scales.items()) or "none")]
     samples = model.meta.get("samples", {})
@@ -226,5 +245,9 @@ def describe(model: LatencyModel) -> list[tuple[str, str]]:
         status = "MLP" if family in model.families else "prior"
         rows.append((f"  {family}", f"{status}, {samples.get(family, 0)} measured ops"))
     if model.view_seconds is not None and math.isfinite(model.view_seconds):
-        rows.append(("  view ops", f"{model.view_seconds * 1e6:,.1f} us each ({samples.get('view', 0)} measured)"))
+        rows.append(("  view ops", f"{model.view_seconds * 1e6:,.1f} us median, {len(model.view_ops)} op names "
+                                   f"priced ({samples.get('view', 0)} measured)"))
+    load = model.meta.get("load_average") or {}
+    clock = {"cpu": "process CPU time (descheduled time not counted)"}.get(model.meta.get("clock", ""), "wall time")
+    rows.append(("timing", f"{clock}; load average {load.get('min', 0):.1f}-{load.get('max', 0):.1f} while measuring"))
     return rows

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from tensile.workload import Op
 
-FEATURE_VERSION = 2
+FEATURE_VERSION = 3  # 3: the prior counts fresh-page faults
 
 # Ops that only make a new view or an uninitialised allocation: no data moves, cost is dispatch.
 VIEW_OPS = frozenset({

@@ -1,21 +1,82 @@
 """Time every aten op of real training iterations, with the same op features the tracer records.
 
-Each op is timed where it really runs (inside an iteration: real cache state, real arguments), and
-an op's latency is the median over a few iterations. CUDA ops are timed with events on the stream,
-read after one synchronisation at the iteration's end, so timing does not serialise the host.
+Each op is timed where it really runs (inside an iteration: real cache state, real arguments). CUDA
+ops are timed with events on the stream, read after one synchronisation at the iteration's end, so
+timing does not serialise the host.
+
+The model predicts an op's latency on an otherwise idle device, but this machine is shared: other
+processes preempt ours, and a preemption lands inside whichever op or iteration is running. So on a
+CPU with one torch thread, time is the process's CPU clock (user + system time of this process: time
+spent descheduled is not counted), and every estimate is robust: repeats are interleaved, and a
+repeat more than OUTLIER_TOLERANCE above the fastest is an outlier (neighbours only ever add time);
+the estimate is the median of the repeats near the fastest, and whole iterations are re-measured
+until at least two agree.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tensile.latency.prior import FRESH_ALLOCATION_BYTES, Roofline
 from tensile.tracer import Recorder, TrainingStep
 from tensile.workload import Op
+
+
+OUTLIER_TOLERANCE = 0.15  # a repeat this much slower than the fastest was disturbed by the neighbours
+AGREE = 2  # whole iterations are re-measured until this many repeats agree with the fastest
+MAX_EXTRA_REPEATS = 2  # ... but at most this many extra (a zoo iteration takes seconds)
+
+
+def uses_cpu_clock(device_type: str) -> bool:
+    """CPU time equals idle wall time only for a single-threaded CPU run (threads would add up)."""
+    return device_type == "cpu" and torch.get_num_threads() == 1
+
+
+def host_clock(device_type: str) -> Callable[[], float]:
+    """The clock timings are read from: process CPU time for a 1-thread CPU run, else wall time."""
+    return time.process_time if uses_cpu_clock(device_type) else time.perf_counter
+
+
+def load_average() -> float:
+    """The machine's 1-minute load average (recorded with every measurement), 0 where unknown."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return 0.0
+
+
+def outliers(samples: Sequence[float], tolerance: float = OUTLIER_TOLERANCE) -> list[int]:
+    """Indices of repeats more than `tolerance` above the fastest."""
+    low = min(samples)
+    return [i for i, s in enumerate(samples) if s > low * (1.0 + tolerance)]
+
+
+def robust_seconds(samples: Sequence[float], tolerance: float = OUTLIER_TOLERANCE) -> float:
+    """Median of the repeats within `tolerance` of the fastest: the time on an undisturbed device."""
+    if not samples:
+        raise ValueError("no timing samples")
+    rejected = set(outliers(samples, tolerance))
+    return statistics.median(s for i, s in enumerate(samples) if i not in rejected)
+
+
+def settled(samples: Sequence[float], agree: int = AGREE, tolerance: float = OUTLIER_TOLERANCE) -> bool:
+    """Enough repeats agree with the fastest (within tolerance) to trust it."""
+    return bool(samples) and len(samples) - len(outliers(samples, tolerance)) >= agree
+
+
+def repeat_until_settled(measure: Callable[[], float], repeats: int, max_extra: int = MAX_EXTRA_REPEATS) -> list[float]:
+    """`repeats` samples of measure(), then more (at most max_extra) while they do not agree."""
+    samples = [measure() for _ in range(repeats)]
+    while samples and not settled(samples) and len(samples) < repeats + max_extra:
+        samples.append(measure())
+    return samples
 
 
 class TimingRecorder(Recorder):
@@ -24,6 +85,7 @@ class TimingRecorder(Recorder):
     def __init__(self, device_type: str) -> None:
         super().__init__(device_type, device_type)
         self.cuda = device_type == "cuda"
+        self.clock = host_clock(device_type)
         self.times: list[float] = []
         self._events: list[tuple[Any, Any]] = []
 
@@ -38,9 +100,9 @@ class TimingRecorder(Recorder):
             end.record()
             self._events.append((start, end))
         else:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             out = func(*args, **kwargs)
-            self.times.append(time.perf_counter() - t0)
+            self.times.append(self.clock() - t0)
         self.record(func, args, kwargs, out)
         return out
 
@@ -59,23 +121,25 @@ def synchronize(device_type: str) -> None:
 
 
 def time_plain_iteration(step: TrainingStep, device_type: str) -> tuple[float, dict[str, float]]:
-    """Wall time of one iteration with nothing watching (what a job really pays), and of each phase."""
+    """Time of one iteration with nothing watching (what a job really pays), and of each phase
+    (host_clock: CPU time of a 1-thread CPU run, else wall time)."""
+    clock = host_clock(device_type)
     step.zero_grad()
     marks: list[tuple[str, float]] = []
 
     def mark(phase: str) -> None:
         synchronize(device_type)
-        marks.append((phase, time.perf_counter()))
+        marks.append((phase, clock()))
 
     step.phase_listener = mark
     synchronize(device_type)
-    t0 = time.perf_counter()
+    t0 = clock()
     try:
         step.run()
         synchronize(device_type)
     finally:
         step.phase_listener = None
-    end = time.perf_counter()
+    end = clock()
     phases: dict[str, float] = {}
     for (phase, start), (_, stop) in zip(marks, [*marks[1:], ("end", end)]):
         phases[phase] = phases.get(phase, 0.0) + stop - start
@@ -85,17 +149,19 @@ def time_plain_iteration(step: TrainingStep, device_type: str) -> tuple[float, d
 @dataclass(slots=True)
 class StepTiming:
     ops: list[Op]  # features of every op of one iteration
-    seconds: list[float]  # median latency of each op
-    iteration_seconds: float  # median plain iteration
+    seconds: list[float]  # robust latency of each op (robust_seconds over the timed iterations)
+    iteration_seconds: float  # robust plain iteration
     utilization: float
-    phase_seconds: dict[str, float]  # median plain time of each phase (forward includes the loss)
+    phase_seconds: dict[str, float]  # robust plain time of each phase (forward includes the loss)
+    load_average: float = 0.0  # the machine's 1-minute load when this was measured
+    clock: str = "wall"  # "cpu" (process CPU time) or "wall"
 
 
 def measure_step(step: TrainingStep, device_type: str, timed: int = 3, plain: int = 2, warmup: int = 1,
                  utilization: float = 0.0) -> StepTiming:
-    """Warm up, then alternate bare iterations (`plain` of them) with op-by-op timed ones (`timed`);
-    medians of both. Alternating keeps a shared machine's load drift out of the bare-minus-ops
-    difference the host gaps are fitted from."""
+    """Warm up, then alternate bare iterations (`plain` of them, more while they disagree) with op-by-op
+    timed ones (`timed`); robust estimates of both. Alternating keeps a shared machine's load drift out
+    of the bare-minus-ops difference the host gaps are fitted from."""
     for _ in range(warmup):
         time_plain_iteration(step, device_type)
     plain_runs: list[tuple[float, dict[str, float]]] = []
@@ -121,17 +187,21 @@ def measure_step(step: TrainingStep, device_type: str, timed: int = 3, plain: in
             continue  # the op sequence changed (data-dependent control flow): keep the first
         ops = ops or recorder.ops
         runs.append(seconds)
+    while plain_runs and not settled([t for t, _ in plain_runs]) and len(plain_runs) < plain + MAX_EXTRA_REPEATS:
+        plain_runs.append(time_plain_iteration(step, device_type))
     step.zero_grad()
     plain_times = [total for total, _ in plain_runs]
-    medians = [statistics.median(values) for values in zip(*runs)]
-    phases = {phase: statistics.median(run[phase] for _, run in plain_runs if phase in run)
+    estimates = [robust_seconds(values) for values in zip(*runs)]
+    phases = {phase: robust_seconds([run[phase] for _, run in plain_runs if phase in run])
               for phase in {p for _, run in plain_runs for p in run}}
-    return StepTiming(ops, medians, statistics.median(plain_times) if plain_times else sum(medians), utilization, phases)
+    return StepTiming(ops, estimates, robust_seconds(plain_times) if plain_times else sum(estimates), utilization,
+                      phases, load_average(), "cpu" if uses_cpu_clock(device_type) else "wall")
 
 
 def _median_time(fn: Any, device_type: str, repeats: int) -> float:
     fn()
     synchronize(device_type)
+    clock = host_clock(device_type)
     times = []
     for _ in range(repeats):
         if device_type == "cuda":
@@ -142,14 +212,15 @@ def _median_time(fn: Any, device_type: str, repeats: int) -> float:
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         else:
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            times.append(clock() - t0)
+    return robust_seconds(times)
 
 
-def measure_roofline(device_type: str, quick: bool = False) -> tuple[float, float, float]:
-    """(FLOP/s of a large matmul, bytes/s of a large copy, seconds of a tiny op): the prior's figures."""
+def measure_roofline(device_type: str, quick: bool = False) -> Roofline:
+    """FLOP/s of a large matmul, bytes/s of a large copy, seconds of a tiny op and, on a CPU, bytes/s of
+    first-touching fresh pages (filling a new tensor minus filling an existing one): the prior's figures."""
     n = 512 if quick else (1024 if device_type == "cpu" else 8192)
     a = torch.randn(n, n, device=device_type)
     b = torch.randn(n, n, device=device_type)
@@ -161,4 +232,10 @@ def measure_roofline(device_type: str, quick: bool = False) -> tuple[float, floa
     bandwidth = 2.0 * src.numel() * 4 / _median_time(lambda: dst.copy_(src), device_type, repeats)
     x = torch.ones(1, device=device_type)
     tiny = _median_time(lambda: torch.add(x, x), device_type, 50 if quick else 200)
-    return flops, bandwidth, tiny
+    fault = 0.0
+    if device_type == "cpu":
+        big = torch.empty(max(FRESH_ALLOCATION_BYTES // 2, src.numel()))  # above the mmap threshold
+        extra = (_median_time(lambda: torch.empty_like(big).fill_(1.0), device_type, repeats)
+                 - _median_time(lambda: big.fill_(1.0), device_type, repeats))
+        fault = big.numel() * 4 / extra if extra > 0 else 0.0
+    return Roofline(flops, bandwidth, tiny, fault_bytes_per_second=fault)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from tensile.latency.device import gpu_utilization, resolve_target
-from tensile.latency.families import family_of, features
+from tensile.latency.families import base_name, family_of, features
 from tensile.latency.prior import Roofline, compute_seconds, gap_seconds, prior_seconds
 from tensile.latency.store import LatencyModel, load_model, model_path
 from tensile.workload import Op, Workload
@@ -47,17 +47,17 @@ def predict_seconds(ops: Sequence[Op], model: LatencyModel | None, prior: Roofli
     if model is None:
         if prior is None:
             raise ValueError("need a calibrated model or a prior roofline")
-        roofline = prior if include_gaps else Roofline(prior.flops_per_second, prior.bytes_per_second, prior.op_overhead)
+        roofline = prior if include_gaps else prior.alone()
         return np.array([prior_seconds(op, roofline) for op in ops], dtype=np.float64)
     roofline = model.roofline
     if not include_gaps:  # the op alone: no host gaps, no in-iteration scale
-        roofline = Roofline(roofline.flops_per_second, roofline.bytes_per_second, roofline.op_overhead)
+        roofline = roofline.alone()
     out = np.empty(len(ops), dtype=np.float64)
     by_family: dict[str, list[int]] = defaultdict(list)
     for i, op in enumerate(ops):
         family = family_of(op)
         if family == "view" and model.view_seconds is not None:
-            out[i] = model.view_seconds + gap_seconds(op, roofline)
+            out[i] = model.view_ops.get(base_name(op.name), model.view_seconds) + gap_seconds(op, roofline)
         elif family in model.families:
             by_family[family].append(i)
         else:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tensile.errors import TensileUserError
 from tensile.latency.families import FAMILIES, FEATURE_VERSION, feature_count
-from tensile.latency.mlp import FamilyMLP
+from tensile.latency.mlp import FamilyEnsemble, FamilyMLP
 from tensile.latency.prior import Roofline
 
 FORMAT = "tensile-latency-model"
@@ -32,15 +32,17 @@ class LatencyModel:
     device_name: str
     kind: str  # "cpu" or "cuda"
     roofline: Roofline
-    families: dict[str, FamilyMLP] = field(default_factory=dict)
-    view_seconds: float | None = None  # measured cost of a view / metadata op
+    families: dict[str, FamilyEnsemble | FamilyMLP] = field(default_factory=dict)
+    view_seconds: float | None = None  # measured cost of a view / metadata op (any name)
     meta: dict = field(default_factory=dict)  # torch version, threads, samples, calibration seconds, ...
+    view_ops: dict[str, float] = field(default_factory=dict)  # per view op name ('view', 'as_strided'): its cost
 
     def to_dict(self) -> dict:
         return {
             "format": FORMAT, "version": FORMAT_VERSION, "feature_version": FEATURE_VERSION,
             "device_key": self.device_key, "device_name": self.device_name, "kind": self.kind,
-            "roofline": self.roofline.to_dict(), "view_seconds": self.view_seconds, "meta": self.meta,
+            "roofline": self.roofline.to_dict(), "view_seconds": self.view_seconds, "view_ops": self.view_ops,
+            "meta": self.meta,
             "families": {name: model.to_dict() for name, model in self.families.items()},
         }
 
@@ -98,7 +100,7 @@ def load_model(path: str | os.PathLike, expect_key: str | None = None) -> Latenc
         for name, family in dict(data["families"]).items():
             if name not in FAMILIES:
                 raise ValueError(f"unknown op family '{name}'")
-            mlp = FamilyMLP.from_dict(family)
+            mlp = FamilyEnsemble.from_dict(family)
             if mlp.n_features != feature_count(name):
                 raise ValueError(f"family '{name}' expects {mlp.n_features} features, this Tensile makes "
                                  f"{feature_count(name)}")
@@ -107,7 +109,8 @@ def load_model(path: str | os.PathLike, expect_key: str | None = None) -> Latenc
         if roofline.flops_per_second <= 0 or roofline.bytes_per_second <= 0:
             raise ValueError("non-positive roofline rates")
         view = data.get("view_seconds")
+        view_ops = {str(k): float(v) for k, v in dict(data.get("view_ops", {})).items()}
         return LatencyModel(str(data["device_key"]), str(data["device_name"]), str(data["kind"]), roofline,
-                            families, float(view) if view is not None else None, dict(data.get("meta", {})))
+                            families, float(view) if view is not None else None, dict(data.get("meta", {})), view_ops)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise _bad(path, f"malformed content ({exc})") from None

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensile.latency.mlp import FEATURE_CLIP, MAX_LOG_CORRECTION, MIN_STD, FamilyMLP
+from tensile.latency.mlp import FEATURE_CLIP, MAX_LOG_CORRECTION, MIN_STD, FamilyEnsemble, FamilyMLP
+
+ENSEMBLE_MEMBERS = 3
+
+
+def fit_ensemble(x: np.ndarray, y: np.ndarray, members: int = ENSEMBLE_MEMBERS, steps: int = 1500,
+                 seed: int = 0) -> FamilyEnsemble:
+    """`members` MLPs from different seeds (initial weights and early-stopping split)."""
+    return FamilyEnsemble([fit_mlp(x, y, steps=steps, seed=seed * 100 + k) for k in range(members)])
 
 
 def fit_mlp(
