@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from rich.table import Table
@@ -46,7 +47,7 @@ def plot_peaks(runs: list[JobRun], path: str | Path, title: str) -> Path:
         ax.bar(xs, [(getattr(r, attr) or 0) / MIB for r in runs], width, label=label, color=color)
     ax.set_xticks(range(len(runs)), [r.name for r in runs])
     ax.set_ylabel("memory peak (MiB)")
-    ax.set_title(title)
+    ax.set_title(textwrap.fill(title, 60), fontsize="medium")  # the GPU and agent line is long
     ax.legend()
     fig.tight_layout()
     path = Path(path)
