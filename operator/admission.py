@@ -88,6 +88,9 @@ class Admission:
         self.ready = asyncio.Event()  # set once the ledger was rebuilt and the scheduler runs
         self._scheduler: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()  # pod creations, profile fetches
+        # held while a placement is written: stopping waits for it, so no status write of this operator
+        # lands after a successor has listed the statuses (its in-memory ledger would miss the booking)
+        self._committing = asyncio.Lock()
         self._profiling: set[str] = set()  # jobs whose live workload is being fetched
 
     # ---- inventory ------------------------------------------------------------------------------
@@ -201,6 +204,7 @@ class Admission:
         self.ready.set()
 
     async def stop(self) -> None:
+        await self._committing.acquire()
         tasks = [t for t in [self._scheduler, *self._background] if t is not None]
         for task in tasks:
             task.cancel()
@@ -286,7 +290,8 @@ class Admission:
                     "queue": {"reason": reason, "shortfallBytes": decision.shortfall_bytes, "since": now()},
                 }, condition("Admitted", False, "Queued", f"{reason}; retried when capacity frees"))
             return
-        await self.commit(pending, decision.gpu, decision.peaks)
+        async with self._committing:
+            await self.commit(pending, decision.gpu, decision.peaks)
 
     async def commit(self, pending: Pending, gpu: Gpu, peaks: dict[str, int]) -> None:
         key = pending.key
