@@ -218,29 +218,43 @@ class Admission:
         self._released.clear()
         items = await self.kube.list_trainingjobs()
         for body in items:
-            status = body.get("status") or {}
-            placement = status.get("placement")
-            if not placement or status.get("phase") in model.FINISHED:
-                continue
-            meta = body["metadata"]
-            key = f"{meta['namespace']}/{meta['name']}"
-            if key in self._released:
-                continue
-            fstatus = status.get("forecast") or {}
-            forecast = self.forecaster.by_signature(fstatus.get("signature", ""))
-            spec = body.get("spec") or {}
-            knobs = spec.get("scheduling") or {}
-            budget = None
-            if spec.get("memoryBudget") is not None:
-                try:
-                    budget = model.parse_quantity(spec["memoryBudget"], "spec.memoryBudget")
-                except model.SpecError:
-                    pass
-            profile = (spec.get("workload") or {}).get("profile") if forecast is None else None
-            ledger.book(Booking(key, placement["gpu"], placement["node"], int(fstatus.get("reservedBytes") or 0),
-                                forecast, budget, knobs.get("maxSwapRate"), profile))
+            booking = self._booking_of(body)
+            if booking is not None and booking.job not in self._released:
+                ledger.book(booking)
         self.ledger = ledger
         self.rebuilt_at = asyncio.get_running_loop().time()
+
+    def _booking_of(self, body: dict) -> Booking | None:
+        """The placement a TrainingJob's status holds, as a booking (None when unplaced or finished)."""
+        status = body.get("status") or {}
+        placement = status.get("placement")
+        if not placement or status.get("phase") in model.FINISHED:
+            return None
+        meta = body["metadata"]
+        fstatus = status.get("forecast") or {}
+        forecast = self.forecaster.by_signature(fstatus.get("signature", ""))
+        spec = body.get("spec") or {}
+        knobs = spec.get("scheduling") or {}
+        budget = None
+        if spec.get("memoryBudget") is not None:
+            try:
+                budget = model.parse_quantity(spec["memoryBudget"], "spec.memoryBudget")
+            except model.SpecError:
+                pass
+        profile = (spec.get("workload") or {}).get("profile") if forecast is None else None
+        return Booking(f"{meta['namespace']}/{meta['name']}", placement["gpu"], placement["node"],
+                       int(fstatus.get("reservedBytes") or 0), forecast, budget, knobs.get("maxSwapRate"), profile)
+
+    def adopt(self, body: dict) -> None:
+        """A placement seen in a status but missing from the ledger (a predecessor's write that landed after
+        this operator listed the statuses) is booked at once, before the next pass can give its room away."""
+        if not self.ready.is_set():
+            return  # the start-up rebuild reads it
+        booking = self._booking_of(body)
+        if booking is None or booking.job in self.ledger.bookings or booking.job in self._released:
+            return
+        log.warning("%s: placed on %s by an earlier operator after the statuses were read; booked now", booking.job, booking.gpu)
+        self.ledger.book(booking)
 
     def release(self, key: str) -> Booking | None:
         self._released.add(key)

@@ -89,6 +89,11 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, me
     async def _admit(body, **_) -> None:  # type: ignore[no-untyped-def]
         await app.admit(_plain(body))
 
+    @kopf.on.event(**tj)
+    async def _placed(event, body, **_) -> None:  # type: ignore[no-untyped-def]
+        if event.get("type") != "DELETED":
+            app.adopt(_plain(body))
+
     @kopf.on.field(**tj, id="knobs", field="metadata.annotations")
     async def _knobs(body, old, new, reason, **_) -> None:  # type: ignore[no-untyped-def]
         old, new = dict(old or {}), dict(new or {})

@@ -304,3 +304,22 @@ def test_rbac_renders_a_cluster_role():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-x", "-q"]))
+
+
+def test_a_placement_written_after_the_statuses_were_read_is_booked():
+    """A predecessor's placement that lands after this operator's start-up LIST is booked when its event
+    arrives (else the next pass would give its room away); a released job's stale event books nothing."""
+    from tensile.operator.admission import Admission
+
+    app = Admission()
+    app.ready.set()
+    body = {"metadata": {"namespace": "default", "name": "late"}, "spec": {"memoryBudget": "1Gi"},
+            "status": {"phase": "Admitted", "placement": {"gpu": "GPU-a0", "node": "node-a"},
+                       "forecast": {"source": "budget", "reservedBytes": GIB}}}
+    app.adopt(body)
+    assert app.ledger.bookings["default/late"].reserved_bytes == GIB
+    app.release("default/late")
+    app.adopt(body)
+    assert "default/late" not in app.ledger.bookings
+    app.adopt(body | {"status": body["status"] | {"phase": "Succeeded"}})
+    assert "default/late" not in app.ledger.bookings
