@@ -182,6 +182,18 @@ def zoo_accuracy(device: str, model_dir: str, prior, models: list[str], repeats:
     return rows
 
 
+
+def family_table(title: str, rows: dict[str, dict]) -> Table:
+    """Median and p90 absolute percentage error per op family, against the prior's."""
+    table = Table(title=title)
+    for column in ("family", "ops", "median APE", "p90 APE", "prior median APE"):
+        table.add_column(column, justify="right" if column != "family" else "left")
+    for family in (*FAMILIES, "view"):
+        if family in rows:
+            r = rows[family]
+            table.add_row(family, str(r["ops"]), f"{r['median_ape']:.1f}%", f"{r['p90_ape']:.1f}%", f"{r['prior_median_ape']:.1f}%")
+    return table
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -220,24 +232,10 @@ def main() -> None:
     op_by_op = {m.probe.params["model"]: m for m in zoo_measured}
     zoo = zoo_accuracy(args.device, model_dir, prior, models, args.repeats, console, seen, op_by_op)
 
-    table = Table(title=f"Op latency on held-out shapes ({name}, {args.threads} thread(s))")
-    for column in ("family", "ops", "median APE", "p90 APE", "prior median APE"):
-        table.add_column(column, justify="right" if column != "family" else "left")
-    for family in (*FAMILIES, "view"):
-        if family in families:
-            r = families[family]
-            table.add_row(family, str(r["ops"]), f"{r['median_ape']:.1f}%", f"{r['p90_ape']:.1f}%", f"{r['prior_median_ape']:.1f}%")
-    console.print(table)
+    console.print(family_table(f"Op latency on held-out shapes ({name}, {args.threads} thread(s))", families))
     if zoo_ops:
-        table = Table(title=f"Op latency of the zoo models at batch {sorted(set(BATCHES.values()))} (held-out keys only)")
-        for column in ("family", "ops", "median APE", "p90 APE", "prior median APE"):
-            table.add_column(column, justify="right" if column != "family" else "left")
-        for family in (*FAMILIES, "view"):
-            if family in zoo_ops:
-                r = zoo_ops[family]
-                table.add_row(family, str(r["ops"]), f"{r['median_ape']:.1f}%", f"{r['p90_ape']:.1f}%",
-                              f"{r['prior_median_ape']:.1f}%")
-        console.print(table)
+        console.print(family_table(
+            f"Op latency of the zoo models at batch {sorted(set(BATCHES.values()))} (held-out keys only)", zoo_ops))
     table = Table(title="Whole training iteration (Adam)")
     for column in ("model", "batch", "predicted s", "measured s", "error", "prior error", "seen share"):
         table.add_column(column, justify="right" if column != "model" else "left")

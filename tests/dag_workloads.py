@@ -7,22 +7,34 @@ import random
 from tensile.workload import Op, TensorInfo, Workload
 
 
+class _Builder:
+    """Tensors and ops of a hand-made workload, numbered in the order they are made; an op's latency is
+    drawn from `latency_range` unless given."""
+
+    def __init__(self, rng: random.Random, latency_range: tuple[float, float]) -> None:
+        self.rng = rng
+        self.latency_range = latency_range
+        self.tensors: dict[int, TensorInfo] = {}
+        self.ops: list[Op] = []
+
+    def tensor(self, size: int, role: str, created_by: int) -> int:
+        tid = len(self.tensors)
+        self.tensors[tid] = TensorInfo(tid, size, role, "float32", created_by)
+        return tid
+
+    def op(self, name: str, phase: str, inputs: tuple[int, ...], outputs: tuple[int, ...], writes: tuple[int, ...] = (),
+           latency: float | None = None) -> int:
+        index = len(self.ops)
+        self.ops.append(Op(index, name, phase, inputs, outputs, writes,
+                           latency=latency or self.rng.uniform(*self.latency_range), flops=1e9))
+        return index
+
+
 def random_workload(seed: int, layers: int = 12) -> Workload:
     """A random DAG network: params and an optimizer state per layer updated across the iteration boundary."""
     rng = random.Random(seed)
-    tensors: dict[int, TensorInfo] = {}
-    ops: list[Op] = []
-    ids = iter(range(10**6))
-
-    def tensor(size: int, role: str, created_by: int) -> int:
-        tid = next(ids)
-        tensors[tid] = TensorInfo(tid, size, role, "float32", created_by)
-        return tid
-
-    def op(name: str, phase: str, inputs: tuple[int, ...], outputs: tuple[int, ...], writes: tuple[int, ...] = ()) -> int:
-        index = len(ops)
-        ops.append(Op(index, name, phase, inputs, outputs, writes, latency=rng.uniform(0.2e-3, 2e-3), flops=1e9))
-        return index
+    build = _Builder(rng, (0.2e-3, 2e-3))
+    tensors, ops, tensor, op = build.tensors, build.ops, build.tensor, build.op
 
     x = tensor(rng.randrange(1, 8) << 20, "input", -1)
     params = [tensor(rng.randrange(1, 16) << 20, "param", -1) for _ in range(layers)]
@@ -67,19 +79,8 @@ def chain_workload(seed: int, blocks: int = 10) -> Workload:
     """Conv -> batch norm -> (add_ residual) -> relu_ blocks, as traced from PyTorch: the batch norm output
     is written in place after it is made, so it can only be recomputed as a chain."""
     rng = random.Random(seed)
-    tensors: dict[int, TensorInfo] = {}
-    ops: list[Op] = []
-    ids = iter(range(10**6))
-
-    def tensor(size: int, role: str, created_by: int) -> int:
-        tid = next(ids)
-        tensors[tid] = TensorInfo(tid, size, role, "float32", created_by)
-        return tid
-
-    def op(name: str, phase: str, inputs: tuple[int, ...], outputs: tuple[int, ...], writes: tuple[int, ...] = (), latency: float | None = None) -> int:
-        index = len(ops)
-        ops.append(Op(index, name, phase, inputs, outputs, writes, latency=latency or rng.uniform(0.5e-3, 2e-3), flops=1e9))
-        return index
+    build = _Builder(rng, (0.5e-3, 2e-3))
+    tensors, ops, tensor, op = build.tensors, build.ops, build.tensor, build.op
 
     x = tensor(4 << 20, "input", -1)
     params = [tensor(rng.randrange(1, 4) << 20, "param", -1) for _ in range(blocks)]

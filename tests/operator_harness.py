@@ -9,7 +9,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import kmock
@@ -185,9 +185,29 @@ async def start_operator(forecaster: Forecaster, webhook=None, metrics_port: int
     return op
 
 
+async def serve_pods(c: Cluster, lifecycle: Callable[[dict], Awaitable[None]], reraise: bool = False) -> None:
+    """A kubelet's loop: one `lifecycle` task per new pod until cancelled (then the tasks are cancelled too);
+    with `reraise`, a lifecycle that failed fails the kubelet."""
+    started: set[str] = set()
+    tasks: list[asyncio.Task] = []
+    try:
+        while True:
+            if reraise:
+                for t in [t for t in tasks if t.done() and not t.cancelled() and t.exception()]:
+                    raise t.exception()  # type: ignore[misc]
+            for pod in c.emu.new_items("v1/pods", started):
+                if pod["metadata"]["uid"] not in started:
+                    started.add(pod["metadata"]["uid"])
+                    tasks.append(asyncio.create_task(lifecycle(pod)))
+            await asyncio.sleep(0.05)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def fake_kubelet(c: Cluster, run_seconds: Callable[[dict], float] = lambda pod: 0.3, fail: set[str] = frozenset()) -> None:
     """Marks each new pod Running, then Succeeded (or Failed) after `run_seconds(pod)`."""
-    started: set[str] = set()
 
     async def lifecycle(pod: dict) -> None:
         await c.set_pod_status(pod, {"phase": "Running"})
@@ -198,22 +218,7 @@ async def fake_kubelet(c: Cluster, run_seconds: Callable[[dict], float] = lambda
         await c.set_pod_status(pod, {"phase": "Failed" if failed else "Succeeded", "containerStatuses": [
             {"name": "train", "state": {"terminated": {"exitCode": 1 if failed else 0, "reason": "Error" if failed else "Completed"}}}]})
 
-    tasks = []
-    try:
-        while True:
-            await asyncio.sleep(0.05)
-            for t in [t for t in tasks if t.done() and not t.cancelled() and t.exception()]:
-                raise t.exception()  # type: ignore[misc]
-            for pod in c.emu.new_items("v1/pods", started):
-                uid = pod["metadata"]["uid"]
-                if uid not in started:
-                    started.add(uid)
-                    tasks.append(asyncio.create_task(lifecycle(pod)))
-            await asyncio.sleep(0.05)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    await serve_pods(c, lifecycle, reraise=True)
 
 
 async def process_kubelet(c: Cluster, workdir: Path, root: Path, logs: dict[str, str]) -> None:
@@ -221,7 +226,6 @@ async def process_kubelet(c: Cluster, workdir: Path, root: Path, logs: dict[str,
 
     Volume mounts become folders under `workdir`; mount paths in env values and commands are
     rewritten to them. The main container runs in `root` (the image's working directory)."""
-    started: set[str] = set()
 
     async def run(cmd: list[str], env: dict[str, str], cwd: Path = root) -> tuple[int, str]:
         proc = await asyncio.create_subprocess_exec(*cmd, env=env, cwd=cwd, stdout=asyncio.subprocess.PIPE,
@@ -271,18 +275,7 @@ async def process_kubelet(c: Cluster, workdir: Path, root: Path, logs: dict[str,
         await c.set_pod_status(pod, {"phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [
             {"name": container["name"], "state": {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}}}]})
 
-    tasks = []
-    try:
-        while True:
-            for pod in c.emu.new_items("v1/pods", started):
-                if pod["metadata"]["uid"] not in started:
-                    started.add(pod["metadata"]["uid"])
-                    tasks.append(asyncio.create_task(lifecycle(pod)))
-            await asyncio.sleep(0.05)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    await serve_pods(c, lifecycle)
 
 
 def trainingjob(name: str, model: str | None = "vgg16", batch: int = 1, command: list[str] | None = None, **spec) -> dict:  # type: ignore[no-untyped-def]

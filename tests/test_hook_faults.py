@@ -80,8 +80,9 @@ def test_an_undersized_budget_evicts_passively_and_stays_under_it(budget):
 
 def test_a_budget_in_bytes_holds_from_the_first_iteration():
     """What a job was admitted with (bytes) is known before any plan: the recorded iterations are guarded too."""
-    plain, vanilla = train(tracing_models.views, 16, planner=lambda workload, b: None)
-    budget = vanilla.vanilla_peak_bytes // 2
+    plain, _ = train(tracing_models.views, 16)
+    _, unbudgeted = train(tracing_models.views, 16, planner=lambda workload, b: None)
+    budget = unbudgeted.vanilla_peak_bytes // 2
     hooked, report = train(tracing_models.views, 16, planner=lambda workload, b: None, budget=float(budget))
     assert_identical(plain, hooked)
     assert report.memory_budget_bytes == budget
