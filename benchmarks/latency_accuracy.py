@@ -8,9 +8,10 @@
    The same report for the zoo models measured op by op at the evaluation batch (2; again only ops
    whose key calibration never saw: the optimizer's ops, whose shapes do not depend on the batch, drop out).
 3. For each zoo model at the evaluation batch (2, never a calibration batch), traces the iteration on
-   meta, predicts its time, and measures real iterations on this device (two warm-ups, then the median
-   of --repeats), per phase too; `seen_share` is the part of the prediction from ops whose key was measured
-   in calibration (parameter-shaped ops).
+   meta and predicts its time; then trains the model as a user's job runs it, in a fresh process of its
+   own: warm-ups until glibc's heap stops trimming (at most MAX_WARMUPS), then the robust time of --repeats
+   plain iterations, per phase too, with the pages each faulted in and its system time. `seen_share` is
+   the part of the prediction from ops whose key was measured in calibration (parameter-shaped ops).
 
 Targets on this CPU: median error <= 15% per family, whole iteration within 10%.
 Writes benchmarks/results/latency_<device>.json.
@@ -25,12 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
+import resource
 import tempfile
 import time
 import warnings
 from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +52,8 @@ from tensile.latency.measure import (load_average, outliers, repeat_until_settle
 from tensile.latency.online import op_key
 from tensile.latency.predict import find_model
 from tensile.latency.probes import ZOO_CALIBRATION_BATCHES, ZOO_MODELS, build_step, make_grid, zoo_probes
-from tensile.tracer import TrainingStep, trace_step
-from tensile.zoo import build_zoo_parts
+from tensile.latency.prior import fresh_output_bytes
+from tensile.tracer import trace_step
 
 # Evaluation batch sizes: calibration trains each zoo model at ZOO_CALIBRATION_BATCHES (1 and 3), never at
 # these, so every activation-shaped op here (and every forward / backward op whose shape carries the batch)
@@ -58,6 +62,7 @@ from tensile.zoo import build_zoo_parts
 BATCHES = {name: 2 for name in ZOO_MODELS}
 assert not set(BATCHES.values()) & set(ZOO_CALIBRATION_BATCHES), "evaluation batches must be held out"
 RESULTS = Path(__file__).parent / "results"
+MIN_WARMUPS, MAX_WARMUPS = 2, 6  # a job's first iterations allocate optimizer state and grow glibc's heap
 
 
 def training_keys(device_type: str) -> set[str]:
@@ -79,13 +84,14 @@ def percent_errors(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
 def family_accuracy(model, prior, measured: list, seen: set[str]) -> dict:  # type: ignore[no-untyped-def]
     """Per family, errors of the op's own time on ops whose key calibration never measured."""
     rows = {}
-    for family, (ops, seconds, utils) in sorted(family_samples(measured).items()):
+    for family, (ops, seconds, _, preceding) in sorted(family_samples(measured).items()):
         keep = [i for i, op in enumerate(ops) if op_key(op) not in seen]
         if not keep:
             continue
         held = [ops[i] for i in keep]
         truth = np.array([seconds[i] for i in keep])
-        predicted = predict_seconds(held, model, utilization=0.0, include_gaps=False)
+        predicted = predict_seconds(held, model, utilization=0.0, include_gaps=False,
+                                    preceding=[preceding[i] for i in keep])
         calibrated = percent_errors(predicted, truth)
         roofline = percent_errors(predict_seconds(held, None, prior, include_gaps=False), truth)
         rows[family] = {
@@ -131,31 +137,64 @@ def family_breakdown(workload, measured) -> dict:  # type: ignore[no-untyped-def
             "phases_measured_op_by_op": gaps}
 
 
-def measure_iteration(model_name: str, batch: int, repeats: int) -> dict:
-    """Robust time of real training iterations (and of each phase) after two warm-ups, timed as calibration
-    times them (host_clock; repeats re-measured while fewer than two agree; outliers reported)."""
-    net, data, loss_fn, _ = build_zoo_parts(model_name, batch, device="cpu")
-    step = TrainingStep(net, data, loss_fn, [torch.optim.Adam(net.parameters())])
-    for _ in range(2):
-        time_plain_iteration(step, "cpu")
-    runs: list[tuple[float, dict[str, float]]] = []
+def _faulted() -> tuple[float, float]:
+    """(MB of pages faulted in, system CPU seconds) of this process so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt * resource.getpagesize() / 2**20, usage.ru_stime
+
+
+def measure_job(model_name: str, batch: int, repeats: int, threads: int) -> dict:
+    """A zoo model trained as a user's job runs it: in a process of its own (run this in a fresh one), warm-ups
+    until the allocator settles, then robust plain iterations (timed as calibration times them: host_clock;
+    re-measured while fewer than two agree; outliers reported); with the pages each faulted in and its
+    system time."""
+    torch.set_num_threads(threads)
+    warnings.simplefilter("ignore")
+    probe = zoo_probes((batch,), (model_name,))[0]
+    step = build_step(probe, "cpu")
+    runs: list[tuple[float, dict[str, float], float, float]] = []
 
     def once() -> float:
-        runs.append(time_plain_iteration(step, "cpu"))
-        return runs[-1][0]
+        mb, sys_s = _faulted()
+        total, phases = time_plain_iteration(step, "cpu")
+        mb_after, sys_after = _faulted()
+        runs.append((total, phases, mb_after - mb, sys_after - sys_s))
+        return total
 
+    for _ in range(MIN_WARMUPS):
+        once()
+    # settled: the last warm-up faulted in no more pages than the quietest one (glibc's heap stops trimming)
+    while len(runs) < MAX_WARMUPS and runs[-1][2] > 1.1 * min(r[2] for r in runs) + 16:
+        once()
+    warmups = len(runs)
+    runs.clear()
     totals = repeat_until_settled(once, repeats)
-    phases = {phase: robust_seconds([run[phase] for _, run in runs]) for phase in runs[0][1]}
+    phases = {phase: robust_seconds([run[phase] for _, run, _, _ in runs]) for phase in runs[0][1]}
     return {"seconds": robust_seconds(totals), "runs": totals, "outlier_runs": outliers(totals), "phases": phases,
+            "warmups": warmups, "faulted_mb": [r[2] for r in runs], "system_seconds": [r[3] for r in runs],
             "clock": "cpu" if uses_cpu_clock("cpu") else "wall", "load_average": load_average()}
 
 
-def zoo_accuracy(device: str, model_dir: str, prior, models: list[str], repeats: int, console: Console,  # type: ignore[no-untyped-def]
-                 seen: set[str], op_by_op: dict) -> dict:
-    """Predicted against measured whole iterations; the real iterations of all models are measured one
-    after another in this run (so they share the machine's load of the moment)."""
-    rows = {}
+def measure_jobs(models: list[str], repeats: int, threads: int, console: Console) -> dict:
+    """measure_job for each model, each in a fresh process: one process's history (heap fragmentation,
+    trimmed arenas) must not leak into another model's iteration time."""
+    results = {}
+    context = multiprocessing.get_context("spawn")
     for name in models:
+        with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+            results[name] = real = pool.submit(measure_job, name, BATCHES[name], repeats, threads).result()
+        console.print(f"{name} b{BATCHES[name]}: measured {real['seconds']:.3f} s after {real['warmups']} warm-ups "
+                      f"(faulted {np.median(real['faulted_mb']):.0f} MB, system {np.median(real['system_seconds']):.3f} s "
+                      f"per iteration; load {real['load_average']})")
+    return results
+
+
+def zoo_accuracy(device: str, model_dir: str, prior, jobs: dict, console: Console,  # type: ignore[no-untyped-def]
+                 seen: set[str], op_by_op: dict) -> dict:
+    """Predicted against measured whole iterations (measure_jobs: one after another, so they share the
+    machine's load of the moment)."""
+    rows = {}
+    for name, real in jobs.items():
         batch = BATCHES[name]
         workload = trace_workload(name, batch, device="cpu")
         source = assign_latencies(workload, device, model_dir)
@@ -165,7 +204,6 @@ def zoo_accuracy(device: str, model_dir: str, prior, models: list[str], repeats:
         for op in workload.ops:
             by_phase[op.phase] += op.latency
         prior_total = float(predict_seconds(workload.ops, None, prior).sum())
-        real = measure_iteration(name, batch, repeats)
         error = (predicted - real["seconds"]) / real["seconds"] * 100.0
         rows[name] = {
             "batch_size": batch, "ops": len(workload.ops), "latency_source": source,
@@ -174,7 +212,9 @@ def zoo_accuracy(device: str, model_dir: str, prior, models: list[str], repeats:
             "prior_error_percent": (prior_total - real["seconds"]) / real["seconds"] * 100.0,
             "predicted_phases": dict(by_phase), "measured_phases": real["phases"],
             "seen_share": seen_seconds / predicted if predicted > 0 else 0.0, "clock": real["clock"],
-            "outlier_runs": real["outlier_runs"], "load_average": real["load_average"],
+            "outlier_runs": real["outlier_runs"], "load_average": real["load_average"], "warmups": real["warmups"],
+            "faulted_mb_per_iteration": real["faulted_mb"], "system_seconds_per_iteration": real["system_seconds"],
+            "predicted_fresh_page_mb": sum(fresh_output_bytes(op) for op in workload.ops) / 2**20,
         }
         if name in op_by_op:
             rows[name]["breakdown"] = family_breakdown(workload, op_by_op[name])
@@ -227,10 +267,11 @@ def main() -> None:
     families = family_accuracy(model, prior, held_out, seen) if held_out else {}
     zoo_measured = [] if args.skip_families or args.skip_zoo_ops else measure_grid(
         zoo_probes(tuple(sorted(set(BATCHES.values()))), tuple(models)), device_type, console,
-        "zoo models op by op at the evaluation batch")
+        "zoo models op by op at the evaluation batch (each in its own process, as calibration measures them)")
     zoo_ops = family_accuracy(model, prior, zoo_measured, seen) if zoo_measured else {}
     op_by_op = {m.probe.params["model"]: m for m in zoo_measured}
-    zoo = zoo_accuracy(args.device, model_dir, prior, models, args.repeats, console, seen, op_by_op)
+    zoo = zoo_accuracy(args.device, model_dir, prior, measure_jobs(models, args.repeats, args.threads, console),
+                       console, seen, op_by_op)
 
     console.print(family_table(f"Op latency on held-out shapes ({name}, {args.threads} thread(s))", families))
     if zoo_ops:

@@ -90,6 +90,35 @@ def test_calibrated_model_applies_its_correction(tmp_path):
     assert iteration_seconds(workload) == pytest.approx(sum(op.latency for op in workload.ops))
 
 
+def test_an_op_calibration_measured_is_predicted_by_its_measurement(tmp_path):
+    """VGG-16's Adam ops on its FC weight are the same at every batch size: what calibration measured for the
+    exact key is the prediction (with the phase's gap in an iteration); other ops keep the MLP / prior."""
+    from tensile.latency.online import op_key
+
+    model = synthetic_model(cpu_key())
+    workload = small_workload()
+    conv, relu, view, mm, add, nll = workload.ops
+    model.measured_ops = {op_key(add): 0.25, op_key(relu): 0.5}
+    save_model(model, tmp_path)
+    assert load_model(model_path(cpu_key(), tmp_path)).measured_ops == model.measured_ops
+    assign_latencies(workload, "cpu", tmp_path)
+    assert add.latency == pytest.approx(0.25 + 2e-5) and relu.latency == pytest.approx(0.5 + 1e-5)
+    base = max(conv.flops / ROOF.flops_per_second, conv.bytes_moved / ROOF.bytes_per_second) + ROOF.op_overhead
+    assert conv.latency == pytest.approx(2 * base + 1e-5, rel=0.05)
+
+
+def test_features_see_the_bytes_the_preceding_op_moved():
+    """The same add after a 64 MB op and after a tiny one: different features, and iteration order decides."""
+    from tensile.latency.families import features
+    from tensile.latency.prior import preceding_bytes
+
+    ops = small_workload().ops
+    assert preceding_bytes(ops) == [0.0, 90_000.0, 262_144.0, 0.0, 790_000.0, 5184.0]  # a view moves no bytes
+    add = ops[4]
+    after_big, after_small = features(add, "elementwise", 0.0, 64e6), features(add, "elementwise", 0.0, 64.0)
+    assert len(after_big) == feature_count("elementwise") and after_big != after_small
+
+
 def test_missing_model_falls_back_to_prior_with_a_warning(tmp_path):
     workload = small_workload()
     with pytest.warns(UncalibratedWarning, match="tensile calibrate"):
@@ -170,8 +199,11 @@ def test_training_samples_are_deduplicated_by_op_key():
     a = Op(0, "aten.add.Tensor", "forward", (), (), shapes=((8, 8), (8, 8)))
     b = Op(1, "aten.add.Tensor", "forward", (), (), shapes=((8, 8), (8, 8)))
     c = Op(2, "aten.add.Tensor", "forward", (), (), shapes=((16, 8), (16, 8)))
-    ops, seconds, utils = deduplicated([a, b, c, a], [1.0, 3.0, 5.0, 100.0], [0.0, 0.0, 0.5, 0.0])
+    ops, seconds, utils, _ = deduplicated([a, b, c, a], [1.0, 3.0, 5.0, 100.0], [0.0, 0.0, 0.5, 0.0], [0.0] * 4)
     assert len(ops) == 2 and sorted(seconds) == [3.0, 5.0] and sorted(utils) == [0.0, 0.5]
+    # after a 64 MB op the same add is another sample (it refills the caches that op evicted)
+    ops, seconds, _, preceding = deduplicated([a, b, a], [1.0, 3.0, 9.0], [0.0] * 3, [0.0, 0.0, 64e6])
+    assert sorted(seconds) == [2.0, 9.0] and sorted(preceding) == [0.0, 64e6]
 
 
 def test_phase_fit_recovers_scale_and_gap():

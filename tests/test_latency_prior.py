@@ -150,3 +150,35 @@ def test_default_grid_probes_the_zoo_at_calibration_batches_only():
         (m, b) for m in ZOO_MODELS for b in ZOO_CALIBRATION_BATCHES}
     assert not any(p.kind == "zoo" for p in make_grid("quick")) and not any(p.kind == "zoo" for p in make_grid("holdout", 1))
     assert 2 not in ZOO_CALIBRATION_BATCHES  # the accuracy benchmark evaluates the zoo at batch 2
+
+
+def test_new_output_sizes_match_the_tracer_and_big_ones_pay_page_faults():
+    """output_bytes (from argument shapes only) against the sizes of the tensors the tracer saw each op create,
+    on real probe steps; then the fresh-page term for VGG-16's 411 MB FC weight gradient (an mm) and GPT-2's
+    154 MB embedding gradient, which no in-place rule would catch."""
+    from collections import defaultdict
+    from dataclasses import replace
+
+    from tensile.latency.families import output_bytes
+
+    checked = set()
+    for probe in make_grid("holdout", seed=1)[::12]:
+        workload = trace_step(build_step(probe, "meta"), model_name=probe.kind, batch_size=1, target_device="cpu")
+        created: dict[int, int] = defaultdict(int)
+        for tensor in workload.tensors.values():
+            if tensor.created_by >= 0:
+                created[tensor.created_by] += tensor.size
+        for o in workload.ops:
+            sizes = output_bytes(o)
+            if sizes and family_of(o) != "optimizer":  # the tracer versions parameters updated in place
+                assert sum(sizes) == pytest.approx(created[o.index], rel=0.05, abs=64), (o.name, o.shapes)
+                checked.add(family_of(o))
+    assert {"conv", "matmul", "norm", "elementwise", "copy"} <= checked
+    roof = replace(ROOF, fault_bytes_per_second=4e9)
+    fc_grad = op("aten.mm.default", [(4096, 2), (2, 25088)], phase="backward", flops=2 * 4096 * 2 * 25088)
+    assert compute_seconds(fc_grad, roof) - compute_seconds(fc_grad, ROOF) == pytest.approx(4096 * 25088 * 4 / 4e9)
+    wte_grad = op("aten.embedding_dense_backward.default", [(2, 1024, 768), (2, 1024)], params=(50257, -1, False),
+                  phase="backward", dtypes=("float32", "int64"))
+    assert output_bytes(wte_grad) == [50257 * 768 * 4]
+    total = op("aten.sum.default", [(4096, 25088)], phase="backward")  # a reduction's output is small
+    assert output_bytes(total) == [] and compute_seconds(total, roof) == compute_seconds(total, ROOF)

@@ -8,10 +8,12 @@ op times, regressed on op counts), and per family an MLP for log(measured / roof
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import time
 from collections import defaultdict
 from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from tensile.latency.device import cpu_key, cpu_name, gpu_utilization
 from tensile.latency.families import FAMILIES, base_name, family_of, features
 from tensile.latency.online import op_key
 from tensile.latency.measure import StepTiming, measure_roofline, measure_step
-from tensile.latency.prior import Roofline, compute_seconds
+from tensile.latency.prior import Roofline, compute_seconds, preceding_bytes
 from tensile.latency.probes import Probe, build_step, make_grid
 from tensile.latency.store import LatencyModel, save_model, slug
 from tensile.latency.train import fit_ensemble
@@ -52,22 +54,42 @@ def local_device(device: str) -> tuple[str, str, str]:
     raise TensileUserError(f"--device must be cpu or cuda (was '{device}')")
 
 
+def measure_probe(probe: Probe, device_type: str, timed: int = 5, plain: int = 2) -> Measured:
+    """One probe's iteration measured op by op (torch.OutOfMemoryError if it does not fit the device)."""
+    step = build_step(probe, device_type)
+    utilization = (gpu_utilization() or 0.0) if device_type == "cuda" else 0.0
+    # a zoo model's iteration is seconds long and repeats its blocks: 2 timed iterations suffice;
+    # a probe's ops take microseconds, where 5 repeats (robust_seconds) beat the machine's noise
+    n_timed = min(timed, 2) if probe.kind == "zoo" else timed
+    return Measured(probe, measure_step(step, device_type, n_timed, plain, utilization=utilization))
+
+
+def _measure_as_job(probe: Probe, device_type: str, timed: int, plain: int, threads: int) -> Measured:
+    """measure_probe in a process of its own (see measure_probes)."""
+    torch.set_num_threads(threads)
+    return measure_probe(probe, device_type, timed, plain)
+
+
 def measure_probes(probes: Iterable[Probe], device_type: str, *, timed: int = 5, plain: int = 2,
                    budget_s: float | None = None, on_probe=None) -> list[Measured]:  # type: ignore[no-untyped-def]
-    """Measure each probe's iteration op by op; stop early (keeping what is measured) past budget_s."""
+    """Measure each probe's iteration op by op; stop early (keeping what is measured) past budget_s.
+
+    A zoo model is measured in a fresh process, as a job runs it: glibc's heap in a new process still
+    returns freed memory to the kernel and faults it back in (ResNet-50 at batch 2: 13-200 MB a step, up to
+    10% of its time), which a process that has run bigger models before no longer does.
+    """
     start = time.perf_counter()
     results = []
     for probe in probes:
         if budget_s is not None and time.perf_counter() - start > budget_s:
             break
         try:
-            step = build_step(probe, device_type)
-            utilization = (gpu_utilization() or 0.0) if device_type == "cuda" else 0.0
-            # a zoo model's iteration is seconds long and repeats its blocks: 2 timed iterations suffice;
-            # a probe's ops take microseconds, where 5 repeats (robust_seconds) beat the machine's noise
-            n_timed = min(timed, 2) if probe.kind == "zoo" else timed
-            results.append(Measured(probe, measure_step(step, device_type, n_timed, plain, utilization=utilization)))
-            del step
+            if probe.kind == "zoo":
+                with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                    results.append(pool.submit(_measure_as_job, probe, device_type, timed, plain,
+                                               torch.get_num_threads()).result())
+            else:
+                results.append(measure_probe(probe, device_type, timed, plain))
         except torch.OutOfMemoryError:  # a probe too large for this device: skip it, keep calibrating
             if device_type == "cuda":
                 torch.cuda.empty_cache()
@@ -121,37 +143,44 @@ def fit_gaps(measured: list[Measured]) -> dict[str, float]:
     return fit_phases(measured)[0]
 
 
-def family_samples(measured: list[Measured]) -> dict[str, tuple[list, list[float], list[float]]]:
-    """family -> (ops, measured seconds, utilizations), from every op of every measured iteration."""
-    samples: dict[str, tuple[list, list[float], list[float]]] = defaultdict(lambda: ([], [], []))
+Samples = tuple[list, list[float], list[float], list[float]]  # ops, seconds, utilizations, preceding op's bytes
+
+
+def family_samples(measured: list[Measured]) -> dict[str, Samples]:
+    """family -> (ops, measured seconds, utilizations, bytes the op before moved), from every op of every
+    measured iteration."""
+    samples: dict[str, Samples] = defaultdict(lambda: ([], [], [], []))
     for m in measured:
-        for op, seconds in zip(m.timing.ops, m.timing.seconds):
+        for op, seconds, before in zip(m.timing.ops, m.timing.seconds, preceding_bytes(m.timing.ops)):
             family = family_of(op)
             if family is not None and seconds > 0:
-                ops, values, utils = samples[family]
+                ops, values, utils, preceding = samples[family]
                 ops.append(op)
                 values.append(seconds)
                 utils.append(m.timing.utilization)
+                preceding.append(before)
     return dict(samples)
 
 
-def deduplicated(ops: list, seconds: list[float], utils: list[float]) -> tuple[list, list[float], list[float]]:
-    """One sample per distinct op (family, name, shapes, params): the median of its timings.
+def deduplicated(ops: list, seconds: list[float], utils: list[float], preceding: list[float]) -> Samples:
+    """One sample per distinct op (family, name, shapes, params) and size class of the op before it (a
+    factor of 4 in bytes): the median of its timings.
 
     A zoo model repeats its blocks (BERT's twelve layers, the optimizer's per-parameter loop over equal
     shapes); their median is a less noisy target, and the MLP does not weight a shape by how often it repeats.
     """
-    groups: dict[str, list[int]] = defaultdict(list)
+    groups: dict[tuple[str, int], list[int]] = defaultdict(list)
     for i, op in enumerate(ops):
-        groups[op_key(op)].append(i)
+        groups[(op_key(op), round(math.log2(1.0 + preceding[i]) / 2))].append(i)
     keep = [members[0] for members in groups.values()]
     return ([ops[i] for i in keep], [float(np.median([seconds[j] for j in members])) for members in groups.values()],
-            [float(np.mean([utils[j] for j in members])) for members in groups.values()])
+            [float(np.mean([utils[j] for j in members])) for members in groups.values()],
+            [float(np.median([preceding[j] for j in members])) for members in groups.values()])
 
 
-def training_arrays(ops: list, seconds: list[float], utils: list[float], family: str,
+def training_arrays(ops: list, seconds: list[float], utils: list[float], preceding: list[float], family: str,
                     roofline: Roofline) -> tuple[np.ndarray, np.ndarray]:
-    x = np.array([features(op, family, u) for op, u in zip(ops, utils)], dtype=np.float64)
+    x = np.array([features(op, family, u, b) for op, u, b in zip(ops, utils, preceding)], dtype=np.float64)
     base = np.array([compute_seconds(op, roofline, family) for op in ops])
     return x, np.log(np.asarray(seconds)) - np.log(base)
 
@@ -166,6 +195,11 @@ def fit_model(measured: list[Measured], roofline: Roofline, key: str, name: str,
     view = samples.pop("view", None)
     view_seconds = float(np.median(view[1])) if view else None
     view_ops = view_table(view[0], view[1]) if view else {}
+    measured_ops: dict[str, float] = {}  # the median per op key, whatever ran before it
+    for ops, seconds, *_ in samples.values():
+        zeros = [0.0] * len(ops)
+        unique, medians, _, _ = deduplicated(ops, seconds, zeros, zeros)
+        measured_ops.update((op_key(op), value) for op, value in zip(unique, medians))
     families = {}
     for family in FAMILIES:
         if family in samples and len(samples[family][0]) >= MIN_SAMPLES:
@@ -176,7 +210,7 @@ def fit_model(measured: list[Measured], roofline: Roofline, key: str, name: str,
     loads = [m.timing.load_average for m in measured]
     meta = {**meta, "samples": counts, "clock": measured[0].timing.clock if measured else "wall",
             "load_average": {"min": min(loads), "median": float(np.median(loads)), "max": max(loads)} if loads else {}}
-    return LatencyModel(key, name, kind, roofline, families, view_seconds, meta, view_ops)
+    return LatencyModel(key, name, kind, roofline, families, view_seconds, meta, view_ops, measured_ops)
 
 
 def view_table(ops: list, seconds: list[float]) -> dict[str, float]:

@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 
 from tensile.workload import Op
 
-FEATURE_VERSION = 3  # 3: the prior counts fresh-page faults
+FEATURE_VERSION = 4  # 3: the prior counts fresh-page faults; 4: of every family's outputs, + the preceding op,
+# + measured ops
 
 # Ops that only make a new view or an uninitialised allocation: no data moves, cost is dispatch.
 VIEW_OPS = frozenset({
@@ -280,6 +281,64 @@ def _optimizer(op: Op) -> list[float]:
     return [_lg(sum(sizes)), _lg(max(sizes)), _lg(len(sizes)), float(foreach), *_one_hot(key, _OPTIMIZER_OPS)]
 
 
+_REDUCTIONS = frozenset({"sum", "mean", "amax", "max", "var_mean", "_local_scalar_dense"})
+_PREDICATES = frozenset({"le", "lt", "ge", "gt", "eq", "ne"})
+
+
+def output_bytes(op: Op, family: str | None = None) -> list[float]:
+    """Bytes of each new tensor the op allocates, from its argument shapes (none for in-place ops,
+    views and reductions): what the CPU allocator must find fresh pages for."""
+    family = family if family is not None else family_of(op)
+    base = base_name(op.name)
+    if family in (None, "view") or base.endswith("_") or base.startswith("_foreach_") or base in _REDUCTIONS \
+            or not op.shapes:
+        return []
+    elem = _DTYPE_BYTES.get(op.dtypes[-1], 4) if base == "where" and op.dtypes else dtype_bytes(op)  # bool condition first
+    try:
+        numels = _output_numels(op, family, base)
+    except (IndexError, TypeError, ValueError, ZeroDivisionError):
+        return []
+    return [float(n * (1 if base in _PREDICATES else elem)) for n in numels]
+
+
+def _output_numels(op: Op, family: str, base: str) -> list[int]:
+    shapes = op.shapes
+    if family == "conv":
+        g = conv_geometry(op)
+        if g["backward"]:  # grad_input, grad_weight (grad_bias is small)
+            x_numel = g["n"] * g["cin"] * g["h"] * g["w"]
+            w_numel = g["cout"] * g["cin"] / max(int(g["groups"]), 1) * g["kh"] * g["kw"]
+            return [int(x_numel * g["mask_in"]), int(w_numel * g["mask_w"])]
+        oh, ow = conv_output(g)
+        return [int(g["n"] * g["cout"] * oh * ow)]
+    if family == "matmul":
+        mats = [s for s in shapes if len(s) >= 2]
+        a, b = mats[-2], mats[-1]
+        return [_numel(a[:-1]) * b[-1]]
+    if family == "embedding":
+        dim = shapes[0][-1]
+        if base == "embedding":
+            return [_numel(shapes[1]) * dim]
+        ints = _ints(op.params)
+        return [(ints[0] if ints else 0) * dim]
+    if family == "pool":  # the backward's grad_input; a forward's output is smaller than its input
+        return [_numel(shapes[1])] if base.endswith("backward") and len(shapes) > 1 else []
+    if family == "norm":
+        x = shapes[1] if base.endswith("backward") and len(shapes) > 1 else shapes[0]
+        return [_numel(x)]
+    if family == "copy" and base in ("cat", "stack"):
+        return [sum(_numel(s) for s in shapes)]
+    if family == "copy" and base in ("slice_backward", "select_backward"):  # params lead with the full size
+        return [_numel(_ints(op.params)[: len(shapes[0]) + (base == "select_backward")])]
+    return [_numel(_broadcast(shapes))]  # softmax, elementwise, copy, optimizer
+
+
+def _broadcast(shapes: Sequence[Sequence[int]]) -> list[int]:
+    """The shape operands broadcast to (an elementwise op's output)."""
+    rank = max(len(s) for s in shapes)
+    return [max((int(s[len(s) - rank + i]) for s in shapes if len(s) - rank + i >= 0), default=1) for i in range(rank)]
+
+
 FEATURES: dict[str, Callable[[Op], list[float]]] = {
     "conv": _conv, "matmul": _matmul, "norm": _norm, "pool": _pool, "softmax": _softmax,
     "embedding": _embedding, "copy": _copy, "elementwise": _elementwise, "optimizer": _optimizer,
@@ -287,13 +346,15 @@ FEATURES: dict[str, Callable[[Op], list[float]]] = {
 assert set(FEATURES) == set(FAMILIES)
 
 
-def features(op: Op, family: str, utilization: float = 0.0) -> list[float]:
-    """The family's feature vector: its own dims and params, then log FLOPs, log bytes, utilization."""
+def features(op: Op, family: str, utilization: float = 0.0, preceding_bytes: float = 0.0) -> list[float]:
+    """The family's feature vector: its own dims and params, then log FLOPs, log bytes, log bytes the op
+    before it moved (a big op evicts the caches a small one then refills: on this CPU an optimizer sqrt
+    measured 21 us after a slow op and 5.5 us after a fast one), utilization."""
     try:
         own = FEATURES[family](op)
     except (IndexError, TypeError, ValueError, ZeroDivisionError):
         own = [0.0] * feature_count(family, own_only=True)
-    return [*own, _lg(op.flops), _lg(op.bytes_moved), float(utilization)]
+    return [*own, _lg(op.flops), _lg(op.bytes_moved), _lg(preceding_bytes), float(utilization)]
 
 
 _COUNTS: dict[str, int] = {}
@@ -315,4 +376,4 @@ def feature_count(family: str, own_only: bool = False) -> int:
             "optimizer": Op(0, "aten.add_.Tensor", "optimizer", (), (), shapes=((2, 4),)),
         }
         _COUNTS[family] = len(FEATURES[family](samples[family]))
-    return _COUNTS[family] if own_only else _COUNTS[family] + 3
+    return _COUNTS[family] if own_only else _COUNTS[family] + 4

@@ -15,6 +15,7 @@ until at least two agree.
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -176,11 +177,15 @@ def measure_step(step: TrainingStep, device_type: str, timed: int = 3, plain: in
         recorder = TimingRecorder(device_type)
         step.phase_listener = lambda phase, recorder=recorder: setattr(recorder, "phase", phase)
         synchronize(device_type)
+        collecting = gc.isenabled()
+        gc.disable()  # the recorder's own objects would trigger collections inside whichever op allocates next
         try:
             with recorder:
                 step.run()
         finally:
             step.phase_listener = None
+            if collecting:
+                gc.enable()
         recorder.stop()
         seconds = recorder.finish()
         if ops and [op.name for op in recorder.ops] != [op.name for op in ops]:

@@ -13,7 +13,8 @@ import numpy as np
 
 from tensile.latency.device import gpu_utilization, resolve_target
 from tensile.latency.families import base_name, family_of, features
-from tensile.latency.prior import Roofline, compute_seconds, gap_seconds, prior_seconds
+from tensile.latency.online import op_key
+from tensile.latency.prior import Roofline, compute_seconds, gap_seconds, preceding_bytes, prior_seconds
 from tensile.latency.store import LatencyModel, load_model, model_path
 from tensile.workload import Op, Workload
 
@@ -39,10 +40,13 @@ def find_model(device: str, model_dir: str | os.PathLike | None = None) -> tuple
 
 
 def predict_seconds(ops: Sequence[Op], model: LatencyModel | None, prior: Roofline | None = None,
-                    utilization: float = 0.0, include_gaps: bool = True) -> np.ndarray:
+                    utilization: float = 0.0, include_gaps: bool = True,
+                    preceding: Sequence[float] | None = None) -> np.ndarray:
     """Latency of each op in seconds; ops of one family are predicted together (one MLP pass).
 
-    `include_gaps=False` leaves out the host time between ops: the op's own time, as measured alone.
+    `ops` run in this order (each op's features include the bytes the one before moved) unless
+    `preceding` gives those bytes. `include_gaps=False` leaves out the host time between ops: the op's
+    own time, as measured alone.
     """
     if model is None:
         if prior is None:
@@ -52,19 +56,23 @@ def predict_seconds(ops: Sequence[Op], model: LatencyModel | None, prior: Roofli
     roofline = model.roofline
     if not include_gaps:  # the op alone: no host gaps, no in-iteration scale
         roofline = roofline.alone()
+    before = preceding_bytes(ops) if preceding is None else preceding
     out = np.empty(len(ops), dtype=np.float64)
     by_family: dict[str, list[int]] = defaultdict(list)
     for i, op in enumerate(ops):
         family = family_of(op)
+        measured = model.measured_ops.get(op_key(op)) if model.measured_ops and family != "view" else None
         if family == "view" and model.view_seconds is not None:
             out[i] = model.view_ops.get(base_name(op.name), model.view_seconds) + gap_seconds(op, roofline)
+        elif measured is not None:
+            out[i] = measured * (roofline.scales.get(op.phase, 1.0) if include_gaps else 1.0) + gap_seconds(op, roofline)
         elif family in model.families:
             by_family[family].append(i)
         else:
             out[i] = prior_seconds(op, roofline)
     for family, indices in by_family.items():
         mlp = model.families[family]
-        x = np.array([features(ops[i], family, utilization) for i in indices], dtype=np.float64)
+        x = np.array([features(ops[i], family, utilization, before[i]) for i in indices], dtype=np.float64)
         base = np.array([compute_seconds(ops[i], roofline, family) for i in indices])
         gaps = np.array([gap_seconds(ops[i], roofline) for i in indices])
         scales = np.array([roofline.scales.get(ops[i].phase, 1.0) for i in indices]) if include_gaps else 1.0

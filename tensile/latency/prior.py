@@ -6,10 +6,11 @@ bandwidth (a preset, or the figures `tensile calibrate` measured); the learned m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from tensile.devices import DeviceSpec
-from tensile.latency.families import _numel, base_name, dtype_bytes, family_of
+from tensile.latency.families import _numel, base_name, dtype_bytes, family_of, output_bytes
 from tensile.workload import Op
 
 # Framework time between ops on the host (Python, autograd engine, the optimizer's loop): on a CPU it
@@ -21,7 +22,6 @@ DEFAULT_CUDA_OVERHEAD = 5e-6  # kernel launch + small-kernel floor
 # that writes it first pays a page fault per 4 KiB (VGG-16's Adam sqrt on its 103M-element FC weight:
 # 0.54 s measured against 0.16 s predicted without this term).
 FRESH_ALLOCATION_BYTES = 32 * 1024**2
-_IN_PLACE_FAMILIES = ("elementwise", "optimizer", "copy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,13 +77,14 @@ def effective_bytes(op: Op, family: str | None = None) -> float:
 
 
 def fresh_output_bytes(op: Op, family: str | None = None) -> float:
-    """Bytes of a new output big enough to be a fresh mmap (elementwise-like ops that are not in-place)."""
-    family = family if family is not None else family_of(op)
-    base = base_name(op.name)
-    if family not in _IN_PLACE_FAMILIES or base.endswith("_") or base.startswith("_foreach_") or not op.shapes:
-        return 0.0
-    out = max(_numel(shape) for shape in op.shapes) * dtype_bytes(op)
-    return float(out) if out > FRESH_ALLOCATION_BYTES else 0.0
+    """Bytes of the op's new outputs big enough to be fresh mmaps, whatever its family: VGG-16's 411 MB FC
+    weight gradient (an mm), GPT-2's logits and their softmax, BERT's embedding gradient."""
+    return float(sum(b for b in output_bytes(op, family) if b > FRESH_ALLOCATION_BYTES))
+
+
+def preceding_bytes(ops: Sequence[Op]) -> list[float]:
+    """For each op of an iteration in order, the bytes the op before it moved (0 for the first)."""
+    return [0.0, *(effective_bytes(op) for op in ops[:-1])][: len(ops)]
 
 
 def compute_seconds(op: Op, roofline: Roofline, family: str | None = None) -> float:

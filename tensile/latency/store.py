@@ -36,13 +36,16 @@ class LatencyModel:
     view_seconds: float | None = None  # measured cost of a view / metadata op (any name)
     meta: dict = field(default_factory=dict)  # torch version, threads, samples, calibration seconds, ...
     view_ops: dict[str, float] = field(default_factory=dict)  # per view op name ('view', 'as_strided'): its cost
+    # op_key -> median seconds of an op calibration measured (the zoo's parameter-shaped ops: the optimizer's,
+    # weight gradients): its own time, where the MLP would only approximate it
+    measured_ops: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
             "format": FORMAT, "version": FORMAT_VERSION, "feature_version": FEATURE_VERSION,
             "device_key": self.device_key, "device_name": self.device_name, "kind": self.kind,
             "roofline": self.roofline.to_dict(), "view_seconds": self.view_seconds, "view_ops": self.view_ops,
-            "meta": self.meta,
+            "meta": self.meta, "measured_ops": self.measured_ops,
             "families": {name: model.to_dict() for name, model in self.families.items()},
         }
 
@@ -110,7 +113,9 @@ def load_model(path: str | os.PathLike, expect_key: str | None = None) -> Latenc
             raise ValueError("non-positive roofline rates")
         view = data.get("view_seconds")
         view_ops = {str(k): float(v) for k, v in dict(data.get("view_ops", {})).items()}
+        measured = {str(k): float(v) for k, v in dict(data["measured_ops"]).items()}
         return LatencyModel(str(data["device_key"]), str(data["device_name"]), str(data["kind"]), roofline,
-                            families, float(view) if view is not None else None, dict(data.get("meta", {})), view_ops)
+                            families, float(view) if view is not None else None, dict(data.get("meta", {})), view_ops,
+                            measured)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise _bad(path, f"malformed content ({exc})") from None
