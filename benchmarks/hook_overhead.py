@@ -7,7 +7,9 @@
    `transfer_seconds`, reported beside it; target: at most 2 ms) and the iteration time ratio;
 3. ResNet-50 at the same batch under an empty plan (the native path).
 
-Each row says which path (dispatch / native) its measured iterations took.
+Each row says which path (dispatch / native) its measured iterations took, with the figures of
+each path apart (`by_path`): the first iteration under a plan runs on the dispatch path (it aligns
+the plan's swaps with module and autograd node hooks), the later ones natively when they can.
 
 Run: .venv/bin/python benchmarks/hook_overhead.py [--batch-size N]  -> benchmarks/results/hook_overhead.json
 """
@@ -28,6 +30,7 @@ from rich.table import Table
 
 from tensile.plan import Plan
 from tensile.runtime_hook import activate, deactivate
+from tensile.runtime_hook.report import HookReport
 from tensile.runtime_hook.settings import HookSettings
 from tensile.workload import Workload
 from tensile.zoo import build_zoo_parts
@@ -57,7 +60,7 @@ def full_plan(workload: Workload, budget: int | None) -> Plan | None:
     return local_planner(HookSettings(job="bench"), torch.device("cpu"))(workload, budget)
 
 
-def timed_iterations(parts: tuple, steps: int, planner=None, budget: float | None = None) -> tuple[list[float], list]:  # type: ignore[no-untyped-def]
+def timed_iterations(parts: tuple, steps: int, planner=None, budget: float | None = None) -> tuple[list[float], HookReport | None]:  # type: ignore[no-untyped-def]
     executor = activate(HookSettings(job="bench", memory_budget=budget), planner=planner, device=torch.device("cpu")) if planner else None
     try:
         model, batch, loss_fn, make_optimizer = parts
@@ -69,7 +72,7 @@ def timed_iterations(parts: tuple, steps: int, planner=None, budget: float | Non
             loss_fn(model, batch).backward()
             optimizer.step()
             times.append(time.perf_counter() - started)
-        return times, (executor.report.iterations if executor else [])
+        return times, (executor.report if executor else None)
     finally:
         if executor is not None:
             deactivate()
@@ -78,7 +81,7 @@ def timed_iterations(parts: tuple, steps: int, planner=None, budget: float | Non
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=5, help="ResNet-50 iterations (the first 2 are recorded)")
+    parser.add_argument("--steps", type=int, default=7, help="ResNet-50 iterations (the first 2 are recorded, the 3rd aligns)")
     args = parser.parse_args()
     console = Console()
     load_before = os.getloadavg()[0]
@@ -87,7 +90,8 @@ def main() -> None:
     plain_times, hooked_times, hook_seconds = [], [], []
     for _ in range(3):
         plain, _ = timed_iterations(tiny_ops_model(4), 30)
-        hooked, iterations = timed_iterations(tiny_ops_model(4), 30, planner=empty_plan)
+        hooked, report = timed_iterations(tiny_ops_model(4), 30, planner=empty_plan)
+        iterations = report.iterations
         plain_times += plain[5:]
         hooked_times += hooked[5:]
         hook_seconds += [it.hook_seconds for it in iterations[5:]]
@@ -102,22 +106,37 @@ def main() -> None:
     }
     tiny["ratio"] = tiny["hooked_seconds"] / tiny["plain_seconds"]
     rows.append(tiny)
-    # 2-3. ResNet-50 under the planner's full plan, then under an empty plan
-    plain, _ = timed_iterations(build_zoo_parts("resnet50", args.batch_size, device="cpu"), args.steps)
+    # 2-3. ResNet-50 under the planner's full plan, then under an empty plan, between two plain runs
+    # (the machine is shared: their steady iterations together are the plain figure)
+    resnet_rows = []
+    plain = timed_iterations(build_zoo_parts("resnet50", args.batch_size, device="cpu"), args.steps)[0][2:]
     for label, planner, budget in (("full plan (budget 0.6)", full_plan, 0.6), ("empty plan", empty_plan, None)):
-        hooked, iterations = timed_iterations(build_zoo_parts("resnet50", args.batch_size, device="cpu"), args.steps, planner=planner, budget=budget)
+        hooked, report = timed_iterations(build_zoo_parts("resnet50", args.batch_size, device="cpu"), args.steps, planner=planner, budget=budget)
+        iterations = report.iterations
         planned = [it for it in iterations if it.mode == "planned"]
+        native = [it for it in planned if it.path == "native"]
+        by_path = {path: {"iterations": len(its), "seconds": statistics.median([it.seconds for it in its]),
+                          "hook_seconds": statistics.median([it.hook_seconds for it in its]),
+                          "transfer_seconds": statistics.median([it.transfer_seconds for it in its])}
+                   for path in ("dispatch", "native") if (its := [it for it in planned if it.path == path])}
+        steady = native or planned  # the steady state: the native path when the plan reaches it
         row = {
             "case": f"resnet50 batch {args.batch_size}, {label}",
-            "plain_seconds": statistics.median(plain[2:]),
-            "hooked_seconds": statistics.median([it.seconds for it in planned]) if planned else None,
-            "hook_seconds_per_iteration": statistics.median([it.hook_seconds for it in planned]) if planned else None,
-            "transfer_seconds_per_iteration": statistics.median([it.transfer_seconds for it in planned]) if planned else None,
+            "hooked_seconds": statistics.median([it.seconds for it in steady]) if steady else None,
+            "hook_seconds_per_iteration": statistics.median([it.hook_seconds for it in steady]) if steady else None,
+            "transfer_seconds_per_iteration": statistics.median([it.transfer_seconds for it in steady]) if steady else None,
+            "stall_seconds_per_iteration": statistics.median([it.stall_seconds for it in steady]) if steady else None,
             "planned_iterations": len(planned),
             "paths": sorted({it.path for it in planned}),
-            "events_per_iteration": planned[-1].events if planned else None,
+            "events_per_iteration": steady[-1].events if steady else None,
+            "by_path": by_path,
+            "messages": report.messages,
             "target_hook_seconds": 0.002,
         }
+        resnet_rows.append(row)
+    plain += timed_iterations(build_zoo_parts("resnet50", args.batch_size, device="cpu"), args.steps)[0][2:]
+    for row in resnet_rows:
+        row["plain_seconds"] = statistics.median(plain)
         if row["hooked_seconds"]:
             row["ratio"] = row["hooked_seconds"] / row["plain_seconds"]
         rows.append(row)

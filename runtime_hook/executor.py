@@ -11,7 +11,9 @@ without Tensile.
 
 On the native path (`native_map.py` says which plans may take it) the hook leaves the dispatch
 mode at an optimizer step: iterations start at the first module forward after a step (a global
-module forward pre-hook) and no op passes through Python.
+module forward pre-hook) and no op passes through Python; activation swaps, aligned with module
+calls and autograd nodes in the first dispatch-path iteration under the plan, are carried by
+module and node hooks (`native_swaps.py`).
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from tensile.peak import analyze_vanilla
 from tensile.plan import Event, Plan
 from tensile.runtime_hook.movers import CpuMover, CudaMover
 from tensile.runtime_hook.native_map import NativeMap, map_plan
+from tensile.runtime_hook.native_swaps import NativeSwaps
 from tensile.runtime_hook.report import HookReport, IterationStats
 from tensile.runtime_hook.settings import HookSettings, budget_bytes
 from tensile.runtime_hook.storages import Slot, StorageRegistry
+from tensile.runtime_hook.storages import tensors_in as _tensors
 from tensile.tracer import Recorder, classify_roles, written_values
 from tensile.workload import Op, Workload
 
@@ -117,23 +121,6 @@ def _replayable(func: Any, args: tuple) -> tuple[Any, tuple] | None:
     if "batch_norm" in name or any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
         return None
     return func, args
-
-
-def _tensors(values: Any) -> list[torch.Tensor]:
-    """Tensors among an op's arguments or results: plain, or in lists (foreach ops), or in kwargs.
-
-    aten ops nest no deeper, and this is several times cheaper than a general pytree walk."""
-    found = []
-    stack = [values]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            stack.extend(reversed(value))
-        elif isinstance(value, dict):
-            stack.extend(reversed(list(value.values())))
-    return found
 
 
 class _OpFailed(Exception):
@@ -242,6 +229,7 @@ class PlanExecutor(TorchDispatchMode):
         self.prepared: ActivePlan | None = None  # ... under this plan
         self.module_hook: Any = None  # the global module forward pre-hook, on the native path
         self.live: Workload | None = None  # the matched iteration
+        self.swaps = NativeSwaps(self)  # activation swaps on the native path: aligned, then carried
         # On the CPU device a native iteration's peak is only known when observed by the dispatch
         # mode (every op's outputs watched, nothing else done): tests and audits turn this on.
         self.observe_native = False
@@ -311,20 +299,23 @@ class PlanExecutor(TorchDispatchMode):
     # -- paths --------------------------------------------------------------------------------
     def _at_step(self) -> None:
         """Choose the next iteration's path here, outside any op and outside the user's forward:
-        the dispatch mode and the saved-tensor hooks can be left or pushed safely."""
+        the dispatch mode can be left or pushed, and the native swaps' hooks put on, safely."""
+        diverged = self.swaps.at_step()
         if self.disabled:
             self._leave_mode()
             return
         self.prepared = self.ready
-        native = self._native_map(self.prepared) if self.match_at <= self.iteration else None
+        native = self._native_map(self.prepared) if self.match_at <= self.iteration and not diverged else None
         self.next_path = "dispatch" if native is None else "native"
         if native is not None and not self.observe_native:
             self._leave_mode()
+        self.swaps.prepare(native, self.match_at <= self.iteration)
 
     def _native_map(self, plan: ActivePlan | None) -> NativeMap | None:
         """The plan on native hook points, or None where the next iteration needs the dispatch mode:
-        the first iteration under a plan (exact, measured), an event that does not map, a budget
-        the plan (or, without one, the vanilla peak) does not keep."""
+        the first iteration under a plan (exact, measured, aligning its swaps), an event that does
+        not map, a budget the plan (or, without one, the vanilla peak) does not keep."""
+        native = self._mapped(plan) if plan is not None else NativeMap([])
         if self.live is None or self.stats.mode in ("recording", "stood_down") or plan is not self.active:
             return None
         if self.budget is not None:
@@ -333,8 +324,11 @@ class PlanExecutor(TorchDispatchMode):
             if expected is None or expected > self.budget or (
                     last is not None and last.peak_source == "measured" and last.peak_bytes > self.budget):
                 return None
-        if plan is None:
-            return NativeMap([])
+        if native is None or (native.swaps and native.carrier is None):
+            return None
+        return native
+
+    def _mapped(self, plan: ActivePlan) -> NativeMap | None:
         if not plan.native_checked:
             plan.native_checked = True
             native = map_plan(plan.plan, plan.workload, plan.freed_soon)
@@ -394,6 +388,7 @@ class PlanExecutor(TorchDispatchMode):
         if self.module_hook is not None:
             self.module_hook.remove()
             self.module_hook = None
+        self.swaps.remove()
         if self.in_mode:
             self.in_mode = False
             super().__exit__(*exc)
@@ -450,6 +445,7 @@ class PlanExecutor(TorchDispatchMode):
         mode = "planned" if self.active else ("recording" if self.iteration <= self.match_at else "guarded")
         self.stats = IterationStats(self.iteration, mode, self.active.plan.version if self.active else None)
         self._choose_path()
+        self.swaps.begin(self.active, self.path == "native")
         self.iteration_started = time.perf_counter()
 
     def _choose_path(self) -> None:
@@ -535,6 +531,8 @@ class PlanExecutor(TorchDispatchMode):
         device_type = self.device.type
         arg_keys = list(dict.fromkeys(id(v.untyped_storage()) for v in leaves if v.device.type == device_type))
         self._ensure_keys_resident(arg_keys)
+        if self.swaps.learner is not None and active is not None:
+            self.swaps.learner.on_op(index)
         written: list[int] = []
         if self.recipes or self.recipe_inputs:
             written = [id(t.untyped_storage()) for t in _tensors(written_values(func, args, kwargs))]
@@ -648,19 +646,21 @@ class PlanExecutor(TorchDispatchMode):
         self._ensure_keys_resident([id(v.untyped_storage()) for v in leaves if v.device.type == device_type])
 
     def _ensure_keys_resident(self, keys: list[int]) -> None:
-        """Check before use (the paper's Executor): a missing input is fetched now, as a stall."""
         slots = self.registry.slots
         for key in keys:
             slot = slots.get(key)
-            if slot is None:
-                continue
-            if not slot.resident:
-                started = time.perf_counter()
-                self._fetch(slot)
-                self.stats.stall_seconds += time.perf_counter() - started
-            elif slot.pending is not None:
-                self.mover.wait(slot)
-            self.registry.touch(slot)
+            if slot is not None:
+                self._ensure_slot_resident(slot)
+                self.registry.touch(slot)
+
+    def _ensure_slot_resident(self, slot: Slot) -> None:
+        """Check before use (the paper's Executor): a missing input is fetched now, as a stall."""
+        if not slot.resident:
+            started = time.perf_counter()
+            self._fetch(slot)
+            self.stats.stall_seconds += time.perf_counter() - started
+        elif slot.pending is not None:
+            self.mover.wait(slot)
 
     def _rng_state(self) -> torch.Tensor:
         return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
@@ -817,6 +817,7 @@ class PlanExecutor(TorchDispatchMode):
         if self.disabled:
             return
         self.disabled = True
+        self.swaps.stop()
         reason = f"{type(exc).__name__}: {exc}"
         log.exception("tensile: the hook failed and stands down; training continues without Tensile")
         self.report.stood_down = reason

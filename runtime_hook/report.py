@@ -15,7 +15,7 @@ class IterationStats:
     iteration: int
     mode: str = "recording"  # recording | planned | guarded | diverged | stood_down
     plan_version: int | None = None
-    path: str = "dispatch"  # dispatch (every op seen, exact) | native (module and step hooks only, no op in Python)
+    path: str = "dispatch"  # dispatch (every op seen, exact) | native (module, step and autograd node hooks; no op in Python)
     peak_bytes: int = 0
     peak_source: str = "measured"  # measured | planned: a native CPU iteration not observed reports the forecast
     seconds: float = 0.0

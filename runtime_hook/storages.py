@@ -82,3 +82,19 @@ class StorageRegistry:
 
     def absent(self) -> list[Slot]:
         return [slot for slot in self.slots.values() if not slot.resident]
+
+
+def tensors_in(values: Any) -> list[torch.Tensor]:
+    """Tensors among an op's (or a module call's) arguments or results: plain, or in lists
+    (foreach ops), tuples or dicts, in order; several times cheaper than a general pytree walk."""
+    found = []
+    stack = [values]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            stack.extend(reversed(value))
+        elif isinstance(value, dict):
+            stack.extend(reversed(list(value.values())))
+    return found

@@ -19,10 +19,11 @@ def empty_plan(workload: Workload, budget: int | None = None) -> Plan:
 
 
 def one_swap(workload: Workload, budget: int | None = None) -> Plan:
-    """The aggressive plan's first swap-out/swap-in pair only: an event the native path cannot carry."""
+    """The aggressive plan's first cross-iteration swap of an updated parameter or optimizer state
+    only: events the native path cannot carry (activation swaps: tests/test_hook_native_swaps.py)."""
     events = aggressive_plan(workload).events
-    out = next(e for e in events if e.kind == "swap_out" and workload.tensors[e.tensor].role == "activation")
-    back = next(e for e in events if e.kind == "swap_in" and e.tensor == out.tensor)
+    back = next(e for e in events if e.kind == "swap_in" and e.next_iteration)
+    out = next(e for e in events if e.kind == "swap_out" and e.tensor == back.tensor)
     return Plan("job", 1, workload.signature, [out, back])
 
 

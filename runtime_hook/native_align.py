@@ -1,0 +1,251 @@
+"""Aligning a plan's activation swaps with module calls and autograd nodes, in one dispatch-path
+iteration under the plan, for the native path (`native_swaps.py` carries them).
+
+Every module call's entry and exit is a *boundary*, numbered in call order (a ReLU module called
+three times is three calls). Each swapped plan tensor (bound to its storage by the executor in that
+iteration) is found among a boundary's inputs or outputs, or else among the tensors an autograd
+node saved (`_saved_*`, such as max pooling's indices, which no module returns); its swap-out moves
+to the first boundary after the plan's trigger and its last forward use (later is always safe); the
+autograd nodes that read it in backward, and the one whose ops follow the plan's swap-in trigger,
+are known by their sequence numbers relative to the newest node at the first boundary after they
+are made (a *root*). A tensor that cannot be aligned is named, with why.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+from tensile.plan import Event
+from tensile.runtime_hook.storages import tensors_in
+
+if TYPE_CHECKING:
+    from tensile.runtime_hook.executor import ActivePlan, PlanExecutor
+
+
+@dataclass
+class Boundary:
+    """A module call's entry (`pre`) or exit in the learning iteration."""
+
+    pre: bool
+    module: int  # id(module): modules live across iterations
+    op: int  # ops run before it in the iteration
+    keys: list[int]  # id(storage) of its tensors (an exit: the call's inputs, then outputs), by position
+    nbytes: list[int]  # their storages' full sizes (a storage the plan swapped out reads 0 bytes)
+    root: tuple[int, int] | None  # (position, sequence number) of its tensors' newest autograd node
+
+
+@dataclass
+class NodeHook:
+    """A node to pre-hook, by its sequence number relative to its boundary's root."""
+
+    delta: int
+    take: list[tuple[int, str, int]] = field(default_factory=list)  # (swap, saved attribute, nbytes): taken when found
+    fetch: list[int] = field(default_factory=list)  # swaps whose (planned) swap-in runs before this node
+    check: list[int] = field(default_factory=list)  # swaps it reads: fetched if still absent (a stall)
+
+
+@dataclass
+class Action:
+    """What a native iteration does at one boundary, in this order."""
+
+    take: list[tuple[int, int, int]] = field(default_factory=list)  # (swap, position, nbytes)
+    root: int | None = None  # position of the tensor whose grad_fn anchors the checks and node hooks
+    root_step: int | None = None  # its sequence number minus the previous anchored boundary's
+    hooks: list[NodeHook] = field(default_factory=list)
+    swap_out: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Alignment:
+    """The plan's swaps on module boundaries and autograd nodes, as learnt."""
+
+    # every module call's entry and the exits of `exits`, in order, each as id(module) * 2 + (1 at
+    # the entry, 0 at the exit): one int is cheap to compare in the native iteration's hooks
+    expected: list[int]
+    actions: dict[int, Action]  # index in `expected` -> what to do there
+    swaps: int
+    exits: set[int]  # id(module) of the modules whose exits act: the others' exits are not boundaries
+
+
+def in_forward(executor: PlanExecutor) -> bool:
+    """Module calls count as boundaries outside backward (checkpointing replays them) and the optimizer."""
+    return executor.in_step == 0 and torch._C._current_autograd_node() is None
+
+
+class SwapLearner:
+    """Watches one dispatch-path iteration: its module boundaries and every backward op's node."""
+
+    def __init__(self, executor: PlanExecutor) -> None:
+        self.executor = executor
+        self.iteration = executor.iteration + 1
+        self.started = False
+        self.boundaries: list[Boundary] = []
+        self.nodes: dict[int, int] = {}  # backward op index -> sequence number of the node running it
+        self.saved: dict[int, tuple[int, str, int]] = {}  # plan tensor -> (node, saved attribute, nbytes)
+        self.wanted: set[int] | None = None  # the plan tensors the plan swaps
+        self.failed: str | None = None  # what went wrong while learning: nothing is aligned then
+        self.handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        executor = self.executor
+        if not self.started:  # where a native iteration starts: the first module forward after the step
+            self.started = (executor.step_done or executor.iteration == self.iteration) and torch.is_grad_enabled()
+        self._record(True, module, args)
+
+    def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        self._record(False, module, (args, out))  # an exit sees the call's inputs and outputs
+
+    def _record(self, pre: bool, module: torch.nn.Module, values: Any) -> None:
+        if self.started and self.failed is None and in_forward(self.executor):
+            try:
+                self._boundary(pre, module, values)
+            except Exception as exc:  # noqa: BLE001 - learning must never cost the user their training
+                self.failed = f"{type(exc).__name__}: {exc}"
+
+    def _boundary(self, pre: bool, module: torch.nn.Module, values: Any) -> None:
+        executor = self.executor
+        tensors = tensors_in(values)
+        keys = [id(t.untyped_storage()) for t in tensors]
+        slots = executor.registry.slots
+        nbytes = [slots[k].nbytes if k in slots else t.untyped_storage().nbytes() for k, t in zip(keys, tensors)]
+        seqs = [(t.grad_fn._sequence_nr(), i) for i, t in enumerate(tensors) if t.grad_fn is not None]
+        root = (max(seqs)[1], max(seqs)[0]) if seqs else None
+        op = executor.op_index if executor.iteration == self.iteration else 0
+        self.boundaries.append(Boundary(pre, id(module), op, keys, nbytes, root))
+
+    def on_op(self, index: int) -> None:
+        """Called by the executor for every op of the dispatch path that keeps to the plan."""
+        executor = self.executor
+        node = torch._C._current_autograd_node()
+        if executor.iteration != self.iteration or node is None or self.failed is not None:
+            return
+        try:
+            self.nodes[index] = sequence = node._sequence_nr()
+            if self.wanted is None:
+                native = executor._mapped(executor.active)
+                self.wanted = {out.tensor for out, _ in native.swaps} if native is not None else set()
+            for tensor in self.wanted.intersection(executor.active.workload.ops[index].inputs):
+                if tensor not in self.saved:  # the plan says this op reads it: it was bound in this iteration
+                    self._find_saved(node, sequence, tensor, executor.keys[tensor])
+        except Exception as exc:  # noqa: BLE001 - learning must never cost the user their training
+            self.failed = f"{type(exc).__name__}: {exc}"
+
+    def _find_saved(self, node: Any, sequence: int, tensor: int, key: int) -> None:
+        """Which of the node's saved tensors the storage is (autograd keeps many a tensor, such as
+        max pooling's indices, that no module returns)."""
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                value = getattr(node, name, None)
+                if isinstance(value, torch.Tensor) and id(value.untyped_storage()) == key:
+                    self.saved[tensor] = (sequence, name, self.executor.registry.slots[key].nbytes)
+                    return
+
+    def align(self, plan: ActivePlan, swaps: list[tuple[Event, Event | None]], keys: dict[int, int]) -> tuple[Alignment | None, list[str]]:
+        """The plan's swaps on this iteration's boundaries and nodes, or why some cannot be."""
+        if self.failed is not None:
+            return None, [f"learning failed ({self.failed})"]
+        wanted = {out.tensor for out, _ in swaps}
+        accesses: dict[int, list[int]] = defaultdict(list)
+        for op in plan.workload.ops:
+            for tensor in op.inputs:
+                if tensor in wanted:
+                    accesses[tensor].append(op.index)
+        actions: dict[int, Action] = defaultdict(Action)
+        anchored: dict[int, dict[int, NodeHook]] = defaultdict(dict)  # boundary -> node sequence number -> hook
+        unmapped = []
+        for swap, (out, back) in enumerate(swaps):
+            placed = self._place(plan, out, back, accesses[out.tensor], keys.get(out.tensor))
+            if isinstance(placed, str):
+                unmapped.append(f"swap of tensor {out.tensor}: {placed}")
+                continue
+            taken, swapped, fetch, checks = placed
+            targets = [(s, "check") for s in checks] + ([(fetch, "fetch")] if fetch is not None else [])
+            if isinstance(taken[0], str):  # a saved tensor: taken from its node, when the node is found
+                targets.append((taken[1], "take"))
+            anchors = [self._anchor(s) for s, _ in targets]
+            if any(a is None for a, (_, why) in zip(anchors, targets) if why != "fetch"):
+                unmapped.append(f"swap of tensor {out.tensor}: a node reading it is made after the last module call")
+                continue
+            if isinstance(taken[0], str):
+                swapped = max(swapped, anchors[-1])
+            else:
+                actions[taken[0]].take.append((swap, taken[1], taken[2]))
+            actions[swapped].swap_out.append(swap)
+            for anchor, (sequence, why) in zip(anchors, targets):
+                if anchor is None:  # the swap-in node comes after the last module call: the first reader fetches
+                    continue
+                root_position, root_sequence = self.boundaries[anchor].root
+                hook = anchored[anchor].setdefault(sequence, NodeHook(sequence - root_sequence))
+                if why == "take":
+                    hook.take.append((swap, taken[0], taken[2]))
+                else:
+                    (hook.fetch if why == "fetch" else hook.check).append(swap)
+        for index, hooks in anchored.items():
+            actions[index].hooks = list(hooks.values())
+        previous = None
+        for index in sorted(actions):
+            root = self.boundaries[index].root
+            if root is not None:
+                actions[index].root = root[0]
+                actions[index].root_step = None if previous is None else root[1] - previous
+                previous = root[1]
+        # every entry is checked against the learnt one (a global pre-hook); exits only of the modules
+        # whose exits act (half the hook calls, the costly part on a large model)
+        exits = {self.boundaries[i].module for i in actions if not self.boundaries[i].pre}
+        kept = [i for i, b in enumerate(self.boundaries) if b.pre or b.module in exits]
+        renumber = {old: new for new, old in enumerate(kept)}
+        expected = [self.boundaries[i].module * 2 + self.boundaries[i].pre for i in kept]
+        alignment = Alignment(expected, {renumber[i]: a for i, a in actions.items()}, len(swaps), exits)
+        return (None if unmapped else alignment), unmapped
+
+    def _place(self, plan: ActivePlan, out: Event, back: Event | None, accesses: list[int],
+               key: int | None) -> tuple[tuple, int, int | None, list[int]] | str:
+        """(where it is taken: (boundary, position, bytes) or (saved attribute, node, bytes); the
+        swap-out boundary; the swap-in node; the reading nodes), or why not."""
+        ops, boundaries = plan.workload.ops, self.boundaries
+        if key is None:
+            return "not bound to a storage in the learning iteration"
+        forward = [a for a in accesses if ops[a].phase != "backward"]
+        after = max([out.trigger, *forward]) + 1
+        swapped = next((i for i, b in enumerate(boundaries) if b.op >= after), None)
+        if swapped is None:
+            return "no module call after its last forward use"
+        later = [a for a in accesses if a >= boundaries[swapped].op]
+        outside = [a for a in later if a not in self.nodes]
+        if outside:
+            return f"op {outside[0]} reads it outside an autograd node"
+        created = plan.workload.tensors[out.tensor].created_by
+        # the latest boundary that holds it, the swap-out's own when it can: fewer boundaries act
+        index = next((i for i in range(swapped, -1, -1) if boundaries[i].op > created and key in boundaries[i].keys), None)
+        if index is not None:
+            position = boundaries[index].keys.index(key)
+            taken: tuple = (index, position, boundaries[index].nbytes[position])
+        elif out.tensor in self.saved:
+            node, name, nbytes = self.saved[out.tensor]
+            taken = (name, node, nbytes)
+        else:
+            return "not a module input or output before its swap-out, nor a tensor autograd saved"
+        checks = sorted({self.nodes[a] for a in later})
+        fetch = None
+        if back is not None and later:  # the first node after the trigger that a module call's root reaches
+            newest = max((b.root[1] for b in boundaries if b.root is not None), default=-1)
+            first = next((a for a in range(back.trigger + 1, later[0]) if self.nodes.get(a, newest + 1) <= newest), later[0])
+            fetch = self.nodes[first]
+        return taken, swapped, fetch, checks
+
+    def _anchor(self, sequence: int) -> int | None:
+        """The first boundary whose root is at least as new as the node: the node is made just
+        before, most often by the module call it ends, so it is a short walk back from the root
+        (the node hooks read the swap's slot only when they run, after it was taken)."""
+        return next((i for i in range(len(self.boundaries))
+                     if self.boundaries[i].root is not None and self.boundaries[i].root[1] >= sequence), None)

@@ -1,0 +1,299 @@
+"""Activation swaps on the native path: module hooks and autograd node pre-hooks, no op in Python.
+
+`native_align.py` learns, in a dispatch-path iteration under the plan, where each swap goes.
+In native iterations (`SwapCarrier`) a global module forward pre-hook counts the module calls and
+compares each with the learnt one (and a global forward hook the exits of the modules whose exits
+act); at the learnt boundaries the tensors are taken and
+swapped out (the storage resized to 0, as on the dispatch path), and the nodes, found by walking
+`next_functions` from the boundary's root, get pre-hooks: the swap-in node fetches the tensor (the
+prefetch), every reading node fetches it if it is still absent (check before use, a stall). A
+native iteration that leaves the learnt boundaries (another module, another number of autograd
+nodes between two anchored boundaries, another size, a node not found) brings every tensor back
+at once and runs the rest without events; the next iteration aligns again on the dispatch path.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils._python_dispatch import _disable_current_modes
+
+from tensile.runtime_hook.native_align import Action, Alignment, NodeHook, SwapLearner
+from tensile.runtime_hook.storages import Slot, tensors_in
+
+if TYPE_CHECKING:
+    from tensile.runtime_hook.executor import ActivePlan, PlanExecutor
+    from tensile.runtime_hook.native_map import NativeMap
+
+MAX_WALK = 4096  # autograd nodes visited from one root: a bound that a model keeping to the plan never reaches
+MAX_ABORTS = 2  # native iterations of a plan that leave the learnt module calls before it stays on the dispatch path
+
+
+class _Diverged(Exception):
+    """The native iteration left the learnt boundaries."""
+
+
+class SwapCarrier:
+    """Carries the aligned swaps in native iterations: global module hooks while installed."""
+
+    def __init__(self, executor: PlanExecutor, alignment: Alignment) -> None:
+        self.executor = executor
+        self.expected = alignment.expected
+        self.actions = alignment.actions
+        self.swaps = alignment.swaps
+        self.exits = alignment.exits
+        self.handles: list[Any] = []
+        self.live = False  # carrying the current iteration
+        self.diverged = False
+        self.index = 0
+        self.slots: list[Slot | None] = []
+        self.last_root: int | None = None
+
+    def install(self) -> None:
+        if not self.handles:
+            # global hooks, not hooks on the user's modules: a model deep-copied or pickled between
+            # iterations (an EMA copy, torch.save(model)) must not carry the hook's objects along
+            self.handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.live = False
+
+    def begin(self) -> None:
+        self.live, self.diverged, self.index, self.last_root = True, False, 0, None
+        self.slots = [None] * self.swaps
+
+    def end(self) -> bool:
+        """At the step: anything still absent comes back. True when the iteration left the boundaries."""
+        if self.live and self.index != len(self.expected):
+            self._abort(f"{self.index} module call boundaries, {len(self.expected)} learnt")
+        self.live = False
+        self._restore()
+        self.slots = []
+        return self.diverged
+
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        executor = self.executor
+        if executor.step_done and executor.next_path == "native":
+            executor._module_pre_hook(module, args)  # the iteration starts here, whichever global hook runs first
+        if self.live:
+            self._boundary(id(module) * 2 + 1, args)
+
+    def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        if self.live and id(module) in self.exits:
+            self._boundary(id(module) * 2, (args, out))
+
+    def _boundary(self, code: int, values: Any) -> None:
+        """Every module call's entry and the learnt modules' exits: kept lean, it runs ~200 times
+        an iteration on ResNet-50, often with caches a large kernel has just emptied."""
+        executor = self.executor
+        if executor.in_step or torch._C._current_autograd_node() is not None:
+            return
+        started = time.perf_counter()
+        index = self.index
+        self.index = index + 1
+        try:
+            expected = self.expected
+            if index >= len(expected) or expected[index] != code:
+                raise _Diverged(f"module call boundary {index} is not the learnt one")
+            action = self.actions.get(index)
+            if action is not None:
+                if executor.in_mode:  # observed: the copies must not pass through the dispatch mode
+                    with _disable_current_modes():
+                        self._act(action, values)
+                else:
+                    self._act(action, values)
+        except _Diverged as diverged:
+            self._abort(str(diverged))
+        except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
+            self.live = False
+            executor._stand_down(exc)
+        executor.stats.hook_seconds += time.perf_counter() - started
+
+    def _act(self, action: Action, values: Any) -> None:
+        executor = self.executor
+        tensors = tensors_in(values)
+        for swap, position, nbytes in action.take:
+            storage = tensors[position].untyped_storage() if position < len(tensors) else None
+            if storage is None or storage.nbytes() != nbytes or tensors[position].device.type != executor.device.type:
+                raise _Diverged(f"the tensor at boundary {self.index - 1} is not the learnt one")
+            self.slots[swap] = executor.registry.watch(storage)
+        if action.root is not None:
+            node = tensors[action.root].grad_fn if action.root < len(tensors) else None
+            if node is None:
+                raise _Diverged(f"no autograd node at boundary {self.index - 1}")
+            sequence = node._sequence_nr()
+            if action.root_step is not None and self.last_root is not None and sequence - self.last_root != action.root_step:
+                raise _Diverged(f"another number of autograd nodes before boundary {self.index - 1}")
+            self.last_root = sequence
+            if action.hooks:
+                self._hook_nodes(node, sequence, action.hooks)
+        for swap in action.swap_out:
+            slot = self.slots[swap]
+            if slot is None:
+                raise _Diverged(f"swap {swap} was not taken")
+            if slot.resident and executor._swap_out(slot):
+                executor.stats.events["swap_out"] += 1
+
+    def _hook_nodes(self, root: Any, sequence: int, hooks: list[NodeHook]) -> None:
+        """Walk back from the root to the nodes, by sequence number, and pre-hook them."""
+        wanted = {sequence + hook.delta: hook for hook in hooks}
+        low = min(wanted)
+        stack, seen, found = [root], {sequence}, 0
+        while stack and found < len(wanted) and len(seen) < MAX_WALK:
+            node = stack.pop()
+            hook = wanted.get(node._sequence_nr())
+            if hook is not None:
+                for swap, name, nbytes in hook.take:
+                    saved = getattr(node, name, None)
+                    if not isinstance(saved, torch.Tensor) or saved.untyped_storage().nbytes() != nbytes:
+                        raise _Diverged(f"the tensor {name} saved at boundary {self.index - 1} is not the learnt one")
+                    self.slots[swap] = self.executor.registry.watch(saved.untyped_storage())
+                node.register_prehook(partial(self._node_pre, hook, self.slots))
+                found += 1
+                if found == len(wanted):
+                    break
+            for following, _ in node.next_functions:
+                if following is not None and low <= (number := following._sequence_nr()) <= sequence and number not in seen:
+                    seen.add(number)
+                    stack.append(following)
+        if found < len(wanted):
+            raise _Diverged(f"{len(wanted) - found} autograd nodes not found from boundary {self.index - 1}")
+
+    def _node_pre(self, hook: NodeHook, slots: list[Slot | None], grad_outputs: Any) -> None:
+        """Before a node runs in backward: its swap-in, then check before use."""
+        executor = self.executor
+        started = time.perf_counter()
+        try:
+            if executor.in_mode:
+                with _disable_current_modes():
+                    self._fetch_for(hook, slots)
+            else:
+                self._fetch_for(hook, slots)
+        except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
+            executor._stand_down(exc)
+        executor.stats.hook_seconds += time.perf_counter() - started
+
+    def _fetch_for(self, hook: NodeHook, slots: list[Slot | None]) -> None:
+        executor = self.executor
+        for swap in hook.fetch:
+            slot = slots[swap]
+            if slot is not None and not slot.resident:
+                executor._fetch(slot)
+                executor.stats.events["swap_in"] += 1
+        for swap in hook.check:
+            slot = slots[swap]
+            if slot is not None:
+                executor._ensure_slot_resident(slot)
+
+    def _restore(self) -> None:
+        absent = [slot for slot in self.slots if slot is not None and not slot.resident]
+        if not absent:
+            return
+        with _disable_current_modes():
+            for slot in absent:
+                self.executor._fetch(slot)
+
+    def _abort(self, reason: str) -> None:
+        """Every tensor back now; the rest of the iteration runs without events."""
+        self.live = False
+        self.diverged = True
+        self._restore()
+        executor = self.executor
+        executor.stats.mode = "diverged"
+        executor._say(f"the native iteration left the learnt module calls ({reason}): every tensor is back, "
+                      "the rest of it runs without events and the plan is aligned again on the dispatch path")
+
+
+class NativeSwaps:
+    """The executor's side: which learner or carrier is on, and when (all at steps and
+    iteration starts, outside any op)."""
+
+    def __init__(self, executor: PlanExecutor) -> None:
+        self.executor = executor
+        self.learner: SwapLearner | None = None  # aligning a plan's swaps in this dispatch-path iteration
+        self.carrier: SwapCarrier | None = None  # its module hooks installed, for native iterations
+        self.carrying: SwapCarrier | None = None  # carrying this native iteration's swaps
+
+    def at_step(self) -> bool:
+        """This iteration's native swaps end (True if it left the learnt module calls: the plan is
+        aligned again), or the learning iteration aligns the plan's swaps."""
+        executor = self.executor
+        carrying, self.carrying = self.carrying, None
+        started = time.perf_counter()
+        diverged = carrying is not None and carrying.end()
+        executor.stats.hook_seconds += time.perf_counter() - started
+        if self.carrier is not None:
+            self.carrier.remove()
+            self.carrier = None
+            native = executor.active.native if executor.active is not None else None
+            if diverged and native is not None:
+                native.carrier = None
+                native.aborted += 1
+                if native.aborted >= MAX_ABORTS:
+                    executor._say(f"{native.aborted} native iterations left the learnt module calls: "
+                                  "the plan's iterations run on the dispatch path")
+                    executor.active.native = None
+        learner, self.learner = self.learner, None
+        if learner is not None:
+            learner.remove()
+            active = executor.active
+            if (not executor.disabled and active is not None and executor.stats.mode == "planned"
+                    and executor.iteration == learner.iteration and self.needs_alignment(active)):
+                self._align(learner, active)
+        return diverged
+
+    def _align(self, learner: SwapLearner, active: ActivePlan) -> None:
+        alignment, unmapped = learner.align(active, active.native.swaps, self.executor.keys)
+        if alignment is None:
+            self.executor._say(f"{len(unmapped)} swaps of plan version {active.plan.version} do not align with module "
+                               f"calls (e.g. {'; '.join(unmapped[:3])}): its iterations run on the dispatch path")
+            active.native = None
+        else:
+            active.native.carrier = SwapCarrier(self.executor, alignment)
+
+    def prepare(self, native: NativeMap | None, matched: bool) -> None:
+        """After the step chose the next path: the carrier's hooks for a native iteration, or a
+        learner for a dispatch-path one whose plan (or the plan still to come after the matched
+        iteration) has swaps to align."""
+        if native is not None and native.carrier is not None:
+            self.carrier = native.carrier
+            self.carrier.install()
+        elif native is None and matched and self.needs_alignment(self.executor.prepared):
+            self.learner = SwapLearner(self.executor)
+
+    def needs_alignment(self, plan: ActivePlan | None) -> bool:
+        executor = self.executor
+        if plan is None:
+            return executor.iteration == executor.match_at
+        native = executor._mapped(plan)
+        return native is not None and bool(native.swaps) and native.carrier is None
+
+    def begin(self, active: ActivePlan | None, native: bool) -> None:
+        """An iteration starts: a native one carries its plan's swaps if that plan's carrier is
+        installed; a learner whose iteration has no swaps to align after all (the plan matched at
+        this start has none) goes."""
+        if native and self.carrier is not None and active is not None and active.native is not None \
+                and active.native.carrier is self.carrier:
+            self.carrying = self.carrier
+            self.carrying.begin()
+        if self.learner is not None and (native or not self.needs_alignment(active)):
+            self.learner.remove()
+            self.learner = None
+
+    def stop(self) -> None:
+        """The hook stands down: nothing more is swapped (it restores every tensor itself)."""
+        if self.carrying is not None:
+            self.carrying.live = False
+
+    def remove(self) -> None:
+        for hooks in (self.learner, self.carrier):
+            if hooks is not None:
+                hooks.remove()
+        self.learner = self.carrier = self.carrying = None

@@ -1,0 +1,171 @@
+"""Activation swaps carried on the native path (module hooks and autograd node pre-hooks, no
+dispatch mode): bit-identical training, a forward that leaves the learnt module calls falls back,
+and the measured peak stays below vanilla."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tracing_models
+from tensile.plan import Event, Plan
+from tensile.runtime_hook import activate, deactivate
+from tensile.runtime_hook.report import HookReport
+from tensile.runtime_hook.settings import HookSettings
+from tensile.workload import Workload
+from test_hook_correctness import assert_identical, deterministic, first_uses, fit  # noqa: F401
+
+STEPS = 7  # 0-1 recorded, 2 aligns the swaps on the dispatch path, 3-6 carry them natively
+
+
+class Blocks(nn.Module):
+    """Conv, batch norm and ReLU modules; one in-place ReLU module is called twice (as in
+    torchvision's Bottleneck), a residual add sits between module calls, and max pooling saves
+    indices no module returns. In the forward calls in `detour_at` an extra module runs: the
+    forward takes another branch."""
+
+    def __init__(self, detour_at: frozenset[int] = frozenset()) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+        self.extra = nn.Conv2d(8, 8, 1)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(128, 10)
+        self.detour_at = detour_at
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = self.relu(self.bn1(self.conv1(x)))
+        z = self.relu(self.bn2(self.conv2(y)) + y)
+        if self.calls in self.detour_at:
+            z = self.extra(z)
+        return self.fc(self.pool(z).flatten(1))
+
+
+def blocks(batch_size: int, detour_at: frozenset[int] = frozenset()) -> tuple:
+    torch.manual_seed(0)
+    batch = (torch.randn(batch_size, 3, 8, 8), torch.randint(0, 10, (batch_size,)))
+
+    def loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    return Blocks(detour_at), batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+
+
+def feature_swaps(workload: Workload, budget: int | None = None) -> Plan:
+    """Every activation of the feature extractor (read in backward, last read in forward before
+    the classifier's matmul) swapped out after its last forward read and back before its first
+    backward read; batch norm's per-channel statistics are too small to move."""
+    uses = first_uses(workload)
+    head = max(op.index for op in workload.ops if op.phase == "forward" and op.name == "aten.addmm.default")
+    events = []
+    for tensor in workload.tensors.values():
+        accesses = uses.get(tensor.id, [])
+        forward = [i for i in accesses if workload.ops[i].phase == "forward"]
+        backward = [i for i in accesses if workload.ops[i].phase == "backward"]
+        if tensor.role != "activation" or tensor.created_by < 0 or not backward or tensor.size < 1024:
+            continue
+        if max(forward, default=tensor.created_by) < head:
+            events.append(Event("job", "swap_out", tensor.id, max(forward, default=tensor.created_by)))
+            events.append(Event("job", "swap_in", tensor.id, backward[0] - 1))
+    return Plan("job", 1, workload.signature, events)
+
+
+def hooked(build, planner, steps: int = STEPS, micro_batches: int = 1, observe: bool = False) -> tuple[dict, HookReport]:  # type: ignore[no-untyped-def]
+    executor = activate(HookSettings(job="job"), planner=planner, device=torch.device("cpu"))
+    executor.observe_native = observe
+    try:
+        return fit(build, 4, steps, micro_batches), executor.report
+    finally:
+        deactivate()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_activation_swaps_are_carried_natively_and_train_bit_identically(micro_batches):
+    plain = fit(blocks, 4, STEPS, micro_batches)
+    state, report = hooked(blocks, feature_swaps, micro_batches=micro_batches)
+    assert_identical(plain, state)
+    assert report.stood_down is None and not any("align" in m or "map" in m for m in report.messages), report.messages
+    iterations = report.iterations
+    assert [it.path for it in iterations[:3]] == ["dispatch"] * 3
+    swaps = iterations[2].events["swap_out"]
+    # conv, batch norm / ReLU, add outputs and max pooling's indices (taken from its autograd node:
+    # a swap that could not be taken would keep the plan on the dispatch path)
+    assert swaps >= 5 * micro_batches, iterations[2].events
+    native = iterations[3:STEPS]
+    for it in native:
+        assert it.path == "native" and it.mode == "planned", (it.path, it.mode)
+        assert it.events["swap_out"] == swaps and it.events["swap_in"] == swaps, it.events
+        assert it.swap_out_bytes == it.swap_in_bytes == iterations[2].swap_out_bytes
+        assert it.stall_seconds == 0.0  # every tensor was back before its node ran
+    # the native iterations' own logic is a few module and node hooks, far below the dispatch path's
+    assert max(it.hook_seconds for it in native) < iterations[2].hook_seconds
+
+
+def test_a_forward_that_takes_another_branch_falls_back_and_stays_bit_identical():
+    """Forward call 5 (iteration 4, native) runs an extra module after the swap-outs: every
+    tensor comes back, iteration 5 aligns again on the dispatch path, iteration 6 is native."""
+    plain = fit(lambda n: blocks(n, frozenset({5})), 4, STEPS)
+    state, report = hooked(lambda n: blocks(n, frozenset({5})), feature_swaps)
+    assert_identical(plain, state)
+    iterations = report.iterations
+    assert [(it.path, it.mode) for it in iterations[3:STEPS]] == [
+        ("native", "planned"), ("native", "diverged"), ("dispatch", "planned"), ("native", "planned")]
+    assert iterations[4].events["swap_out"] > 0  # it had swapped out before it left the learnt calls
+    assert iterations[4].events["swap_in"] == 0 and iterations[4].swap_in_bytes == iterations[4].swap_out_bytes
+    assert any("iteration 4: the native iteration left the learnt module calls" in m for m in report.messages), report.messages
+    assert report.stood_down is None
+
+
+def test_the_measured_native_peak_is_below_vanilla():
+    plain = fit(blocks, 4, STEPS)
+    state, report = hooked(blocks, feature_swaps, observe=True)
+    assert_identical(plain, state)
+    native = [it for it in report.iterations if it.path == "native"]
+    assert len(native) == STEPS - 3
+    assert all(it.peak_source == "measured" and it.events["swap_out"] > 0 for it in native)
+    assert all(it.peak_bytes < report.vanilla_peak_bytes for it in native), (
+        [it.peak_bytes for it in native], report.vanilla_peak_bytes)
+
+
+def test_a_swap_after_the_last_module_call_keeps_the_plan_on_the_dispatch_path():
+    """tracing_models.views reads some activations last after its last module call (the loss):
+    no module boundary can trigger their swap-out, so the plan runs on the dispatch path (exact)
+    and says why. (Its transposed and sliced tensors, no module's inputs or outputs, are taken
+    from the autograd nodes that saved them.)"""
+    def every_activation(workload: Workload, budget: int | None = None) -> Plan:
+        uses = first_uses(workload)
+        events = []
+        for tensor in workload.tensors.values():
+            backward = [i for i in uses.get(tensor.id, []) if workload.ops[i].phase == "backward"]
+            if tensor.role == "activation" and tensor.created_by >= 0 and backward:
+                last = max([tensor.created_by, *(i for i in uses[tensor.id] if workload.ops[i].phase == "forward")])
+                events += [Event("job", "swap_out", tensor.id, last), Event("job", "swap_in", tensor.id, backward[0] - 1)]
+        return Plan("job", 1, workload.signature, events)
+
+    plain = fit(tracing_models.views, 4, STEPS)
+    state, report = hooked(tracing_models.views, every_activation)
+    assert_identical(plain, state)
+    assert any("do not align with module calls" in m and "no module call after its last forward use" in m for m in report.messages)
+    planned = [it for it in report.iterations if it.mode == "planned"]
+    assert len(planned) == STEPS - 2 and all(it.path == "dispatch" and it.events["swap_out"] > 0 for it in planned)
+
+
+def test_a_tensor_still_absent_when_its_node_runs_is_fetched_there():
+    """Check before use on the native path: a plan that swaps out and never back (a missing or
+    late swap-in) costs a stall at the first node that reads the tensor, never correctness."""
+    def no_swap_ins(workload: Workload, budget: int | None = None) -> Plan:
+        plan = feature_swaps(workload)
+        plan.events = [e for e in plan.events if e.kind == "swap_out"]
+        return plan
+
+    plain = fit(blocks, 4, STEPS)
+    state, report = hooked(blocks, no_swap_ins)
+    assert_identical(plain, state)
+    native = report.iterations[3:STEPS]
+    assert all(it.path == "native" and it.mode == "planned" for it in native)
+    assert all(it.events["swap_in"] == 0 and it.swap_in_bytes == it.swap_out_bytes > 0 for it in native)
+    assert all(it.stall_seconds > 0 for it in native)
