@@ -289,12 +289,15 @@ class PlanExecutor(TorchDispatchMode):
         self.in_step += 1
 
     def step_post_hook(self, *_: Any) -> None:
+        """Timed as a whole: the restores here subtract their copies from `hook_seconds` (see `_transfer`)."""
+        started = time.perf_counter()
         self.in_step = max(0, self.in_step - 1)
         self.step_done = True
         try:
             self._at_step()
         except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
             self._stand_down(exc)
+        self.stats.hook_seconds += time.perf_counter() - started
 
     # -- paths --------------------------------------------------------------------------------
     def _at_step(self) -> None:
@@ -309,6 +312,10 @@ class PlanExecutor(TorchDispatchMode):
         self.next_path = "dispatch" if native is None else "native"
         if native is not None and not self.observe_native:
             self._leave_mode()
+        elif native is None:
+            # back on the stack now (when it can be), not at the next module call: the dispatch
+            # iteration then starts at its first op on a parameter, as the recorded one did
+            self._enter_mode()
         self.swaps.prepare(native, self.match_at <= self.iteration)
 
     def _native_map(self, plan: ActivePlan | None) -> NativeMap | None:
@@ -348,7 +355,7 @@ class PlanExecutor(TorchDispatchMode):
 
         if _get_current_dispatch_mode() is not self:
             return  # another mode sits above: stay, the dispatch path keeps working
-        self.restore_all()
+        self._restore_absent()
         super().__exit__(None, None, None)
         self.in_mode = False
         if self.module_hook is None and not self.disabled:
@@ -488,6 +495,7 @@ class PlanExecutor(TorchDispatchMode):
             raise failure.error from None
         except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
             self._stand_down(exc)
+            self.stats.hook_seconds += time.perf_counter() - started  # its restores' copies were subtracted
             return func(*args, **kwargs)
 
     def _dispatch_observed(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -831,7 +839,13 @@ class PlanExecutor(TorchDispatchMode):
         self.active = self.ready = None
 
     def restore_all(self) -> None:
-        """Before anything reads storages outside the dispatcher (state_dict, torch.save)."""
+        """Before anything reads storages outside the dispatcher (state_dict, torch.save); called
+        outside the hook's timed sections, so timed here."""
+        started = time.perf_counter()
+        self._restore_absent()
+        self.stats.hook_seconds += time.perf_counter() - started
+
+    def _restore_absent(self) -> None:
         with _disable_current_modes():
             for slot in self.registry.absent():
                 self._fetch(slot)

@@ -37,13 +37,37 @@ class _Diverged(Exception):
     """The native iteration left the learnt boundaries."""
 
 
+def _follow(root: Any, sequence: int, paths: list[tuple[tuple[int, ...], NodeHook]]) -> list[tuple[Any, NodeHook]] | None:
+    """The nodes at the ends of the paths, or None where one no longer leads to a node of its hook's
+    sequence number (another graph: the caller walks)."""
+    nodes = []
+    for path, hook in paths:
+        node = root
+        for position in path:
+            functions = node.next_functions
+            if position >= len(functions) or (node := functions[position][0]) is None:
+                return None
+        if node._sequence_nr() - sequence != hook.delta:
+            return None
+        nodes.append((node, hook))
+    return nodes
+
+
 class SwapCarrier:
     """Carries the aligned swaps in native iterations: global module hooks while installed."""
 
     def __init__(self, executor: PlanExecutor, alignment: Alignment) -> None:
         self.executor = executor
         self.expected = alignment.expected
-        self.actions = alignment.actions
+        # per boundary index: its action or None, a list (indexing beats a dict lookup in the hot hook)
+        self.actions: list[Action | None] = [alignment.actions.get(i) for i in range(len(alignment.expected))]
+        # per acting boundary: its node hooks by sequence number relative to the root, and the lowest
+        self.node_hooks = {id(action): ({hook.delta: hook for hook in action.hooks}, min(h.delta for h in action.hooks))
+                           for action in alignment.actions.values() if action.hooks}
+        # per acting boundary: the next_functions index paths from its root to its nodes, found by the
+        # first native iteration's walk; later ones follow them (a few steps, not a walk) while they hold
+        self.paths: dict[int, list[tuple[tuple[int, ...], NodeHook]]] = {}
+        self.device_type = executor.device.type
         self.swaps = alignment.swaps
         self.exits = alignment.exits
         self.handles: list[Any] = []
@@ -102,7 +126,7 @@ class SwapCarrier:
             expected = self.expected
             if index >= len(expected) or expected[index] != code:
                 raise _Diverged(f"module call boundary {index} is not the learnt one")
-            action = self.actions.get(index)
+            action = self.actions[index]
             if action is not None:
                 if executor.in_mode:  # observed: the copies must not pass through the dispatch mode
                     with _disable_current_modes():
@@ -119,11 +143,13 @@ class SwapCarrier:
     def _act(self, action: Action, values: Any) -> None:
         executor = self.executor
         tensors = tensors_in(values)
+        slots = self.slots
         for swap, position, nbytes in action.take:
-            storage = tensors[position].untyped_storage() if position < len(tensors) else None
-            if storage is None or storage.nbytes() != nbytes or tensors[position].device.type != executor.device.type:
+            tensor = tensors[position] if position < len(tensors) else None
+            storage = tensor.untyped_storage() if tensor is not None else None
+            if storage is None or storage.nbytes() != nbytes or tensor.device.type != self.device_type:
                 raise _Diverged(f"the tensor at boundary {self.index - 1} is not the learnt one")
-            self.slots[swap] = executor.registry.watch(storage)
+            slots[swap] = executor.registry.watch(storage)
         if action.root is not None:
             node = tensors[action.root].grad_fn if action.root < len(tensors) else None
             if node is None:
@@ -133,38 +159,52 @@ class SwapCarrier:
                 raise _Diverged(f"another number of autograd nodes before boundary {self.index - 1}")
             self.last_root = sequence
             if action.hooks:
-                self._hook_nodes(node, sequence, action.hooks)
+                self._hook_nodes(node, sequence, id(action))
         for swap in action.swap_out:
-            slot = self.slots[swap]
+            slot = slots[swap]
             if slot is None:
                 raise _Diverged(f"swap {swap} was not taken")
             if slot.resident and executor._swap_out(slot):
                 executor.stats.events["swap_out"] += 1
 
-    def _hook_nodes(self, root: Any, sequence: int, hooks: list[NodeHook]) -> None:
-        """Walk back from the root to the nodes, by sequence number, and pre-hook them."""
-        wanted = {sequence + hook.delta: hook for hook in hooks}
-        low = min(wanted)
-        stack, seen, found = [root], {sequence}, 0
-        while stack and found < len(wanted) and len(seen) < MAX_WALK:
-            node = stack.pop()
-            hook = wanted.get(node._sequence_nr())
+    def _hook_nodes(self, root: Any, sequence: int, key: int) -> None:
+        """Pre-hook the boundary's nodes: along the paths found before when they still lead to nodes
+        of the learnt sequence numbers (relative to the root), else by one walk shared by them all."""
+        paths = self.paths.get(key)
+        nodes = _follow(root, sequence, paths) if paths is not None else None
+        if nodes is None:
+            nodes, self.paths[key] = self._walk(root, sequence, *self.node_hooks[key])
+        slots, registry = self.slots, self.executor.registry
+        for node, hook in nodes:
+            for swap, name, nbytes in hook.take:
+                saved = getattr(node, name, None)
+                if not isinstance(saved, torch.Tensor) or saved.untyped_storage().nbytes() != nbytes:
+                    raise _Diverged(f"the tensor {name} saved at boundary {self.index - 1} is not the learnt one")
+                slots[swap] = registry.watch(saved.untyped_storage())
+            node.register_prehook(partial(self._node_pre, hook, slots))
+
+    def _walk(self, root: Any, sequence: int, wanted: dict[int, NodeHook],
+              low_delta: int) -> tuple[list[tuple[Any, NodeHook]], list[tuple[tuple[int, ...], NodeHook]]]:
+        """One walk back from the root to all the wanted nodes (by sequence number relative to the
+        root, built at learning time): the nodes, and the index paths that lead to them."""
+        low = sequence + low_delta
+        stack: list[tuple[Any, tuple[int, ...]]] = [(root, ())]
+        seen, nodes, paths = {sequence}, [], []
+        while stack and len(nodes) < len(wanted) and len(seen) < MAX_WALK:
+            node, path = stack.pop()
+            hook = wanted.get(node._sequence_nr() - sequence)
             if hook is not None:
-                for swap, name, nbytes in hook.take:
-                    saved = getattr(node, name, None)
-                    if not isinstance(saved, torch.Tensor) or saved.untyped_storage().nbytes() != nbytes:
-                        raise _Diverged(f"the tensor {name} saved at boundary {self.index - 1} is not the learnt one")
-                    self.slots[swap] = self.executor.registry.watch(saved.untyped_storage())
-                node.register_prehook(partial(self._node_pre, hook, self.slots))
-                found += 1
-                if found == len(wanted):
+                nodes.append((node, hook))
+                paths.append((path, hook))
+                if len(nodes) == len(wanted):
                     break
-            for following, _ in node.next_functions:
+            for position, (following, _) in enumerate(node.next_functions):
                 if following is not None and low <= (number := following._sequence_nr()) <= sequence and number not in seen:
                     seen.add(number)
-                    stack.append(following)
-        if found < len(wanted):
-            raise _Diverged(f"{len(wanted) - found} autograd nodes not found from boundary {self.index - 1}")
+                    stack.append((following, (*path, position)))
+        if len(nodes) < len(wanted):
+            raise _Diverged(f"{len(wanted) - len(nodes)} autograd nodes not found from boundary {self.index - 1}")
+        return nodes, paths
 
     def _node_pre(self, hook: NodeHook, slots: list[Slot | None], grad_outputs: Any) -> None:
         """Before a node runs in backward: its swap-in, then check before use."""
@@ -226,9 +266,7 @@ class NativeSwaps:
         aligned again), or the learning iteration aligns the plan's swaps."""
         executor = self.executor
         carrying, self.carrying = self.carrying, None
-        started = time.perf_counter()
-        diverged = carrying is not None and carrying.end()
-        executor.stats.hook_seconds += time.perf_counter() - started
+        diverged = carrying is not None and carrying.end()  # timed with the whole step hook
         if self.carrier is not None:
             self.carrier.remove()
             self.carrier = None
