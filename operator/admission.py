@@ -85,6 +85,7 @@ class Admission:
         self.wake = asyncio.Event()
         self.rebuilt_at = float("-inf")  # loop time of the last rebuild from the statuses
         self._released: set[str] = set()  # jobs released while a rebuild's LIST was in flight
+        self._early: dict[str, dict] = {}  # key -> the newest TrainingJob seen before the start-up rebuild ended
         self.ready = asyncio.Event()  # set once the ledger was rebuilt and the scheduler runs
         self._scheduler: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()  # pod creations, profile fetches
@@ -198,10 +199,16 @@ class Admission:
         """Rebuild from the cluster, then run the scheduler (Kopf startup)."""
         for node in await self.kube.list_tensilenodes():
             self.inventory[node["metadata"]["name"]] = gpus_from_tensilenode(node)
-        await self.rebuild()
+        listed = await self.rebuild()
+        self.ready.set()
+        finished = {f"{b['metadata']['namespace']}/{b['metadata']['name']}" for b in listed
+                    if (b.get("status") or {}).get("phase") in model.FINISHED}
+        for key, body in self._early.items():  # seen while the LIST was in flight: it may predate their placement
+            if key not in finished:
+                self.adopt(body)
+        self._early.clear()
         freeze_long_lived()
         self._scheduler = asyncio.get_running_loop().create_task(self._schedule_forever())
-        self.ready.set()
 
     async def stop(self) -> None:
         await self._committing.acquire()
@@ -211,9 +218,10 @@ class Admission:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.kube.close()
 
-    async def rebuild(self) -> None:
+    async def rebuild(self) -> list[dict]:
         """The ledger from the statuses: every job that holds a placement and has not finished (a job
-        released while the LIST was in flight stays released: its final status may not be in it)."""
+        released while the LIST was in flight stays released: its final status may not be in it).
+        Returns the TrainingJobs listed."""
         ledger = Ledger()
         self._released.clear()
         items = await self.kube.list_trainingjobs()
@@ -223,6 +231,7 @@ class Admission:
                 ledger.book(booking)
         self.ledger = ledger
         self.rebuilt_at = asyncio.get_running_loop().time()
+        return items
 
     def _booking_of(self, body: dict) -> Booking | None:
         """The placement a TrainingJob's status holds, as a booking (None when unplaced or finished)."""
@@ -248,8 +257,9 @@ class Admission:
     def adopt(self, body: dict) -> None:
         """A placement seen in a status but missing from the ledger (a predecessor's write that landed after
         this operator listed the statuses) is booked at once, before the next pass can give its room away."""
-        if not self.ready.is_set():
-            return  # the start-up rebuild reads it
+        if not self.ready.is_set():  # kept until the start-up rebuild's ledger exists
+            self._early[f"{body['metadata']['namespace']}/{body['metadata']['name']}"] = body
+            return
         booking = self._booking_of(body)
         if booking is None or booking.job in self.ledger.bookings or booking.job in self._released:
             return

@@ -323,3 +323,38 @@ def test_a_placement_written_after_the_statuses_were_read_is_booked():
     assert "default/late" not in app.ledger.bookings
     app.adopt(body | {"status": body["status"] | {"phase": "Succeeded"}})
     assert "default/late" not in app.ledger.bookings
+
+
+def test_a_placement_seen_while_the_start_up_list_is_in_flight_is_booked():
+    """An event that arrives during the start-up LIST can show a placement the LIST (read earlier)
+    does not: it is booked once the ledger exists, unless the LIST shows the job finished."""
+    from tensile.operator.admission import Admission
+
+    def job(name: str, phase: str) -> dict:
+        return {"metadata": {"namespace": "default", "name": name}, "spec": {"memoryBudget": "1Gi"},
+                "status": {"phase": phase, "placement": {"gpu": "GPU-a0", "node": "node-a"},
+                           "forecast": {"source": "budget", "reservedBytes": GIB}}}
+
+    app = Admission()
+
+    class Listing:  # the cluster as a LIST read before the placements landed
+        async def list_tensilenodes(self) -> list[dict]:
+            return []
+
+        async def list_trainingjobs(self) -> list[dict]:
+            app.adopt(job("late", "Admitted"))  # events delivered while the LIST is in flight
+            app.adopt(job("done", "Admitted"))
+            return [{"metadata": {"namespace": "default", "name": "late"}, "spec": {}, "status": {"phase": "Queued"}},
+                    job("done", "Succeeded")]
+
+    app.kube = Listing()
+
+    async def scenario() -> None:
+        await app.start()
+        try:
+            assert set(app.ledger.bookings) == {"default/late"}
+            assert app.ledger.bookings["default/late"].gpu == "GPU-a0"
+        finally:
+            app._scheduler.cancel()
+
+    asyncio.run(scenario())
