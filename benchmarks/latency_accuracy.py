@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import platform
 import resource
@@ -34,7 +33,6 @@ import tempfile
 import time
 import warnings
 from collections import defaultdict
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +45,7 @@ from tensile.latency import assign_latencies, iteration_seconds, predict_seconds
 from tensile.latency.calibrate import calibrate, family_samples, local_device, measure_probes
 from tensile.latency.device import resolve_target
 from tensile.latency.families import FAMILIES, family_of
-from tensile.latency.measure import (load_average, outliers, repeat_until_settled, robust_seconds, time_plain_iteration,
+from tensile.latency.measure import (in_fresh_process, load_average, outliers, repeat_until_settled, robust_seconds, time_plain_iteration,
                                      uses_cpu_clock)
 from tensile.latency.online import op_key
 from tensile.latency.predict import find_model
@@ -179,10 +177,8 @@ def measure_jobs(models: list[str], repeats: int, threads: int, console: Console
     """measure_job for each model, each in a fresh process: one process's history (heap fragmentation,
     trimmed arenas) must not leak into another model's iteration time."""
     results = {}
-    context = multiprocessing.get_context("spawn")
     for name in models:
-        with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-            results[name] = real = pool.submit(measure_job, name, BATCHES[name], repeats, threads).result()
+        results[name] = real = in_fresh_process(measure_job, name, BATCHES[name], repeats, threads)
         console.print(f"{name} b{BATCHES[name]}: measured {real['seconds']:.3f} s after {real['warmups']} warm-ups "
                       f"(faulted {np.median(real['faulted_mb']):.0f} MB, system {np.median(real['system_seconds']):.3f} s "
                       f"per iteration; load {real['load_average']})")

@@ -38,6 +38,11 @@ def now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def job_key(body: dict) -> str:
+    """namespace/name: how the ledger, the queue and the statuses name a TrainingJob."""
+    return f"{body['metadata']['namespace']}/{body['metadata']['name']}"
+
+
 def condition(type_: str, ok: bool, reason: str, message: str = "") -> dict:
     return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message, "lastTransitionTime": now()}
 
@@ -120,7 +125,7 @@ class Admission:
             log.info("%s is gone; status not written", key)
 
     def remember_conditions(self, body: dict) -> None:
-        key = f"{body['metadata']['namespace']}/{body['metadata']['name']}"
+        key = job_key(body)
         if key not in self.conditions:
             self.conditions[key] = list((body.get("status") or {}).get("conditions") or [])
         self.phases.setdefault(key, (body.get("status") or {}).get("phase") or "Pending")
@@ -201,8 +206,7 @@ class Admission:
             self.inventory[node["metadata"]["name"]] = gpus_from_tensilenode(node)
         listed = await self.rebuild()
         self.ready.set()
-        finished = {f"{b['metadata']['namespace']}/{b['metadata']['name']}" for b in listed
-                    if (b.get("status") or {}).get("phase") in model.FINISHED}
+        finished = {job_key(b) for b in listed if (b.get("status") or {}).get("phase") in model.FINISHED}
         for key, body in self._early.items():  # seen while the LIST was in flight: it may predate their placement
             if key not in finished:
                 self.adopt(body)
@@ -239,7 +243,6 @@ class Admission:
         placement = status.get("placement")
         if not placement or status.get("phase") in model.FINISHED:
             return None
-        meta = body["metadata"]
         fstatus = status.get("forecast") or {}
         forecast = self.forecaster.by_signature(fstatus.get("signature", ""))
         spec = body.get("spec") or {}
@@ -251,14 +254,14 @@ class Admission:
             except model.SpecError:
                 pass
         profile = (spec.get("workload") or {}).get("profile") if forecast is None else None
-        return Booking(f"{meta['namespace']}/{meta['name']}", placement["gpu"], placement["node"],
+        return Booking(job_key(body), placement["gpu"], placement["node"],
                        int(fstatus.get("reservedBytes") or 0), forecast, budget, knobs.get("maxSwapRate"), profile)
 
     def adopt(self, body: dict) -> None:
         """A placement seen in a status but missing from the ledger (a predecessor's write that landed after
         this operator listed the statuses) is booked at once, before the next pass can give its room away."""
         if not self.ready.is_set():  # kept until the start-up rebuild's ledger exists
-            self._early[f"{body['metadata']['namespace']}/{body['metadata']['name']}"] = body
+            self._early[job_key(body)] = body
             return
         booking = self._booking_of(body)
         if booking is None or booking.job in self.ledger.bookings or booking.job in self._released:
@@ -366,7 +369,7 @@ class Admission:
     def token(self, body: dict) -> str:
         meta = body["metadata"]
         token = job_token(self.token_key, meta["namespace"], meta["name"], meta.get("uid", ""))
-        self.tokens[f"{meta['namespace']}/{meta['name']}"] = token
+        self.tokens[job_key(body)] = token
         return token
 
     async def ensure_pod(self, body: dict, booking: Booking) -> None:
@@ -448,7 +451,7 @@ class Admission:
 
     async def deleted(self, body: dict) -> None:
         meta = body["metadata"]
-        key = f"{meta['namespace']}/{meta['name']}"
+        key = job_key(body)
         booking = self.release(key)
         self.pending.pop(key, None)
         self.conditions.pop(key, None)
@@ -458,7 +461,7 @@ class Admission:
 
     async def knobs_changed(self, body: dict) -> None:
         meta = body["metadata"]
-        key = f"{meta['namespace']}/{meta['name']}"
+        key = job_key(body)
         try:
             spec = model.parse_spec(body.get("spec") or {}, meta.get("annotations"))
         except model.SpecError as exc:

@@ -128,11 +128,7 @@ class SwapCarrier:
                 raise _Diverged(f"module call boundary {index} is not the learnt one")
             action = self.actions[index]
             if action is not None:
-                if executor.in_mode:  # observed: the copies must not pass through the dispatch mode
-                    with _disable_current_modes():
-                        self._act(action, values)
-                else:
-                    self._act(action, values)
+                self._outside_modes(self._act, action, values)
         except _Diverged as diverged:
             self._abort(str(diverged))
         except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
@@ -211,14 +207,19 @@ class SwapCarrier:
         executor = self.executor
         started = time.perf_counter()
         try:
-            if executor.in_mode:
-                with _disable_current_modes():
-                    self._fetch_for(hook, slots)
-            else:
-                self._fetch_for(hook, slots)
+            self._outside_modes(self._fetch_for, hook, slots)
         except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
             executor._stand_down(exc)
         executor.stats.hook_seconds += time.perf_counter() - started
+
+    def _outside_modes(self, work: Any, *args: Any) -> None:
+        """Run `work` where its copies do not pass through the dispatch mode (on the stack only when a
+        native iteration is observed); without the mode, no mode-stack juggling on this hot path."""
+        if self.executor.in_mode:
+            with _disable_current_modes():
+                work(*args)
+        else:
+            work(*args)
 
     def _fetch_for(self, hook: NodeHook, slots: list[Slot | None]) -> None:
         executor = self.executor

@@ -105,8 +105,8 @@ def test_activation_swaps_are_carried_natively_and_train_bit_identically(micro_b
         assert it.events["swap_out"] == swaps and it.events["swap_in"] == swaps, it.events
         assert it.swap_out_bytes == it.swap_in_bytes == iterations[2].swap_out_bytes
         assert it.stall_seconds == 0.0  # every tensor was back before its node ran
-    # the restores on leaving the dispatch mode at the step (iteration 3) are timed before their copies
-    # are taken out: no iteration's own logic comes out negative
+    # accounting sanity only: this model has nothing absent at the step that leaves the dispatch mode, so
+    # the negative hook_seconds that ResNet-50 showed there (restores never timed) is not reproduced here
     assert all(it.hook_seconds >= 0 for it in iterations), [it.hook_seconds for it in iterations]
 
 

@@ -119,9 +119,6 @@ def test_forecast_failure_and_budget_only_jobs(tmp_path, forecaster):
     run(scenario())
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known bug, open: under load a GPU is sometimes over-committed (about 4.9 GB booked on 3 GiB) after the "
-    "operator restart; cause not yet found (session 3 closing note). Remove this mark with the fix"))
 def test_sixty_jobs_two_nodes_with_restart(tmp_path, forecaster):
     """60 mixed jobs at once onto 2 nodes x 2 simulated GPUs; the operator restarts mid-way."""
     async def scenario():  # type: ignore[no-untyped-def]
@@ -166,7 +163,6 @@ def test_sixty_jobs_two_nodes_with_restart(tmp_path, forecaster):
                 kubelet.cancel()
                 await asyncio.gather(checker, kubelet, return_exceptions=True)
                 await op.stop()
-            assert not violations, violations[:5]
             assert seen_queued, "capacity was never short: the test did not exercise queueing"
             pods_per_job = defaultdict(set)  # every pod the kubelet ever saw, by uid
             for name, uid, *_ in c.kubelet_log:
@@ -174,6 +170,9 @@ def test_sixty_jobs_two_nodes_with_restart(tmp_path, forecaster):
             assert len(pods_per_job) == 60 and all(len(v) == 1 for v in pods_per_job.values())
             gpus_used = {j["status"]["placement"]["gpu"] for j in c.jobs()}
             assert gpus_used == {u for us in gpus.values() for u in us}
+            if violations:  # every other check above stays a hard failure
+                pytest.xfail(f"known open bug: a GPU over-committed after the operator restart ({violations[0]}); "
+                             "cause not yet found (session 3 closing note): turn this back into an assert with the fix")
 
     run(scenario())
 

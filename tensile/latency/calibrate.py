@@ -8,12 +8,10 @@ op times, regressed on op counts), and per family an MLP for log(measured / roof
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
 import time
 from collections import defaultdict
 from collections.abc import Iterable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,7 +22,7 @@ from tensile.errors import TensileUserError
 from tensile.latency.device import cpu_key, cpu_name, gpu_utilization
 from tensile.latency.families import FAMILIES, base_name, family_of, features
 from tensile.latency.online import op_key
-from tensile.latency.measure import StepTiming, measure_roofline, measure_step
+from tensile.latency.measure import StepTiming, in_fresh_process, measure_roofline, measure_step
 from tensile.latency.prior import Roofline, compute_seconds, preceding_bytes
 from tensile.latency.probes import Probe, build_step, make_grid
 from tensile.latency.store import LatencyModel, save_model, slug
@@ -85,9 +83,7 @@ def measure_probes(probes: Iterable[Probe], device_type: str, *, timed: int = 5,
             break
         try:
             if probe.kind == "zoo":
-                with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                    results.append(pool.submit(_measure_as_job, probe, device_type, timed, plain,
-                                               torch.get_num_threads()).result())
+                results.append(in_fresh_process(_measure_as_job, probe, device_type, timed, plain, torch.get_num_threads()))
             else:
                 results.append(measure_probe(probe, device_type, timed, plain))
         except torch.OutOfMemoryError:  # a probe too large for this device: skip it, keep calibrating

@@ -16,10 +16,12 @@ until at least two agree.
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,13 @@ from tensile.workload import Op
 OUTLIER_TOLERANCE = 0.15  # a repeat this much slower than the fastest was disturbed by the neighbours
 AGREE = 2  # whole iterations are re-measured until this many repeats agree with the fastest
 MAX_EXTRA_REPEATS = 2  # ... but at most this many extra (a zoo iteration takes seconds)
+
+
+def in_fresh_process(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) in a new (spawned) process, as a user's job runs: one process's history (glibc's trimmed
+    arenas, heap fragmentation) changes what memory costs, so it must not leak into another measurement."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def uses_cpu_clock(device_type: str) -> bool:
