@@ -410,11 +410,17 @@ class Admission:
             await self.finish(namespace, job, phase, reason, detail)
 
     async def finish(self, namespace: str, name: str, phase: str, reason: str, message: str) -> None:
+        """The job's end is written before its room is released. Released first, a placement made in the
+        meantime could land before the end did, and the statuses showed the GPU over-committed (the 60-job
+        restart test, with a burst of ends and placements after the restart); a rebuild whose LIST was
+        served in between also booked the finished job again."""
         key = f"{namespace}/{name}"
-        booking = self.release(key)
         self.pending.pop(key, None)
-        await self.set_status(namespace, name, {"phase": phase, "message": message, "finishedAt": now()},
-                              condition("PodRunning", False, reason, message), condition("Finished", True, reason, message))
+        try:
+            await self.set_status(namespace, name, {"phase": phase, "message": message, "finishedAt": now()},
+                                  condition("PodRunning", False, reason, message), condition("Finished", True, reason, message))
+        finally:  # a failed write still frees the room: the pod has ended
+            booking = self.release(key)
         await self.after_release(key, booking)
 
     async def after_release(self, key: str, booking: Booking | None) -> None:
