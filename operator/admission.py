@@ -10,6 +10,7 @@ the cluster says.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import os
@@ -27,11 +28,12 @@ from tensile.operator.kube import Conflict, Kube, NotFound
 from tensile.operator.metrics import OperatorMetrics
 from tensile.operator.placement import (MIB, Booking, Candidate, Gpu, JointPlanner, Ledger, choose, fit_unchanged,
                                         gpus_from_tensilenode, matching)
-from tensile.operator.pods import DEFAULT_IMAGE, build_pod, job_token, pod_name
+from tensile.operator.pods import DEFAULT_IMAGE, JOB_LABEL, build_pod, job_token, pod_name
 
 log = logging.getLogger("tensile.operator")
 PROFILE_POLL_SECONDS = 1.0  # how often the live workload of a running job admitted by its budget is asked for
 RESYNC_SECONDS = 30.0  # the ledger is checked against the statuses at most this often (and after a failed pass)
+POD_CHECK_SECONDS = 5.0  # a deleted job's terminating pod is looked up again this often (its DELETED event may be missed)
 
 
 def now() -> str:
@@ -98,6 +100,8 @@ class Admission:
         # lands after a successor has listed the statuses (its in-memory ledger would miss the booking)
         self._committing = asyncio.Lock()
         self._profiling: set[str] = set()  # jobs whose live workload is being fetched
+        self._creating: dict[str, asyncio.Task] = {}  # key -> the task creating the job's pod
+        self._freed: dict[str, asyncio.Event] = {}  # key -> set when a deleted job's booking is released
 
     # ---- inventory ------------------------------------------------------------------------------
     @property
@@ -225,15 +229,23 @@ class Admission:
     async def rebuild(self) -> list[dict]:
         """The ledger from the statuses: every job that holds a placement and has not finished (a job
         released while the LIST was in flight stays released: its final status may not be in it).
-        Returns the TrainingJobs listed."""
+        A deleted job (kept by its finalizer until its pod is gone) is booked while its pod is still
+        there and not terminated: the pod holds the GPU through its grace period. Returns the
+        TrainingJobs listed."""
         ledger = Ledger()
         self._released.clear()
         items = await self.kube.list_trainingjobs()
-        for body in items:
-            booking = self._booking_of(body)
-            if booking is not None and booking.job not in self._released:
+        bookings = [(b, body) for body in items if (b := self._booking_of(body)) is not None]
+        gone: list[str] = []
+        if any(body["metadata"].get("deletionTimestamp") for _, body in bookings):
+            holding = {pod_holder(pod) for pod in await self.kube.list_pods(JOB_LABEL)}
+            gone = [b.job for b, body in bookings if body["metadata"].get("deletionTimestamp") and b.job not in holding]
+        for booking, _ in bookings:
+            if booking.job not in self._released and booking.job not in gone:
                 ledger.book(booking)
         self.ledger = ledger
+        for job in gone:  # released: a later event showing its placement must not book it again
+            self.release(job)
         self.rebuilt_at = asyncio.get_running_loop().time()
         return items
 
@@ -271,6 +283,9 @@ class Admission:
 
     def release(self, key: str) -> Booking | None:
         self._released.add(key)
+        freed = self._freed.get(key)
+        if freed is not None:
+            freed.set()
         return self.ledger.release(key)
 
     async def _schedule_forever(self) -> None:
@@ -341,18 +356,22 @@ class Admission:
         self.pending.pop(key, None)
         await self._repeak({j: p for j, p in changes.items() if j not in lower})
         # the placement is durable now; the scheduler goes on to the next job while the pod is created
-        self._spawn(self._start_pod(pending.body, booking))
+        self._creating[key] = self._spawn(self._start_pod(pending.body, booking))
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def _start_pod(self, body: dict, booking: Booking) -> None:
         try:
-            await self.ensure_pod(body, booking)
+            if booking.job in self.ledger.bookings:  # not released by a deletion seen while the placement was written
+                await self.ensure_pod(body, booking)
         except Exception:  # noqa: BLE001 - the job stays placed; a restarted operator creates its pod (resume)
             log.exception("%s: creating its pod failed", booking.job)
+        finally:
+            self._creating.pop(booking.job, None)
 
     async def _repeak(self, peaks: dict[str, int]) -> None:
         """Co-located jobs' scheduled peaks after planning them together with a newcomer."""
@@ -393,9 +412,13 @@ class Admission:
         namespace = meta["namespace"]
         key = f"{namespace}/{job}"
         phase = (pod.get("status") or {}).get("phase", "Pending")
-        if deleted and phase not in ("Succeeded", "Failed"):
+        if deleted and phase not in model.FINISHED:
             if key in self.ledger.bookings:
                 await self.finish(namespace, job, "Failed", "PodDeleted", "the training pod was deleted before it finished")
+            return
+        if meta.get("deletionTimestamp") and phase not in model.FINISHED:
+            if key in self.ledger.bookings:  # its container may hold the GPU through its grace period
+                await self.set_status(namespace, job, {"message": f"pod {meta['name']} is terminating: its GPU stays booked until it is gone"})
             return
         if phase == "Running":
             booking = self.ledger.bookings.get(key)
@@ -456,14 +479,34 @@ class Admission:
             self._profiling.discard(key)
 
     async def deleted(self, body: dict) -> None:
+        """A deleted TrainingJob's room is freed when its pod is really gone (its DELETED event, or found
+        absent or terminated here), not when the deletion is seen: a terminating pod's container still holds
+        the GPU and its memory through its grace period. Kopf's finalizer keeps the TrainingJob, and with it
+        the placement in its status, until this returns, so a restarted operator books the room again."""
         meta = body["metadata"]
-        key = job_key(body)
-        booking = self.release(key)
+        namespace, name, key = meta["namespace"], meta["name"], job_key(body)
         self.pending.pop(key, None)
+        await self.ready.wait()
+        creating = self._creating.get(key)
+        if creating is not None:  # the pod being created lands before it is deleted
+            await asyncio.wait({creating})
+        if key in self.ledger.bookings:  # else queued (no pod ever), ended, or its pod was found gone by a rebuild
+            self.token(body)  # unregistering at the agent needs it (a restarted operator has not made it yet)
+        freed = self._freed.setdefault(key, asyncio.Event())
+        try:
+            await self.kube.delete_pod(namespace, pod_name(name))
+            while key in self.ledger.bookings:
+                freed.clear()
+                pod = await self.kube.find_pod(namespace, pod_name(name))
+                if pod is None or pod_holder(pod) != key:  # gone, or ended: its containers hold nothing
+                    await self.finish(namespace, name, "Failed", "Deleted", "the TrainingJob was deleted and its pod is gone")
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(freed.wait(), POD_CHECK_SECONDS)
+        finally:
+            self._freed.pop(key, None)
         self.conditions.pop(key, None)
         self.phases.pop(key, None)
-        await self.kube.delete_pod(meta["namespace"], pod_name(meta["name"]))
-        await self.after_release(key, booking)
 
     async def knobs_changed(self, body: dict) -> None:
         meta = body["metadata"]
@@ -488,6 +531,15 @@ class Admission:
         note = "forwarded to the node agent" if forwarded else "recorded; no agent reachable to forward to"
         await self.set_status(meta["namespace"], meta["name"], {"knobs": knobs},
                               condition("KnobsApplied", forwarded, "Forwarded" if forwarded else "NoAgent", note))
+
+
+def pod_holder(pod: dict) -> str:
+    """namespace/name of the TrainingJob a pod holds a GPU for ("" when it is not a training pod or has ended)."""
+    meta = pod["metadata"]
+    job = (meta.get("labels") or {}).get(JOB_LABEL, "")
+    if not job or meta["name"] != pod_name(job) or (pod.get("status") or {}).get("phase") in model.FINISHED:
+        return ""
+    return f"{meta['namespace']}/{job}"
 
 
 def _termination(pod: dict) -> str:

@@ -125,8 +125,15 @@ class Kube:
     async def create_pod(self, namespace: str, pod: dict) -> dict:
         return await self.call("create", "", "v1", "pods", namespace=namespace, body=pod)
 
-    async def get_pod(self, namespace: str, name: str) -> dict:
-        return await self.call("get", "", "v1", "pods", namespace=namespace, name=name)
+    async def find_pod(self, namespace: str, name: str) -> dict | None:
+        """The pod, or None when it is gone (a terminating pod is still found)."""
+        try:
+            return await self.call("get", "", "v1", "pods", namespace=namespace, name=name)
+        except NotFound:
+            return None
+
+    async def list_pods(self, label_selector: str) -> list[dict]:
+        return (await self.call("list", "", "v1", "pods", params={"labelSelector": label_selector})).get("items", [])
 
     async def delete_pod(self, namespace: str, name: str) -> None:
         try:

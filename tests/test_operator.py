@@ -14,7 +14,7 @@ import kopf
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from operator_harness import (GIB, cluster, fake_kubelet, jitter, phase, pod_env, process_kubelet, simulated_gpu,
+from operator_harness import (GIB, cluster, fake_kubelet, jitter, phase, pod_env, process_kubelet, serve_pods, simulated_gpu,
                               start_operator, trainingjob)
 from tensile.errors import TensileUserError
 from tensile.operator.forecasting import Forecaster
@@ -409,3 +409,117 @@ def test_a_finished_job_frees_its_room_only_once_its_end_is_written():
 
     asyncio.run(scenario())
     assert not over and booked == {"default/new": 2 * GIB}
+
+
+def test_a_deleted_job_frees_its_room_only_once_its_pod_is_gone(tmp_path, forecaster):
+    """Deleting a TrainingJob does not free its GPU while its pod terminates (in a cluster the container holds
+    the GPU and its memory through its grace period): a queued job that fits only in that room waits for the
+    pod to be gone, also across an operator restart (the rebuild sees the terminating pod), and is placed
+    once it is (its DELETED event, or found gone by the next operator). A job deleted while queued goes at once."""
+    grace = "test.tensile.dev/grace-period"  # the test kubelet holds each pod's deletion back with it
+
+    async def scenario():  # type: ignore[no-untyped-def]
+        async with cluster(tmp_path) as c:
+            await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4), simulated_gpu("GPU-a1", 4)])
+            shared: list[dict] = []  # GPUs that ever had two live pods (3 GiB each on 4 GiB)
+
+            async def start_with_grace_period(pod: dict) -> None:
+                meta = pod["metadata"]
+                await c.request("PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}", {"metadata": {"finalizers": [grace]}})
+                await c.set_pod_status(pod, {"phase": "Running"})
+
+            async def let_go(job: str) -> None:  # its container has stopped: the pod goes
+                await c.request("PATCH", f"/api/v1/namespaces/default/pods/{job}-tensile", {"metadata": {"finalizers": []}})
+
+            async def one_pod_per_gpu() -> None:
+                while True:
+                    pods = defaultdict(list)
+                    for pod in c.pods():
+                        pods[pod["metadata"]["annotations"]["tensile.dev/gpu"]].append(pod["metadata"]["name"])
+                    shared.extend({gpu: names} for gpu, names in pods.items() if len(names) > 1)
+                    await asyncio.sleep(0.02)
+
+            def pod_of(job: str) -> dict | None:
+                return c.emu.get("v1/pods", "default", f"{job}-tensile")
+
+            def placed(job: str) -> str | None:
+                status = (c.job(job) or {}).get("status") or {}
+                return status["placement"]["gpu"] if status.get("phase") in ("Admitted", "Running") else None
+
+            kubelet = asyncio.create_task(serve_pods(c, start_with_grace_period, reraise=True))
+            checker = asyncio.create_task(one_pod_per_gpu())
+            op = await start_operator(forecaster)
+            try:
+                for job in ("a", "b"):
+                    await c.apply(trainingjob(job, None, profile="p", memoryBudget="3Gi"))
+                await c.wait(lambda: all(phase(c.job(j)) == "Running" and grace in pod_of(j)["metadata"].get("finalizers", [])
+                                         for j in "ab"), 30, "a and b running, one per GPU")
+                gpu_of = {j: placed(j) for j in "ab"}
+                for job in ("c", "d", "queued"):
+                    await c.apply(trainingjob(job, None, profile="p", memoryBudget="3Gi"))
+                await c.wait(lambda: all(phase(c.job(j)) == "Queued" for j in ("c", "d", "queued")), 30, "c, d and queued queued")
+                await c.delete("queued")  # no pod ever: nothing to wait for
+                await c.wait(lambda: c.job("queued") is None, 5, "the queued job gone at once")
+                await c.delete("a")
+                await c.delete("b")
+                await c.wait(lambda: all(pod_of(j)["metadata"].get("deletionTimestamp") for j in "ab"), 10, "both pods terminating")
+                await asyncio.sleep(0.5)
+                assert phase(c.job("c")) == phase(c.job("d")) == "Queued", "placed while the deleted jobs' pods still hold the GPUs"
+                assert c.job("a")["metadata"].get("deletionTimestamp"), "the TrainingJob went before its pod"
+                assert "terminating" in c.job("a")["status"]["message"]
+
+                await op.stop()  # a's pod goes while no operator runs; b's still terminates when the next one starts
+                await let_go("a")
+                op = await start_operator(forecaster)
+                assert "default/b" in op.app.ledger.bookings
+                await c.wait(lambda: c.job("a") is None and gpu_of["a"] in (placed("c"), placed("d")), 10, "a gone, its room given")
+                waiting = "d" if placed("c") else "c"
+                await c.wait(lambda: f"default/{waiting}" in op.app.pending, 10, f"{waiting} back in the queue")
+                await asyncio.sleep(0.3)
+                assert phase(c.job(waiting)) == "Queued" and c.job("b") is not None
+
+                await let_go("b")  # its DELETED event frees the room
+                await c.wait(lambda: c.job("b") is None and placed(waiting) == gpu_of["b"], 10, "b gone, its room given")
+            finally:
+                checker.cancel()
+                kubelet.cancel()
+                await asyncio.gather(checker, kubelet, return_exceptions=True)
+                await op.stop()
+            assert not shared, shared[:3]
+
+    run(scenario())
+
+
+def test_a_rebuild_books_a_deleted_job_only_while_its_pod_holds_the_gpu():
+    """A deleted job (kept by its finalizer) is booked by a rebuild while its pod is there and not ended;
+    a pod that is gone or has ended holds nothing, and a later event of that job books nothing either. A job not being deleted stays booked without a pod
+    (its pod may not be created yet)."""
+    from tensile.operator.admission import Admission
+    from tensile.operator.pods import JOB_LABEL
+
+    def job(name: str, deleting: bool) -> dict:
+        meta = {"namespace": "default", "name": name} | ({"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {})
+        return {"metadata": meta, "spec": {"memoryBudget": "1Gi"},
+                "status": {"phase": "Running", "placement": {"gpu": "GPU-a0", "node": "node-a"},
+                           "forecast": {"source": "budget", "reservedBytes": GIB}}}
+
+    def pod(job: str, pod_phase: str) -> dict:
+        return {"metadata": {"namespace": "default", "name": f"{job}-tensile", "labels": {JOB_LABEL: job},
+                             "deletionTimestamp": "2026-01-01T00:00:00Z"}, "status": {"phase": pod_phase}}
+
+    app = Admission()
+
+    class Listing:
+        async def list_trainingjobs(self) -> list[dict]:
+            return [job("terminating", True), job("gone", True), job("ended", True), job("starting", False)]
+
+        async def list_pods(self, selector: str) -> list[dict]:
+            assert selector == JOB_LABEL
+            return [pod("terminating", "Running"), pod("ended", "Succeeded")]
+
+    app.kube = Listing()
+    asyncio.run(app.rebuild())
+    assert set(app.ledger.bookings) == {"default/terminating", "default/starting"}
+    app.ready.set()
+    app.adopt(job("gone", True))  # a later event of the job whose pod was found gone books nothing
+    assert "default/gone" not in app.ledger.bookings
