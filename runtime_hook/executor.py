@@ -763,7 +763,7 @@ class PlanExecutor(TorchDispatchMode):
         try:
             self._transfer(self.mover.swap_out, slot, storage)
         except RuntimeError:  # e.g. a storage that is not resizable (from numpy): leave it alone
-            slot.extra["pinned"] = True
+            slot.pinned = True
             return False
         self.registry.mark_absent(slot)
         self.stats.swap_out_bytes += slot.nbytes
@@ -812,7 +812,7 @@ class PlanExecutor(TorchDispatchMode):
             if freed >= need:
                 break
             slot = self.registry.slots.get(key)
-            if slot is None or key in protected or slot.nbytes < MIN_EVICT_BYTES or slot.extra.get("pinned"):
+            if slot is None or key in protected or slot.nbytes < MIN_EVICT_BYTES or slot.pinned:
                 continue
             if self._swap_out(slot):
                 slot.passive = True
@@ -846,6 +846,7 @@ class PlanExecutor(TorchDispatchMode):
         self.stats.hook_seconds += time.perf_counter() - started
 
     def _restore_absent(self) -> None:
+        self.swaps.restore()  # the native iteration's own slots, outside the registry
         with _disable_current_modes():
             for slot in self.registry.absent():
                 self._fetch(slot)

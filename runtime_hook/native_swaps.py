@@ -14,8 +14,10 @@ at once and runs the rest without events; the next iteration aligns again on the
 
 from __future__ import annotations
 
-import time
+import logging
+import weakref
 from functools import partial
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +26,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from tensile.runtime_hook.native_align import Action, Alignment, NodeHook, SwapLearner
 from tensile.runtime_hook.storages import Slot, tensors_in
+
+log = logging.getLogger("tensile.hook")
 
 if TYPE_CHECKING:
     from tensile.runtime_hook.executor import ActivePlan, PlanExecutor
@@ -68,6 +72,7 @@ class SwapCarrier:
         # first native iteration's walk; later ones follow them (a few steps, not a walk) while they hold
         self.paths: dict[int, list[tuple[tuple[int, ...], NodeHook]]] = {}
         self.device_type = executor.device.type
+        self.watched = executor.registry.slots
         self.swaps = alignment.swaps
         self.exits = alignment.exits
         self.handles: list[Any] = []
@@ -98,7 +103,7 @@ class SwapCarrier:
         if self.live and self.index != len(self.expected):
             self._abort(f"{self.index} module call boundaries, {len(self.expected)} learnt")
         self.live = False
-        self._restore()
+        self.restore()
         self.slots = []
         return self.diverged
 
@@ -119,7 +124,7 @@ class SwapCarrier:
         executor = self.executor
         if executor.in_step or torch._C._current_autograd_node() is not None:
             return
-        started = time.perf_counter()
+        started = perf_counter()
         index = self.index
         self.index = index + 1
         try:
@@ -134,7 +139,7 @@ class SwapCarrier:
         except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
             self.live = False
             executor._stand_down(exc)
-        executor.stats.hook_seconds += time.perf_counter() - started
+        executor.stats.hook_seconds += perf_counter() - started
 
     def _act(self, action: Action, values: Any) -> None:
         executor = self.executor
@@ -145,7 +150,7 @@ class SwapCarrier:
             storage = tensor.untyped_storage() if tensor is not None else None
             if storage is None or storage.nbytes() != nbytes or tensor.device.type != self.device_type:
                 raise _Diverged(f"the tensor at boundary {self.index - 1} is not the learnt one")
-            slots[swap] = executor.registry.watch(storage)
+            slots[swap] = self._slot(storage, nbytes)
         if action.root is not None:
             node = tensors[action.root].grad_fn if action.root < len(tensors) else None
             if node is None:
@@ -156,12 +161,62 @@ class SwapCarrier:
             self.last_root = sequence
             if action.hooks:
                 self._hook_nodes(node, sequence, id(action))
-        for swap in action.swap_out:
-            slot = slots[swap]
-            if slot is None:
-                raise _Diverged(f"swap {swap} was not taken")
-            if slot.resident and executor._swap_out(slot):
-                executor.stats.events["swap_out"] += 1
+        if action.swap_out:
+            self._swap_out(action.swap_out)
+
+    def _slot(self, storage: torch.UntypedStorage, nbytes: int) -> Slot:
+        """The registry's slot when it watches the storage (an observed native iteration counts its
+        bytes), else one of this iteration's own: no registry entry, no callback when it dies."""
+        key = id(storage)
+        slot = self.watched.get(key)
+        return slot if slot is not None else Slot(key, weakref.ref(storage), nbytes, counted=False)
+
+    def _swap_out(self, swaps: list[int]) -> None:
+        """The boundary's swap-outs; each copy timed as transfer time, the counts added once."""
+        executor = self.executor
+        mover, mark_absent, slots = executor.mover, executor.registry.mark_absent, self.slots
+        copying, moved, count = 0.0, 0, 0
+        try:
+            for swap in swaps:
+                slot = slots[swap]
+                if slot is None:
+                    raise _Diverged(f"swap {swap} was not taken")
+                storage = slot.ref()
+                if storage is None or not slot.resident:
+                    continue
+                started = perf_counter()
+                try:
+                    mover.swap_out(slot, storage)
+                except RuntimeError:  # e.g. a storage that is not resizable (from numpy): leave it alone
+                    mover.drop_host(slot)
+                    slot.pinned = True
+                    continue
+                finally:
+                    copying += perf_counter() - started
+                mark_absent(slot)
+                moved += slot.nbytes
+                count += 1
+        finally:
+            stats = executor.stats
+            stats.transfer_seconds += copying
+            stats.hook_seconds -= copying
+            stats.swap_out_bytes += moved
+            stats.events["swap_out"] += count
+
+    def _swap_in(self, slot: Slot) -> float:
+        """Back on the device: the seconds its copy took (transfer time). A storage that died while
+        away needs nothing back: its host buffer returns to the pool."""
+        executor = self.executor
+        storage = slot.ref()
+        if storage is None:
+            executor.mover.drop_host(slot)
+            return 0.0
+        started = perf_counter()
+        executor.mover.swap_in(slot, storage)
+        copying = perf_counter() - started
+        executor.registry.mark_resident(slot)
+        executor.stats.swap_in_bytes += slot.nbytes
+        return copying
 
     def _hook_nodes(self, root: Any, sequence: int, key: int) -> None:
         """Pre-hook the boundary's nodes: along the paths found before when they still lead to nodes
@@ -170,13 +225,13 @@ class SwapCarrier:
         nodes = _follow(root, sequence, paths) if paths is not None else None
         if nodes is None:
             nodes, self.paths[key] = self._walk(root, sequence, *self.node_hooks[key])
-        slots, registry = self.slots, self.executor.registry
+        slots = self.slots
         for node, hook in nodes:
             for swap, name, nbytes in hook.take:
                 saved = getattr(node, name, None)
                 if not isinstance(saved, torch.Tensor) or saved.untyped_storage().nbytes() != nbytes:
                     raise _Diverged(f"the tensor {name} saved at boundary {self.index - 1} is not the learnt one")
-                slots[swap] = registry.watch(saved.untyped_storage())
+                slots[swap] = self._slot(saved.untyped_storage(), nbytes)
             node.register_prehook(partial(self._node_pre, hook, slots))
 
     def _walk(self, root: Any, sequence: int, wanted: dict[int, NodeHook],
@@ -205,12 +260,12 @@ class SwapCarrier:
     def _node_pre(self, hook: NodeHook, slots: list[Slot | None], grad_outputs: Any) -> None:
         """Before a node runs in backward: its swap-in, then check before use."""
         executor = self.executor
-        started = time.perf_counter()
+        started = perf_counter()
         try:
             self._outside_modes(self._fetch_for, hook, slots)
         except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
             executor._stand_down(exc)
-        executor.stats.hook_seconds += time.perf_counter() - started
+        executor.stats.hook_seconds += perf_counter() - started
 
     def _outside_modes(self, work: Any, *args: Any) -> None:
         """Run `work` where its copies do not pass through the dispatch mode (on the stack only when a
@@ -222,30 +277,53 @@ class SwapCarrier:
             work(*args)
 
     def _fetch_for(self, hook: NodeHook, slots: list[Slot | None]) -> None:
-        executor = self.executor
+        """The swap-ins planned before this node (the prefetch), then check before use: a tensor it
+        reads that is still absent comes back now, as a stall; on CUDA an in-flight one is waited for."""
+        copying, stalled, count = 0.0, 0.0, 0
         for swap in hook.fetch:
             slot = slots[swap]
             if slot is not None and not slot.resident:
-                executor._fetch(slot)
-                executor.stats.events["swap_in"] += 1
+                copying += self._swap_in(slot)
+                count += 1
         for swap in hook.check:
             slot = slots[swap]
-            if slot is not None:
-                executor._ensure_slot_resident(slot)
+            if slot is None:
+                continue
+            if not slot.resident:
+                started = perf_counter()
+                copying += self._swap_in(slot)
+                stalled += perf_counter() - started
+            elif slot.pending is not None:
+                self.executor.mover.wait(slot)
+        if count or copying:  # most reading nodes find their tensors back already: nothing to account
+            stats = self.executor.stats
+            stats.transfer_seconds += copying
+            stats.hook_seconds -= copying
+            stats.stall_seconds += stalled
+            stats.events["swap_in"] += count
 
-    def _restore(self) -> None:
+    def restore(self) -> None:
+        """Every tensor this iteration swapped out back now (its copies are transfer time)."""
         absent = [slot for slot in self.slots if slot is not None and not slot.resident]
         if not absent:
             return
+        copying, failed = 0.0, None
         with _disable_current_modes():
             for slot in absent:
-                self.executor._fetch(slot)
+                try:
+                    copying += self._swap_in(slot)
+                except Exception as exc:  # noqa: BLE001 - bring the others back, then say
+                    failed = failed or exc
+        self.executor.stats.transfer_seconds += copying
+        self.executor.stats.hook_seconds -= copying
+        if failed is not None:
+            raise failed
 
     def _abort(self, reason: str) -> None:
         """Every tensor back now; the rest of the iteration runs without events."""
         self.live = False
         self.diverged = True
-        self._restore()
+        self.restore()
         executor = self.executor
         executor.stats.mode = "diverged"
         executor._say(f"the native iteration left the learnt module calls ({reason}): every tensor is back, "
@@ -266,8 +344,9 @@ class NativeSwaps:
         """This iteration's native swaps end (True if it left the learnt module calls: the plan is
         aligned again), or the learning iteration aligns the plan's swaps."""
         executor = self.executor
-        carrying, self.carrying = self.carrying, None
+        carrying = self.carrying  # kept until it ends: a stand-down meanwhile still brings its tensors back
         diverged = carrying is not None and carrying.end()  # timed with the whole step hook
+        self.carrying = None
         if self.carrier is not None:
             self.carrier.remove()
             self.carrier = None
@@ -327,9 +406,20 @@ class NativeSwaps:
             self.learner = None
 
     def stop(self) -> None:
-        """The hook stands down: nothing more is swapped (it restores every tensor itself)."""
+        """The hook stands down: nothing more is swapped, and this iteration's tensors come back
+        (the executor restores the registry's)."""
         if self.carrying is not None:
             self.carrying.live = False
+            try:
+                self.carrying.restore()
+            except Exception:  # noqa: BLE001 - standing down must not raise into the user's code
+                log.exception("tensile: could not restore a tensor")
+
+    def restore(self) -> None:
+        """Every tensor the native iteration swapped out back now (before a read outside the
+        dispatcher, or when the hook stands down)."""
+        if self.carrying is not None:
+            self.carrying.restore()
 
     def remove(self) -> None:
         for hooks in (self.learner, self.carrier):

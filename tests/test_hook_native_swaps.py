@@ -189,3 +189,26 @@ def test_a_tensor_still_absent_when_its_node_runs_is_fetched_there():
     assert all(it.path == "native" and it.mode == "planned" for it in native)
     assert all(it.events["swap_in"] == 0 and it.swap_in_bytes == it.swap_out_bytes > 0 for it in native)
     assert all(it.stall_seconds > 0 for it in native)
+
+
+def test_a_hook_failure_in_a_native_backward_brings_every_swapped_tensor_back(monkeypatch):
+    """The native swaps' slots live outside the storage registry: when the hook stands down in
+    the middle of a native backward (here its first node pre-hook of iteration 4 fails), the
+    tensors that iteration swapped out must still come back before autograd reads them."""
+    from tensile.runtime_hook.native_swaps import SwapCarrier
+
+    fetch_for = SwapCarrier._fetch_for
+
+    def failing(self, hook, slots):  # type: ignore[no-untyped-def]
+        if self.executor.iteration == 4:
+            assert any(slot is not None and not slot.resident for slot in slots)  # something is out to restore
+            raise RuntimeError("injected hook failure")
+        fetch_for(self, hook, slots)
+
+    monkeypatch.setattr(SwapCarrier, "_fetch_for", failing)
+    plain = fit(blocks, 4, STEPS)
+    state, report = hooked(blocks, feature_swaps)
+    assert_identical(plain, state)
+    assert report.stood_down == "RuntimeError: injected hook failure"
+    assert [it.path for it in report.iterations[3:5]] == ["native", "native"]
+    assert report.iterations[4].events["swap_out"] > 0
