@@ -270,6 +270,71 @@ def test_single_thread_cpu_timing_does_not_count_time_spent_descheduled():
         torch.set_num_threads(threads)
 
 
+def test_cheap_ops_are_timed_in_batches_that_change_the_step_only_once(monkeypatch):
+    """Every op is batched here (BATCH_BELOW raised): repeats of an in-place op write into copies, so the
+    parameters, state and gradients change once, as in training, and each op is recorded once."""
+    import torch
+
+    from tensile.latency import measure
+
+    monkeypatch.setattr(measure, "BATCH_BELOW", 1.0)
+    param, grads = torch.ones(64), [torch.full((8,), 2.0), torch.full((8,), 3.0)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        recorder = measure.TimingRecorder("cpu")
+        with recorder:
+            param.add_(1.0)
+            torch._foreach_mul_(grads, 0.5)
+            y = param.view(8, 8)
+        times = recorder.finish()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(param, torch.full((64,), 2.0)) and y.shape == (8, 8)
+    assert torch.equal(grads[0], torch.full((8,), 1.0)) and torch.equal(grads[1], torch.full((8,), 1.5))
+    assert len(times) == len(recorder.ops) == 3 and all(t > 0 for t in times)
+
+
+def test_a_batch_repeats_the_op_until_it_is_long_enough_and_reports_the_mean():
+    import torch
+
+    from tensile.latency.measure import BATCH_TARGET, MAX_BATCH, batched_seconds
+
+    class Op:  # a 2 us op on a fake clock
+        _schema = torch.ops.aten.add.Tensor._schema
+
+        def __init__(self) -> None:
+            self.calls, self.now = 0, 0.0
+
+        def __call__(self, *args, **kwargs):
+            self.calls += 1
+            self.now += 2e-6
+
+    op = Op()
+    assert batched_seconds(op, (torch.ones(1), torch.ones(1)), {}, 5e-6, lambda: op.now) == pytest.approx(2e-6)
+    assert op.calls == round(BATCH_TARGET / 5e-6)  # sized from the op's first, slower, run
+    op.calls = 0
+    batched_seconds(op, (torch.ones(1), torch.ones(1)), {}, 1e-9, lambda: op.now)
+    assert op.calls == MAX_BATCH
+
+
+def test_scratch_arguments_copy_only_what_the_op_writes():
+    import torch
+
+    from tensile.latency.measure import scratch_arguments
+
+    a, b = torch.ones(4), torch.ones(4)
+    args, _ = scratch_arguments(torch.ops.aten.add_.Tensor, (a, b), {})
+    assert args[0] is not a and torch.equal(args[0], a) and args[1] is b
+    lists, _ = scratch_arguments(torch.ops.aten._foreach_add_.List, ([a], [b]), {})
+    assert lists[0][0] is not a and lists[1][0] is b
+    out = torch.empty(4)
+    _, kwargs = scratch_arguments(torch.ops.aten.add.out, (a, b), {"out": out})
+    assert kwargs["out"] is not out
+    same = (a, b)
+    assert scratch_arguments(torch.ops.aten.add.Tensor, same, {})[0] is same
+
+
 def test_view_ops_are_priced_by_name(tmp_path):
     from tensile.latency.calibrate import view_table
     from tensile.latency.predict import predict_seconds

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 
 from tensile.workload import Op
 
-FEATURE_VERSION = 4  # 3: the prior counts fresh-page faults; 4: of every family's outputs, + the preceding op,
-# + measured ops
+FEATURE_VERSION = 5  # 3: the prior counts fresh-page faults; 4: of every family's outputs, + the preceding op,
+# + measured ops; 5: a cheap op's target is the mean of a batch of repeats (measure.batched_seconds)
 
 # Ops that only make a new view or an uninitialised allocation: no data moves, cost is dispatch.
 VIEW_OPS = frozenset({

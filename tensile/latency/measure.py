@@ -11,11 +11,14 @@ spent descheduled is not counted), and every estimate is robust: repeats are int
 repeat more than OUTLIER_TOLERANCE above the fastest is an outlier (neighbours only ever add time);
 the estimate is the median of the repeats near the fastest, and whole iterations are re-measured
 until at least two agree.
+An op too cheap for one clock reading (under BATCH_BELOW) is timed as a batch of repeats right where
+it ran (batched_seconds).
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import multiprocessing
 import os
 import statistics
@@ -28,13 +31,19 @@ from typing import Any
 import torch
 
 from tensile.latency.prior import FRESH_ALLOCATION_BYTES, Roofline
-from tensile.tracer import Recorder, TrainingStep
+from tensile.tracer import Recorder, TrainingStep, written_values
 from tensile.workload import Op
 
 
 OUTLIER_TOLERANCE = 0.15  # a repeat this much slower than the fastest was disturbed by the neighbours
 AGREE = 2  # whole iterations are re-measured until this many repeats agree with the fastest
 MAX_EXTRA_REPEATS = 2  # ... but at most this many extra (a zoo iteration takes seconds)
+# A CPU op faster than BATCH_BELOW is at the clock's noise (a view takes 1-3 us, a clock read ~0.5 us):
+# it is run again BATCH_TARGET / its time times (at most MAX_BATCH) right where it ran, and the batch's
+# mean is its sample.
+BATCH_BELOW = 20e-6
+BATCH_TARGET = 40e-6
+MAX_BATCH = 32
 
 
 def in_fresh_process(fn: Callable[..., Any], *args: Any) -> Any:
@@ -89,8 +98,50 @@ def repeat_until_settled(measure: Callable[[], float], repeats: int, max_extra: 
     return samples
 
 
+def _scratch(value: Any) -> Any:
+    """A copy of a written argument (a tensor or a list of them) for an op's repeats to write into."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_scratch(v) for v in value)
+    return value
+
+
+def scratch_arguments(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """args and kwargs with every value the op writes in place (`Tensor(a!)`) replaced by a copy: repeats
+    read the same values the op really read, and the step's parameters, optimizer state and gradients are
+    changed once, as in training."""
+    if not written_values(func, args, kwargs):
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        if position < len(args):
+            args[position] = _scratch(args[position])
+        elif argument.name in kwargs:
+            kwargs[argument.name] = _scratch(kwargs[argument.name])
+    return tuple(args), kwargs
+
+
+def batched_seconds(func: Any, args: tuple, kwargs: dict, first: float, clock: Callable[[], float]) -> float:
+    """Seconds per call of an op that took `first` seconds, from one timed batch of repeats of it.
+
+    Each repeat allocates its own output (the previous one is freed first, so glibc hands back a
+    recently freed chunk, as it mostly does in training) and writes into scratch copies of what the op
+    writes in place. The batch runs right after the op itself, in the same place of the
+    iteration, so it sees the caches the op saw (warmed by the op's own first run)."""
+    repeats = min(MAX_BATCH, max(2, math.ceil(BATCH_TARGET / max(first, 1e-7))))
+    args, kwargs = scratch_arguments(func, args, kwargs)
+    t0 = clock()
+    for _ in range(repeats):
+        func(*args, **kwargs)
+    return (clock() - t0) / repeats
+
+
 class TimingRecorder(Recorder):
-    """The tracer's recorder, plus the time each op's kernel(s) took."""
+    """The tracer's recorder, plus the time each op's kernel(s) took (CPU ops under BATCH_BELOW: the mean
+    of a batch of repeats, see batched_seconds)."""
 
     def __init__(self, device_type: str) -> None:
         super().__init__(device_type, device_type)
@@ -112,7 +163,10 @@ class TimingRecorder(Recorder):
         else:
             t0 = self.clock()
             out = func(*args, **kwargs)
-            self.times.append(self.clock() - t0)
+            seconds = self.clock() - t0
+            if seconds < BATCH_BELOW:
+                seconds = batched_seconds(func, args, kwargs, seconds, self.clock)
+            self.times.append(seconds)
         self.record(func, args, kwargs, out)
         return out
 
