@@ -388,3 +388,19 @@ def test_family_ensemble_averages_its_members_and_round_trips(tmp_path):
     assert isinstance(loaded["pool"], FamilyEnsemble) and len(loaded["pool"].members) == 2
     np.testing.assert_allclose(loaded["pool"].log_correction(x), ensemble.log_correction(x), rtol=1e-4, atol=1e-5)
     assert len(loaded["conv"].members) == 1  # a single MLP's dict reads as a one-member ensemble
+
+
+def test_a_zoo_model_is_measured_in_a_fresh_process_as_its_trace_records_it():
+    """Calibration's zoo path: the model trains in a spawned process of its own (a fresh heap, as a job's), and
+    what comes back is the iteration a trace of the same job records, every op timed."""
+    from tensile.forecast import trace_workload
+    from tensile.latency.calibrate import measure_probes
+    from tensile.latency.probes import zoo_probes
+
+    probe = zoo_probes(batches=(1,), models=("resnet50",))[0]
+    [measured] = measure_probes([probe], "cpu", timed=1, plain=1)
+    traced = trace_workload("resnet50", 1, foreach=probe.foreach)
+    assert measured.probe == probe
+    assert [op.name for op in measured.timing.ops] == [op.name for op in traced.ops]
+    assert len(measured.timing.seconds) == len(traced.ops) and all(s > 0 for s in measured.timing.seconds)
+    assert measured.timing.iteration_seconds > 0 and set(measured.timing.phase_seconds) == {"forward", "backward", "optimizer"}
