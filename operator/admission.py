@@ -244,8 +244,11 @@ class Admission:
             if booking.job not in self._released and booking.job not in gone:
                 ledger.book(booking)
         self.ledger = ledger
-        for job in gone:  # released: a later event showing its placement must not book it again
-            self.release(job)
+        for booking, body in bookings:
+            if booking.job in gone:  # released: a later event showing its placement must not book it again
+                self.release(booking.job)
+                self.token(body)  # its agent is told, as after every release (a restarted operator has no token yet)
+                self._spawn(self.after_release(booking.job, booking))
         self.rebuilt_at = asyncio.get_running_loop().time()
         return items
 

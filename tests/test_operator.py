@@ -495,6 +495,7 @@ def test_a_rebuild_books_a_deleted_job_only_while_its_pod_holds_the_gpu():
     a pod that is gone or has ended holds nothing, and a later event of that job books nothing either. A job not being deleted stays booked without a pod
     (its pod may not be created yet)."""
     from tensile.operator.admission import Admission
+    from tensile.operator.placement import Gpu
     from tensile.operator.pods import JOB_LABEL
 
     def job(name: str, deleting: bool) -> dict:
@@ -517,9 +518,24 @@ def test_a_rebuild_books_a_deleted_job_only_while_its_pod_holds_the_gpu():
             assert selector == JOB_LABEL
             return [pod("terminating", "Running"), pod("ended", "Succeeded")]
 
-    app.kube = Listing()
-    asyncio.run(app.rebuild())
+    class Agent:  # what the node agent is told
+        told: list[tuple[str | None, str, str]] = []
+
+        async def unregister(self, agent: str | None, job: str, token: str) -> None:
+            self.told.append((agent, job, token))
+
+    app.kube, app.agent = Listing(), Agent()
+    app.inventory["node-a"] = [Gpu("node-a", "GPU-a0", "Simulated GPU", 4 * GIB, 4 * GIB, simulated=True, agent="http://127.0.0.1:1")]
+
+    async def rebuild() -> None:
+        await app.rebuild()
+        await asyncio.gather(*app._background)
+
+    asyncio.run(rebuild())
     assert set(app.ledger.bookings) == {"default/terminating", "default/starting"}
+    # the released ones leave their agent too (the ended pod's hook may have been killed before unregistering)
+    assert sorted((a, j) for a, j, _ in Agent.told) == [("http://127.0.0.1:1", "default/ended"), ("http://127.0.0.1:1", "default/gone")]
+    assert all(token for _, _, token in Agent.told)
     app.ready.set()
     app.adopt(job("gone", True))  # a later event of the job whose pod was found gone books nothing
     assert "default/gone" not in app.ledger.bookings
