@@ -236,10 +236,10 @@ class Admission:
         self._released.clear()
         items = await self.kube.list_trainingjobs()
         bookings = [(b, body) for body in items if (b := self._booking_of(body)) is not None]
-        gone: list[str] = []
+        gone: set[str] = set()
         if any(body["metadata"].get("deletionTimestamp") for _, body in bookings):
             holding = {pod_holder(pod) for pod in await self.kube.list_pods(JOB_LABEL)}
-            gone = [b.job for b, body in bookings if body["metadata"].get("deletionTimestamp") and b.job not in holding]
+            gone = {b.job for b, body in bookings if body["metadata"].get("deletionTimestamp") and b.job not in holding}
         for booking, _ in bookings:
             if booking.job not in self._released and booking.job not in gone:
                 ledger.book(booking)

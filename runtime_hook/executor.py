@@ -763,6 +763,7 @@ class PlanExecutor(TorchDispatchMode):
         try:
             self._transfer(self.mover.swap_out, slot, storage)
         except RuntimeError:  # e.g. a storage that is not resizable (from numpy): leave it alone
+            self.mover.drop_host(slot)
             slot.pinned = True
             return False
         self.registry.mark_absent(slot)
@@ -771,7 +772,8 @@ class PlanExecutor(TorchDispatchMode):
 
     def _fetch(self, slot: Slot) -> None:
         storage = slot.storage()
-        if storage is None:
+        if storage is None:  # died while away: nothing comes back, its host buffer returns to the pool
+            self.mover.drop_host(slot)
             return
         if slot.recipe is not None:
             self._recompute(slot, storage)

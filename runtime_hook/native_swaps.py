@@ -72,7 +72,6 @@ class SwapCarrier:
         # first native iteration's walk; later ones follow them (a few steps, not a walk) while they hold
         self.paths: dict[int, list[tuple[tuple[int, ...], NodeHook]]] = {}
         self.device_type = executor.device.type
-        self.watched = executor.registry.slots
         self.swaps = alignment.swaps
         self.exits = alignment.exits
         self.handles: list[Any] = []
@@ -161,62 +160,19 @@ class SwapCarrier:
             self.last_root = sequence
             if action.hooks:
                 self._hook_nodes(node, sequence, id(action))
-        if action.swap_out:
-            self._swap_out(action.swap_out)
+        for swap in action.swap_out:
+            slot = slots[swap]
+            if slot is None:
+                raise _Diverged(f"swap {swap} was not taken")
+            if slot.resident and executor._swap_out(slot):
+                executor.stats.events["swap_out"] += 1
 
     def _slot(self, storage: torch.UntypedStorage, nbytes: int) -> Slot:
         """The registry's slot when it watches the storage (an observed native iteration counts its
         bytes), else one of this iteration's own: no registry entry, no callback when it dies."""
         key = id(storage)
-        slot = self.watched.get(key)
+        slot = self.executor.registry.slots.get(key)
         return slot if slot is not None else Slot(key, weakref.ref(storage), nbytes, counted=False)
-
-    def _swap_out(self, swaps: list[int]) -> None:
-        """The boundary's swap-outs; each copy timed as transfer time, the counts added once."""
-        executor = self.executor
-        mover, mark_absent, slots = executor.mover, executor.registry.mark_absent, self.slots
-        copying, moved, count = 0.0, 0, 0
-        try:
-            for swap in swaps:
-                slot = slots[swap]
-                if slot is None:
-                    raise _Diverged(f"swap {swap} was not taken")
-                storage = slot.ref()
-                if storage is None or not slot.resident:
-                    continue
-                started = perf_counter()
-                try:
-                    mover.swap_out(slot, storage)
-                except RuntimeError:  # e.g. a storage that is not resizable (from numpy): leave it alone
-                    mover.drop_host(slot)
-                    slot.pinned = True
-                    continue
-                finally:
-                    copying += perf_counter() - started
-                mark_absent(slot)
-                moved += slot.nbytes
-                count += 1
-        finally:
-            stats = executor.stats
-            stats.transfer_seconds += copying
-            stats.hook_seconds -= copying
-            stats.swap_out_bytes += moved
-            stats.events["swap_out"] += count
-
-    def _swap_in(self, slot: Slot) -> float:
-        """Back on the device: the seconds its copy took (transfer time). A storage that died while
-        away needs nothing back: its host buffer returns to the pool."""
-        executor = self.executor
-        storage = slot.ref()
-        if storage is None:
-            executor.mover.drop_host(slot)
-            return 0.0
-        started = perf_counter()
-        executor.mover.swap_in(slot, storage)
-        copying = perf_counter() - started
-        executor.registry.mark_resident(slot)
-        executor.stats.swap_in_bytes += slot.nbytes
-        return copying
 
     def _hook_nodes(self, root: Any, sequence: int, key: int) -> None:
         """Pre-hook the boundary's nodes: along the paths found before when they still lead to nodes
@@ -279,43 +235,29 @@ class SwapCarrier:
     def _fetch_for(self, hook: NodeHook, slots: list[Slot | None]) -> None:
         """The swap-ins planned before this node (the prefetch), then check before use: a tensor it
         reads that is still absent comes back now, as a stall; on CUDA an in-flight one is waited for."""
-        copying, stalled, count = 0.0, 0.0, 0
+        executor = self.executor
         for swap in hook.fetch:
             slot = slots[swap]
             if slot is not None and not slot.resident:
-                copying += self._swap_in(slot)
-                count += 1
+                executor._fetch(slot)
+                executor.stats.events["swap_in"] += 1
         for swap in hook.check:
             slot = slots[swap]
-            if slot is None:
-                continue
-            if not slot.resident:
-                started = perf_counter()
-                copying += self._swap_in(slot)
-                stalled += perf_counter() - started
-            elif slot.pending is not None:
-                self.executor.mover.wait(slot)
-        if count or copying:  # most reading nodes find their tensors back already: nothing to account
-            stats = self.executor.stats
-            stats.transfer_seconds += copying
-            stats.hook_seconds -= copying
-            stats.stall_seconds += stalled
-            stats.events["swap_in"] += count
+            if slot is not None:
+                executor._ensure_slot_resident(slot)
 
     def restore(self) -> None:
         """Every tensor this iteration swapped out back now (its copies are transfer time)."""
         absent = [slot for slot in self.slots if slot is not None and not slot.resident]
         if not absent:
             return
-        copying, failed = 0.0, None
+        failed = None
         with _disable_current_modes():
             for slot in absent:
                 try:
-                    copying += self._swap_in(slot)
+                    self.executor._fetch(slot)
                 except Exception as exc:  # noqa: BLE001 - bring the others back, then say
                     failed = failed or exc
-        self.executor.stats.transfer_seconds += copying
-        self.executor.stats.hook_seconds -= copying
         if failed is not None:
             raise failed
 
