@@ -21,7 +21,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from tensile.plan import Event
-from tensile.runtime_hook.storages import tensors_in
+from tensile.runtime_hook.storages import tensor_paths
 
 if TYPE_CHECKING:
     from tensile.runtime_hook.executor import ActivePlan, PlanExecutor
@@ -36,6 +36,7 @@ class Boundary:
     op: int  # ops run before it in the iteration
     keys: list[int]  # id(storage) of its tensors (an exit: the call's inputs, then outputs), by position
     nbytes: list[int]  # their storages' full sizes (a storage the plan swapped out reads 0 bytes)
+    paths: list[tuple[Any, ...]]  # their index paths into the hook's values (args, or (args, output))
     root: tuple[int, int] | None  # (position, sequence number) of its tensors' newest autograd node
 
 
@@ -53,11 +54,13 @@ class NodeHook:
 class Action:
     """What a native iteration does at one boundary, in this order."""
 
-    take: list[tuple[int, int, int]] = field(default_factory=list)  # (swap, position, nbytes)
-    root: int | None = None  # position of the tensor whose grad_fn anchors the checks and node hooks
-    root_step: int | None = None  # its sequence number minus the previous anchored boundary's
-    hooks: list[NodeHook] = field(default_factory=list)
+    take: list[tuple[int, tuple[Any, ...], int]] = field(default_factory=list)  # (swap, index path, nbytes)
+    root: tuple[Any, ...] | None = None  # index path of the tensor whose grad_fn anchors the node hooks
+    root_step: int | None = None  # its sequence number minus the previous anchoring boundary's
+    hooks: list[NodeHook] = field(default_factory=list)  # pre-hooked here
+    deferred: list[NodeHook] = field(default_factory=list)  # found from this root, pre-hooked at the next flush
     swap_out: list[int] = field(default_factory=list)
+    flush: bool = False  # a top-level call's exit before backward: the deferred node hooks are registered
 
 
 @dataclass
@@ -114,14 +117,15 @@ class SwapLearner:
 
     def _boundary(self, pre: bool, module: torch.nn.Module, values: Any) -> None:
         executor = self.executor
-        tensors = tensors_in(values)
+        found = tensor_paths(values)
+        tensors = [tensor for _, tensor in found]
         keys = [id(t.untyped_storage()) for t in tensors]
         slots = executor.registry.slots
         nbytes = [slots[k].nbytes if k in slots else t.untyped_storage().nbytes() for k, t in zip(keys, tensors)]
         seqs = [(t.grad_fn._sequence_nr(), i) for i, t in enumerate(tensors) if t.grad_fn is not None]
         root = (max(seqs)[1], max(seqs)[0]) if seqs else None
         op = executor.op_index if executor.iteration == self.iteration else 0
-        self.boundaries.append(Boundary(pre, id(module), op, keys, nbytes, root))
+        self.boundaries.append(Boundary(pre, id(module), op, keys, nbytes, [path for path, _ in found], root))
 
     def on_op(self, index: int) -> None:
         """Called by the executor for every op of the dispatch path that keeps to the plan."""
@@ -160,43 +164,64 @@ class SwapLearner:
             for tensor in op.inputs:
                 if tensor in wanted:
                     accesses[tensor].append(op.index)
-        actions: dict[int, Action] = defaultdict(Action)
-        anchored: dict[int, dict[int, NodeHook]] = defaultdict(dict)  # boundary -> node sequence number -> hook
         unmapped = []
+        placed_swaps = []
         for swap, (out, back) in enumerate(swaps):
             placed = self._place(plan, out, back, accesses[out.tensor], keys.get(out.tensor))
             if isinstance(placed, str):
                 unmapped.append(f"swap of tensor {out.tensor}: {placed}")
                 continue
             taken, swapped, fetch, checks = placed
+            take_anchor = None
+            if isinstance(taken[0], str):  # a saved tensor: taken from its node when the node is found
+                take_anchor = self._anchor(taken[1], range(len(self.boundaries)))
+                if take_anchor is None:
+                    unmapped.append(f"swap of tensor {out.tensor}: the node saving it is made after the last module call")
+                    continue
+                swapped = max(swapped, take_anchor)  # taken before it goes out
+            placed_swaps.append((swap, out, taken, take_anchor, swapped, fetch, checks))
+        top_exits = self._top_level_exits()
+        # boundaries that act anyway: node hooks anchor on them where they can, so fewer boundaries act
+        acting = set(top_exits)
+        for _, _, taken, take_anchor, swapped, _, _ in placed_swaps:
+            acting.update((swapped, taken[0] if take_anchor is None else take_anchor))
+        actions: dict[int, Action] = defaultdict(Action)
+        eager: dict[int, dict[int, NodeHook]] = defaultdict(dict)  # boundary -> node sequence number -> hook
+        deferred: dict[int, dict[int, NodeHook]] = defaultdict(dict)
+        for swap, out, taken, take_anchor, swapped, fetch, checks in placed_swaps:
             targets = [(s, "check") for s in checks] + ([(fetch, "fetch")] if fetch is not None else [])
-            if isinstance(taken[0], str):  # a saved tensor: taken from its node, when the node is found
-                targets.append((taken[1], "take"))
-            anchors = [self._anchor(s) for s, _ in targets]
+            anchors = [self._anchor(s, sorted(acting)) for s, _ in targets]
+            anchors = [self._anchor(s, range(len(self.boundaries))) if a is None else a for a, (s, _) in zip(anchors, targets)]
             if any(a is None for a, (_, why) in zip(anchors, targets) if why != "fetch"):
                 unmapped.append(f"swap of tensor {out.tensor}: a node reading it is made after the last module call")
                 continue
-            if isinstance(taken[0], str):
-                swapped = max(swapped, anchors[-1])
+            if take_anchor is not None:
+                hook = eager[take_anchor].setdefault(taken[1], NodeHook(taken[1] - self.boundaries[take_anchor].root[1]))
+                hook.take.append((swap, taken[0], taken[2]))
             else:
                 actions[taken[0]].take.append((swap, taken[1], taken[2]))
             actions[swapped].swap_out.append(swap)
             for anchor, (sequence, why) in zip(anchors, targets):
                 if anchor is None:  # the swap-in node comes after the last module call: the first reader fetches
                     continue
-                root_position, root_sequence = self.boundaries[anchor].root
-                hook = anchored[anchor].setdefault(sequence, NodeHook(sequence - root_sequence))
-                if why == "take":
-                    hook.take.append((swap, taken[0], taken[2]))
-                else:
-                    (hook.fetch if why == "fetch" else hook.check).append(swap)
-        for index, hooks in anchored.items():
+                acting.add(anchor)
+                # registered at the exit of the top-level call that made it (in one go, with warm
+                # caches) when no backward ran in between, else right at the anchor
+                flush = self._flush_for(anchor, top_exits)
+                if flush is not None:
+                    actions[flush].flush = True
+                hooks = eager if flush is None else deferred
+                hook = hooks[anchor].setdefault(sequence, NodeHook(sequence - self.boundaries[anchor].root[1]))
+                (hook.fetch if why == "fetch" else hook.check).append(swap)
+        for index, hooks in eager.items():
             actions[index].hooks = list(hooks.values())
+        for index, hooks in deferred.items():
+            actions[index].deferred = list(hooks.values())
         previous = None
         for index in sorted(actions):
             root = self.boundaries[index].root
-            if root is not None:
-                actions[index].root = root[0]
+            if root is not None and (actions[index].hooks or actions[index].deferred):
+                actions[index].root = self.boundaries[index].paths[root[0]]
                 actions[index].root_step = None if previous is None else root[1] - previous
                 previous = root[1]
         # every entry is checked against the learnt one (a global pre-hook); exits only of the modules
@@ -208,9 +233,27 @@ class SwapLearner:
         alignment = Alignment(expected, {renumber[i]: a for i, a in actions.items()}, len(swaps), exits)
         return (None if unmapped else alignment), unmapped
 
+    def _top_level_exits(self) -> list[int]:
+        """The boundaries where a top-level module call returns: every node its forward made exists
+        there, and a backward through them cannot start before it returns."""
+        exits, depth = [], 0
+        for index, boundary in enumerate(self.boundaries):
+            depth += 1 if boundary.pre else -1
+            if depth == 0 and not boundary.pre:
+                exits.append(index)
+        return exits
+
+    def _flush_for(self, anchor: int, exits: list[int]) -> int | None:
+        """The first top-level exit at or after the anchor, if no backward op ran between them."""
+        flush = next((i for i in exits if i >= anchor), None)
+        if flush is None:
+            return None
+        start, end = self.boundaries[anchor].op, self.boundaries[flush].op
+        return None if any(start < op <= end for op in self.nodes) else flush
+
     def _place(self, plan: ActivePlan, out: Event, back: Event | None, accesses: list[int],
                key: int | None) -> tuple[tuple, int, int | None, list[int]] | str:
-        """(where it is taken: (boundary, position, bytes) or (saved attribute, node, bytes); the
+        """(where it is taken: (boundary, index path, bytes) or (saved attribute, node, bytes); the
         swap-out boundary; the swap-in node; the reading nodes), or why not."""
         ops, boundaries = plan.workload.ops, self.boundaries
         if key is None:
@@ -229,7 +272,7 @@ class SwapLearner:
         index = next((i for i in range(swapped, -1, -1) if boundaries[i].op > created and key in boundaries[i].keys), None)
         if index is not None:
             position = boundaries[index].keys.index(key)
-            taken: tuple = (index, position, boundaries[index].nbytes[position])
+            taken: tuple = (index, boundaries[index].paths[position], boundaries[index].nbytes[position])
         elif out.tensor in self.saved:
             node, name, nbytes = self.saved[out.tensor]
             taken = (name, node, nbytes)
@@ -243,9 +286,8 @@ class SwapLearner:
             fetch = self.nodes[first]
         return taken, swapped, fetch, checks
 
-    def _anchor(self, sequence: int) -> int | None:
-        """The first boundary whose root is at least as new as the node: the node is made just
-        before, most often by the module call it ends, so it is a short walk back from the root
-        (the node hooks read the swap's slot only when they run, after it was taken)."""
-        return next((i for i in range(len(self.boundaries))
-                     if self.boundaries[i].root is not None and self.boundaries[i].root[1] >= sequence), None)
+    def _anchor(self, sequence: int, candidates: Any) -> int | None:
+        """The first of the candidate boundaries whose root is at least as new as the node: the node
+        is made before it, so it is a walk back from the root (the node hooks read the swap's slot
+        only when they run, after it was taken)."""
+        return next((i for i in candidates if self.boundaries[i].root is not None and self.boundaries[i].root[1] >= sequence), None)

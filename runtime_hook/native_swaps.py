@@ -25,7 +25,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._python_dispatch import _disable_current_modes
 
 from tensile.runtime_hook.native_align import Action, Alignment, NodeHook, SwapLearner
-from tensile.runtime_hook.storages import Slot, tensors_in
+from tensile.runtime_hook.storages import Slot
 
 log = logging.getLogger("tensile.hook")
 
@@ -57,6 +57,16 @@ def _follow(root: Any, sequence: int, paths: list[tuple[tuple[int, ...], NodeHoo
     return nodes
 
 
+def _at(values: Any, path: tuple[Any, ...]) -> Any:
+    """The value at a learnt index path into a module call's arguments (and output)."""
+    try:
+        for key in path:
+            values = values[key]
+    except (LookupError, TypeError):
+        raise _Diverged("a module call's values are not laid out as learnt") from None
+    return values
+
+
 class SwapCarrier:
     """Carries the aligned swaps in native iterations: global module hooks while installed."""
 
@@ -65,20 +75,28 @@ class SwapCarrier:
         self.expected = alignment.expected
         # per boundary index: its action or None, a list (indexing beats a dict lookup in the hot hook)
         self.actions: list[Action | None] = [alignment.actions.get(i) for i in range(len(alignment.expected))]
-        # per acting boundary: its node hooks by sequence number relative to the root, and the lowest
-        self.node_hooks = {id(action): ({hook.delta: hook for hook in action.hooks}, min(h.delta for h in action.hooks))
-                           for action in alignment.actions.values() if action.hooks}
-        # per acting boundary: the next_functions index paths from its root to its nodes, found by the
+        # per list of node hooks (an acting boundary's own or its deferred ones), keyed by id(list):
+        # the hooks by sequence number relative to the root, and the lowest
+        self.node_hooks = {id(hooks): ({hook.delta: hook for hook in hooks}, min(h.delta for h in hooks))
+                           for action in alignment.actions.values() for hooks in (action.hooks, action.deferred) if hooks}
+        # per list of node hooks: the next_functions index paths from its root to its nodes, found by the
         # first native iteration's walk; later ones follow them (a few steps, not a walk) while they hold
         self.paths: dict[int, list[tuple[tuple[int, ...], NodeHook]]] = {}
-        self.device_type = executor.device.type
+        # roots whose deferred node hooks wait for the next flush: (root, sequence number, id(hooks))
+        self.pending: list[tuple[Any, int, int]] = []
+        # one callback per node hook for the carrier's life, not one per node per iteration
+        self.callbacks = {id(hook): partial(self._node_pre, hook) for action in alignment.actions.values()
+                          for hooks in (action.hooks, action.deferred) for hook in hooks}
+        self.registry_slots = executor.registry.slots
         self.swaps = alignment.swaps
         self.exits = alignment.exits
         self.handles: list[Any] = []
         self.live = False  # carrying the current iteration
         self.diverged = False
         self.index = 0
-        self.slots: list[Slot | None] = []
+        # this iteration's slots by swap: one list, emptied in place, that the callbacks read (a node
+        # of an older graph run late finds this iteration's slots: at worst it fetches one early)
+        self.slots: list[Slot | None] = [None] * self.swaps
         self.last_root: int | None = None
 
     def install(self) -> None:
@@ -95,7 +113,8 @@ class SwapCarrier:
 
     def begin(self) -> None:
         self.live, self.diverged, self.index, self.last_root = True, False, 0, None
-        self.slots = [None] * self.swaps
+        self.slots[:] = [None] * self.swaps
+        self.pending = []
 
     def end(self) -> bool:
         """At the step: anything still absent comes back. True when the iteration left the boundaries."""
@@ -103,7 +122,8 @@ class SwapCarrier:
             self._abort(f"{self.index} module call boundaries, {len(self.expected)} learnt")
         self.live = False
         self.restore()
-        self.slots = []
+        self.slots[:] = [None] * self.swaps
+        self.pending = []
         return self.diverged
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
@@ -141,17 +161,18 @@ class SwapCarrier:
         executor.stats.hook_seconds += perf_counter() - started
 
     def _act(self, action: Action, values: Any) -> None:
+        """Every call runs right after the module's kernels have emptied the caches, where each
+        Python step costs ten times its warm figure: it indexes straight to what it takes."""
         executor = self.executor
-        tensors = tensors_in(values)
         slots = self.slots
-        for swap, position, nbytes in action.take:
-            tensor = tensors[position] if position < len(tensors) else None
-            storage = tensor.untyped_storage() if tensor is not None else None
-            if storage is None or storage.nbytes() != nbytes or tensor.device.type != self.device_type:
+        for swap, path, nbytes in action.take:
+            tensor = _at(values, path)
+            # no device check: a storage on another device than the executor's still swaps correctly
+            if not isinstance(tensor, torch.Tensor) or (storage := tensor.untyped_storage()).nbytes() != nbytes:
                 raise _Diverged(f"the tensor at boundary {self.index - 1} is not the learnt one")
             slots[swap] = self._slot(storage, nbytes)
         if action.root is not None:
-            node = tensors[action.root].grad_fn if action.root < len(tensors) else None
+            node = getattr(_at(values, action.root), "grad_fn", None)
             if node is None:
                 raise _Diverged(f"no autograd node at boundary {self.index - 1}")
             sequence = node._sequence_nr()
@@ -159,19 +180,27 @@ class SwapCarrier:
                 raise _Diverged(f"another number of autograd nodes before boundary {self.index - 1}")
             self.last_root = sequence
             if action.hooks:
-                self._hook_nodes(node, sequence, id(action))
+                self._hook_nodes(node, sequence, id(action.hooks))
+            if action.deferred:
+                self.pending.append((node, sequence, id(action.deferred)))
         for swap in action.swap_out:
             slot = slots[swap]
             if slot is None:
                 raise _Diverged(f"swap {swap} was not taken")
             if slot.resident and executor._swap_out(slot):
                 executor.stats.events["swap_out"] += 1
+        if action.flush:
+            # every node made so far exists and backward has not started: hooking them in one go here,
+            # with the hook's code in the caches, costs a fraction of hooking each at its own boundary
+            pending, self.pending = self.pending, []
+            for root, sequence, key in pending:
+                self._hook_nodes(root, sequence, key)
 
     def _slot(self, storage: torch.UntypedStorage, nbytes: int) -> Slot:
         """The registry's slot when it watches the storage (an observed native iteration counts its
         bytes), else one of this iteration's own: no registry entry, no callback when it dies."""
         key = id(storage)
-        slot = self.executor.registry.slots.get(key)
+        slot = self.registry_slots.get(key)
         return slot if slot is not None else Slot(key, weakref.ref(storage), nbytes, counted=False)
 
     def _hook_nodes(self, root: Any, sequence: int, key: int) -> None:
@@ -188,7 +217,7 @@ class SwapCarrier:
                 if not isinstance(saved, torch.Tensor) or saved.untyped_storage().nbytes() != nbytes:
                     raise _Diverged(f"the tensor {name} saved at boundary {self.index - 1} is not the learnt one")
                 slots[swap] = self._slot(saved.untyped_storage(), nbytes)
-            node.register_prehook(partial(self._node_pre, hook, slots))
+            node.register_prehook(self.callbacks[id(hook)])
 
     def _walk(self, root: Any, sequence: int, wanted: dict[int, NodeHook],
               low_delta: int) -> tuple[list[tuple[Any, NodeHook]], list[tuple[tuple[int, ...], NodeHook]]]:
@@ -213,12 +242,12 @@ class SwapCarrier:
             raise _Diverged(f"{len(wanted) - len(nodes)} autograd nodes not found from boundary {self.index - 1}")
         return nodes, paths
 
-    def _node_pre(self, hook: NodeHook, slots: list[Slot | None], grad_outputs: Any) -> None:
+    def _node_pre(self, hook: NodeHook, grad_outputs: Any) -> None:
         """Before a node runs in backward: its swap-in, then check before use."""
         executor = self.executor
         started = perf_counter()
         try:
-            self._outside_modes(self._fetch_for, hook, slots)
+            self._outside_modes(self._fetch_for, hook, self.slots)
         except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
             executor._stand_down(exc)
         executor.stats.hook_seconds += perf_counter() - started
@@ -243,7 +272,7 @@ class SwapCarrier:
                 executor.stats.events["swap_in"] += 1
         for swap in hook.check:
             slot = slots[swap]
-            if slot is not None:
+            if slot is not None and (not slot.resident or slot.pending is not None):
                 executor._ensure_slot_resident(slot)
 
     def restore(self) -> None:
@@ -265,6 +294,7 @@ class SwapCarrier:
         """Every tensor back now; the rest of the iteration runs without events."""
         self.live = False
         self.diverged = True
+        self.pending = []
         self.restore()
         executor = self.executor
         executor.stats.mode = "diverged"
@@ -351,7 +381,7 @@ class NativeSwaps:
         """The hook stands down: nothing more is swapped, and this iteration's tensors come back
         (the executor restores the registry's)."""
         if self.carrying is not None:
-            self.carrying.live = False
+            self.carrying.live, self.carrying.pending = False, []
             try:
                 self.carrying.restore()
             except Exception:  # noqa: BLE001 - standing down must not raise into the user's code

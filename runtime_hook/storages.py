@@ -106,3 +106,19 @@ def tensors_in(values: Any) -> list[torch.Tensor]:
         elif isinstance(value, dict):
             stack.extend(reversed(list(value.values())))
     return found
+
+
+def tensor_paths(values: Any) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
+    """`tensors_in`'s tensors in the same order, each with its index path into `values`: a native
+    boundary indexes straight to the one tensor it takes instead of collecting them all."""
+    found = []
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), values)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, Tensor):
+            found.append((path, value))
+        elif isinstance(value, (list, tuple)):
+            stack.extend(((*path, i), item) for i, item in reversed(list(enumerate(value))))
+        elif isinstance(value, dict):
+            stack.extend(((*path, key), item) for key, item in reversed(list(value.items())))
+    return found

@@ -212,3 +212,88 @@ def test_a_hook_failure_in_a_native_backward_brings_every_swapped_tensor_back(mo
     assert report.stood_down == "RuntimeError: injected hook failure"
     assert [it.path for it in report.iterations[3:5]] == ["native", "native"]
     assert report.iterations[4].events["swap_out"] > 0
+
+
+def carriers_of(monkeypatch) -> list:  # type: ignore[no-untyped-def]
+    """Every SwapCarrier made while the test runs (one per aligned plan)."""
+    from tensile.runtime_hook.native_swaps import SwapCarrier
+
+    made = []
+    init = SwapCarrier.__init__
+
+    def spying(self, *args):  # type: ignore[no-untyped-def]
+        init(self, *args)
+        made.append(self)
+
+    monkeypatch.setattr(SwapCarrier, "__init__", spying)
+    return made
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_node_hooks_wait_for_the_top_level_call_to_return_and_anchor_on_acting_boundaries(monkeypatch, micro_batches):
+    """Hooking each node where it is found runs right after large kernels, at ten times the cost:
+    the readers' and swap-ins' nodes are hooked in one go where the model's call returns (once per
+    forward), found from the roots of boundaries that act anyway, so no boundary acts only to
+    anchor them. Only a node whose saved tensor is taken from it (max pooling's indices) is hooked
+    at once, before its tensor goes out."""
+    from tensile.runtime_hook.native_swaps import SwapCarrier
+
+    made = carriers_of(monkeypatch)
+    hooked_at = []
+    hook_nodes = SwapCarrier._hook_nodes
+
+    def spying(self, root, sequence, key):  # type: ignore[no-untyped-def]
+        hooked_at.append(self.index - 1)
+        hook_nodes(self, root, sequence, key)
+
+    monkeypatch.setattr(SwapCarrier, "_hook_nodes", spying)
+    plain = fit(blocks, 4, STEPS, micro_batches)
+    state, report = hooked(blocks, feature_swaps, micro_batches=micro_batches)
+    assert_identical(plain, state)
+    assert [it.path for it in report.iterations[3:STEPS]] == ["native"] * (STEPS - 3)
+    [carrier] = made
+    actions = {i: a for i, a in enumerate(carrier.actions) if a is not None}
+    flushes = [i for i, a in actions.items() if a.flush]
+    model_exits = [i for i, code in enumerate(carrier.expected) if code == carrier.expected[0] - 1]  # the first entry's exit
+    assert flushes == model_exits and len(flushes) == micro_batches
+    assert all(a.take or a.swap_out or a.flush for a in actions.values()), "a boundary acts only to anchor node hooks"
+    eager = [h for a in actions.values() for h in a.hooks]
+    assert eager and all(h.take and not h.fetch for h in eager)
+    assert sum(len(a.deferred) for a in actions.values()) >= 5 * micro_batches
+    taking = {i for i, a in actions.items() if a.hooks}
+    per_iteration = len(hooked_at) // (STEPS - 3)
+    assert all(i in taking or i in flushes for i in hooked_at[:per_iteration]), (hooked_at[:per_iteration], flushes)
+
+
+class TrainStep(nn.Module):
+    """A training-step module: its forward runs the loss's backward itself, so its call returns
+    only after backward: no node hook may wait for that return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Blocks()
+
+    def forward(self, batch: tuple) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(self.model(batch[0]), batch[1])
+        loss.backward()
+        return loss.detach().requires_grad_()
+
+
+def train_step(batch_size: int) -> tuple:
+    model, batch, _, make_optimizer = blocks(batch_size)
+    torch.manual_seed(0)
+    return TrainStep(), batch, lambda model, batch: model(batch), make_optimizer
+
+
+def test_a_backward_inside_the_top_level_call_hooks_the_nodes_where_they_are_found(monkeypatch):
+    made = carriers_of(monkeypatch)
+    plain = fit(train_step, 4, STEPS)
+    state, report = hooked(train_step, feature_swaps)
+    assert_identical(plain, state)
+    native = report.iterations[3:STEPS]
+    assert all(it.path == "native" and it.mode == "planned" and it.events["swap_out"] >= 5 for it in native), (
+        [(it.path, it.mode, it.events) for it in native], report.messages)
+    assert all(it.events["swap_in"] == it.events["swap_out"] and it.stall_seconds == 0.0 for it in native)
+    [carrier] = made
+    actions = [a for a in carrier.actions if a is not None]
+    assert not any(a.flush or a.deferred for a in actions) and sum(len(a.hooks) for a in actions) >= 5
