@@ -240,6 +240,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measured iterations per zoo model (after 2 warm-ups)")
     parser.add_argument("--skip-families", action="store_true")
     parser.add_argument("--skip-zoo-ops", action="store_true", help="skip the op-level errors on the zoo models")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="result file (default: benchmarks/results/latency_<device>.json)")
     args = parser.parse_args()
     console = Console()
     warnings.simplefilter("ignore", UserWarning)
@@ -294,8 +296,8 @@ def main() -> None:
         "families_within_target": sorted(f for f, r in families.items() if r["median_ape"] <= 15.0),
         "models_within_target": sorted(m for m, r in zoo.items() if abs(r["error_percent"]) <= 10.0),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"latency_{device_type}.json"
+    out = args.out or RESULTS / f"latency_{device_type}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"wrote {out}")
 

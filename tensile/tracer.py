@@ -74,6 +74,27 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def contiguous_run(tensor: torch.Tensor) -> int:
+    """Elements of the tensor's innermost run that lies contiguously in memory in row-major order: its numel
+    when contiguous, the last dim's size after a transpose of the two before it, 1 after a 2-D transpose."""
+    run, expected = 1, 1
+    for size, stride in zip(reversed(tensor.shape), reversed(tensor.stride())):
+        if size == 1:
+            continue
+        if stride != expected:
+            break
+        run *= size
+        expected *= size
+    return run
+
+
+def contiguous_runs(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """Op.runs: () when every tensor is contiguous, else each one's contiguous_run."""
+    if all(t.is_contiguous() for t in tensors):
+        return ()
+    return tuple(contiguous_run(t) for t in tensors)
+
+
 def written_values(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     """The argument values the op's schema marks as written in place (`Tensor(a!)`)."""
     written = []
@@ -198,6 +219,7 @@ class Recorder(TorchDispatchMode):
             params=tuple(_json_safe(v) for v in in_leaves if not isinstance(v, torch.Tensor)),
             flops=flops,
             bytes_moved=moved,
+            runs=contiguous_runs(in_tensors),
         )
         self.ops.append(op)
         return op

@@ -52,6 +52,11 @@ class Op:
     flops: float = 0.0
     bytes_moved: int = 0
     latency: float = 0.0  # seconds, predicted or measured
+    # Only when a tensor argument is not contiguous (a permuted and a contiguous copy of one shape are different
+    # ops to time: the latency model's op keys include this): per tensor argument, the elements of its
+    # innermost run that is contiguous in row-major order (its numel when contiguous). () when every argument
+    # is contiguous, as most are.
+    runs: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

@@ -13,7 +13,9 @@ from tensile.workload import PHASES, ROLES, Op, TensorInfo, Workload
 FORMAT = "tensile.workload"
 VERSION = 1
 _TENSOR_FIELDS = ("id", "size", "role", "dtype", "created_by", "freed_after", "reuses")
-_OP_FIELDS = ("name", "phase", "inputs", "outputs", "writes", "shapes", "dtypes", "params", "flops", "bytes_moved", "latency")
+_OP_FIELDS = ("name", "phase", "inputs", "outputs", "writes", "shapes", "dtypes", "params", "flops", "bytes_moved", "latency",
+              "runs")
+_OLD_OP_FIELDS = _OP_FIELDS[:-1]  # files saved before ops recorded their inputs' contiguous runs: still loadable
 
 
 def _tuples(value: Any) -> Any:
@@ -53,7 +55,8 @@ def workload_from_dict(data: Any, source: str = "workload") -> Workload:
     for key, kind in (("model", str), ("batch_size", int), ("device", str), ("tensors", list), ("ops", list)):
         if not isinstance(data.get(key), kind):
             raise _field_error(source, key, f"must be a {kind.__name__}")
-    if data.get("tensor_fields") != list(_TENSOR_FIELDS) or data.get("op_fields") != list(_OP_FIELDS):
+    op_fields = data.get("op_fields")
+    if data.get("tensor_fields") != list(_TENSOR_FIELDS) or op_fields not in (list(_OP_FIELDS), list(_OLD_OP_FIELDS)):
         raise _field_error(source, "tensor_fields/op_fields", f"must be {list(_TENSOR_FIELDS)} and {list(_OP_FIELDS)}")
     tensors: dict[int, TensorInfo] = {}
     for i, row in enumerate(data["tensors"]):
@@ -67,8 +70,8 @@ def workload_from_dict(data: Any, source: str = "workload") -> Workload:
         tensors[tensor.id] = tensor
     ops: list[Op] = []
     for i, row in enumerate(data["ops"]):
-        if not isinstance(row, list) or len(row) != len(_OP_FIELDS):
-            raise _field_error(source, f"ops[{i}]", f"must be a list of {len(_OP_FIELDS)} values")
+        if not isinstance(row, list) or len(row) != len(op_fields):
+            raise _field_error(source, f"ops[{i}]", f"must be a list of {len(op_fields)} values")
         op = Op(i, *(_tuples(v) for v in row))
         if op.phase not in PHASES:
             raise _field_error(source, f"ops[{i}].phase", f"must be one of {PHASES}")

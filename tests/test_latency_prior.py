@@ -182,3 +182,76 @@ def test_new_output_sizes_match_the_tracer_and_big_ones_pay_page_faults():
     assert output_bytes(wte_grad) == [50257 * 768 * 4]
     total = op("aten.sum.default", [(4096, 25088)], phase="backward")  # a reduction's output is small
     assert output_bytes(total) == [] and compute_seconds(total, roof) == compute_seconds(total, ROOF)
+
+
+def test_copy_features_see_the_phase_and_keys_tell_a_permuted_copy_from_a_contiguous_one():
+    """A forward copy's output is an activation kept for backward (new heap pages), a backward one's lands in
+    memory just freed: the copy family sees the phase. A clone of a transposed input (Op.runs) and one of a
+    contiguous input of the same shape are different op keys (calibration's measured ops, the EWMA)."""
+    from dataclasses import replace
+
+    from tensile.latency.online import op_key
+
+    forward = op("aten.clone.default", [(2, 52, 4, 32)], params=("torch.contiguous_format",))
+    backward = replace(forward, phase="backward")
+    count = feature_count("copy", own_only=True)
+    assert [features(o, "copy")[count - 1] for o in (forward, backward)] == [1.0, 0.0]
+    assert features(forward, "copy")[: count - 1] == features(backward, "copy")[: count - 1]
+    heads = replace(forward, runs=(32,))
+    assert op_key(heads) != op_key(forward) and op_key(replace(forward, runs=())) == op_key(forward)
+
+
+@pytest.mark.parametrize(("x", "kernel", "stride", "strided_pointwise", "onednn"), [
+    ((1, 464, 17, 17), 1, 2, 1.0, 1.0),  # strided 1x1: oneDNN
+    ((1, 464, 17, 17), 1, 1, 0.0, 0.0),  # unstrided 1x1: ATen's GEMM, no im2col
+    ((1, 464, 17, 17), 3, 2, 0.0, 1.0),
+    ((1, 16, 30, 30), 3, 1, 0.0, 0.0),  # one small image (14400 elements <= 20480): im2col + GEMM
+    ((1, 16, 40, 40), 3, 1, 0.0, 1.0),  # 25600 elements: oneDNN
+    ((2, 16, 30, 30), 3, 1, 0.0, 1.0),  # a batch: oneDNN
+])
+def test_conv_features_flag_strided_pointwise_and_the_onednn_path(x, kernel, stride, strided_pointwise, onednn):
+    """The two flags, for the forward and the backward of the same convolution; the oneDNN flag is what the
+    installed PyTorch really runs on one CPU thread (its profiler names mkldnn_convolution or thnn_conv2d)."""
+    import torch
+    from torch.profiler import profile
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        inputs = torch.randn(*x, requires_grad=True)
+        with profile() as prof:
+            torch.nn.functional.conv2d(inputs, torch.randn(16, x[1], kernel, kernel), stride=stride).sum().backward()
+    finally:
+        torch.set_num_threads(threads)
+    assert ("aten::mkldnn_convolution" in {e.name for e in prof.events()}) == bool(onednn)
+    count = feature_count("conv", own_only=True)
+    w = (16, x[1], kernel, kernel)
+    params = (stride, stride, 0, 0, 1, 1, False, 0, 0, 1)
+    fwd = op("aten.convolution.default", [x, w], params=(None, *params))
+    out = (x[0], 16, (x[2] - kernel) // stride + 1, (x[3] - kernel) // stride + 1)
+    bwd = op("aten.convolution_backward.default", [out, x, w], params=(0, *params, True, True, False))
+    for o in (fwd, bwd):
+        assert features(o, "conv")[count - 2: count] == [strided_pointwise, onednn]
+
+
+def test_training_grid_adds_strided_pointwise_and_layout_probes_without_moving_the_others(monkeypatch):
+    """The extra probe kinds are drawn after the original ones: the original probes and the held-out grid do
+    not change (the held-out grid has none of the extra kinds)."""
+    from tensile.latency import probes
+
+    default = make_grid("default")
+    extra = {"conv_pointwise_s2", "layout"}
+    original = {kind: count for kind, count in probes.GRIDS["default"].items() if kind not in extra}
+    monkeypatch.setitem(probes.GRIDS, "default", original)
+    before = make_grid("default")
+    assert len(before) == len(default) - 46 and before == default[: len(before)]
+    monkeypatch.undo()
+    added = default[len(default) - 16 - 30:]
+    assert [p.kind for p in added] == ["conv"] * 16 + ["layout"] * 30
+    assert all((p.params["kh"], p.params["kw"], p.params["stride"]) == (1, 1, 2) for p in added[:16])
+    assert not extra & set(probes.GRIDS["holdout"]) and "layout" not in {p.kind for p in make_grid("holdout", 1)}
+    runs = set()
+    for probe in [p for p in make_grid("quick") if p.kind == "layout"] + added[16:20]:
+        workload = trace_step(build_step(probe, "meta"), model_name=probe.kind, batch_size=1, target_device="cpu")
+        runs.update(o.runs for o in workload.ops if family_of(o) == "copy")
+    assert any(r and min(r) < 1000 for r in runs)  # permuted copies, forward and back

@@ -166,3 +166,18 @@ def test_data_dependent_step_points_to_live_tracing():
 def test_user_model_contract_violations_say_which_part(func, message):
     with pytest.raises(TensileUserError, match=message):
         trace_workload(f"{MODELS}:{func}", 2, optimizer=None)
+
+
+def test_a_copy_of_a_transposed_tensor_records_its_contiguous_runs():
+    """Op.runs: () for ops on contiguous tensors; for the clone of a transposed slice, each argument's innermost
+    contiguous run (1: it jumps every element), the same on meta as live."""
+    from tensile.tracer import contiguous_run
+
+    meta, live = both("views")
+    for workload in (meta, live):
+        clones = [op for op in workload.ops if op.name == "aten.clone.default" and op.phase == "forward"]
+        assert [op.runs for op in clones] == [(1,)]
+        convs = [op for op in workload.ops if op.name == "aten.convolution.default"]
+        assert convs and all(op.runs == () for op in convs)
+    heads = torch.empty(2, 4, 52, 32, device="meta").transpose(1, 2)  # attention's (n, t, heads, dh) view
+    assert contiguous_run(heads) == 32 and contiguous_run(heads.contiguous()) == 2 * 52 * 4 * 32

@@ -63,3 +63,14 @@ def test_not_json_is_a_clear_error(tmp_path):
         load_workload(path)
     with pytest.raises(TensileUserError, match="cannot read"):
         load_workload(tmp_path / "missing.json")
+
+
+def test_a_file_saved_before_ops_recorded_contiguous_runs_still_loads(mlp):
+    data = json.loads(json.dumps(workload_to_dict(mlp)))
+    assert data["op_fields"][-1] == "runs"
+    data["op_fields"].pop()
+    for row in data["ops"]:
+        row.pop()
+    loaded = workload_from_dict(data, "old.json")
+    assert [op.name for op in loaded.ops] == [op.name for op in mlp.ops]
+    assert all(op.runs == () for op in loaded.ops)

@@ -12,8 +12,9 @@ from collections.abc import Callable, Sequence
 
 from tensile.workload import Op
 
-FEATURE_VERSION = 5  # 3: the prior counts fresh-page faults; 4: of every family's outputs, + the preceding op,
-# + measured ops; 5: a cheap op's target is the mean of a batch of repeats (measure.batched_seconds)
+FEATURE_VERSION = 6  # 3: the prior counts fresh-page faults; 4: of every family's outputs, + the preceding op,
+# + measured ops; 5: a cheap op's target is the mean of a batch of repeats (measure.batched_seconds);
+# 6: copies see their phase, convolutions a strided 1x1 and a oneDNN flag; op keys carry Op.runs
 
 # Ops that only make a new view or an uninitialised allocation: no data moves, cost is dispatch.
 VIEW_OPS = frozenset({
@@ -173,7 +174,20 @@ def _conv(op: Op) -> list[float]:
             g["backward"], g["mask_in"], g["mask_w"], g["mask_b"],
             _lg(oh), _lg(ow), _lg(cin_g), _lg(cout_g), _lg(gemm_m), _lg(gemm_k), _lg(x_numel), _lg(w_numel),
             _lg(y_numel), float(g["kh"] * g["kw"] == 1), float(g["kh"] != g["kw"]),
-            float(int(g["cin"]) % 16 == 0), float(int(g["cout"]) % 16 == 0)]
+            float(int(g["cin"]) % 16 == 0), float(int(g["cout"]) % 16 == 0),
+            # a strided 1x1 convolution skips pixels: on this CPU 60-90 us more than one of the subsampled input
+            float(g["kh"] * g["kw"] == 1 and g["stride"] > 1), float(runs_onednn(g))]
+
+
+def runs_onednn(g: dict[str, float]) -> bool:
+    """Whether PyTorch (2.x, one CPU thread, float32) runs this convolution with oneDNN rather than its own
+    im2col + GEMM kernel (ATen's use_mkldnn): a switch in cost the smooth size features do not show.
+    Single-image convolutions flip at 20480 input elements; an unstrided 1x1 stays on the GEMM path."""
+    pointwise = g["kh"] == 1 and g["kw"] == 1
+    if not (g["stride"] > 1 or g["dilation"] > 1 or g["n"] >= 16 or not pointwise):
+        return False
+    return (g["groups"] > 1 or (g["kh"] > 3 and g["kw"] > 3) or g["n"] > 1
+            or g["n"] * g["cin"] * g["h"] * g["w"] > 20480)
 
 
 def _matmul(op: Op) -> list[float]:
@@ -249,10 +263,13 @@ _COPY = ("copy_", "_to_copy", "clone", "cat", "stack", "constant_pad_nd", "slice
 
 
 def _copy(op: Op) -> list[float]:
+    """Sizes, dtype, name, and whether it runs in the forward pass: there its output is an activation kept for
+    backward, so the heap grows and the output's pages are new (attention's 26K-element head-merging clone
+    took 22-29 us forward; a clone of the same size in backward, into memory just freed, 9 us)."""
     base = base_name(op.name)
     sizes = [_numel(s) for s in op.shapes] or [0]
     return [_lg(sum(sizes)), _lg(max(sizes)), _lg(len(op.shapes)), _lg(dtype_bytes(op)),
-            float(len(set(op.dtypes)) > 1), *_one_hot(base, _COPY)]
+            float(len(set(op.dtypes)) > 1), *_one_hot(base, _COPY), float(op.phase == "forward")]
 
 
 _ELEMENTWISE = (

@@ -16,8 +16,10 @@ from tensile.workload import Op, Workload
 
 
 def op_key(op: Op) -> str:
-    """Family + name + shapes + params: ops that must take the same time share this key."""
-    return json.dumps([family_of(op) or "other", op.name, op.shapes, op.params], separators=(",", ":"), default=str)
+    """Family + name + shapes + params (+ the inputs' contiguous runs when one is not contiguous): ops that
+    must take the same time share this key."""
+    key = [family_of(op) or "other", op.name, op.shapes, op.params, *([op.runs] if op.runs else [])]
+    return json.dumps(key, separators=(",", ":"), default=str)
 
 
 class LatencyEWMA:

@@ -23,7 +23,7 @@ MAX_FLOPS = 6e9  # keep one probe iteration well under a second on a small CPU
 
 @dataclass(frozen=True)
 class Probe:
-    kind: str  # conv | linear | attention | embedding | head
+    kind: str  # conv | linear | attention | embedding | head | layout | zoo
     config: tuple[tuple[str, object], ...]
     optimizer: str = "adam"
     foreach: bool = False
@@ -48,10 +48,12 @@ def _channels(rng: random.Random, low: int, high: int) -> int:
 _KERNELS = [(1, 1)] * 8 + [(3, 3)] * 7 + [(5, 5), (7, 7), (1, 7), (7, 1), (1, 3), (3, 1)]
 
 
-def _conv(rng: random.Random, scale: float) -> dict:
+def _conv(rng: random.Random, scale: float, pointwise_strided: bool = False) -> dict:
     while True:
         kh, kw = rng.choice(_KERNELS)
         stride = 2 if rng.random() < 0.2 else 1
+        if pointwise_strided:  # drawn first all the same, so the other kinds' shapes stay as they were
+            kh, kw, stride = 1, 1, 2
         c = {
             "n": rng.choice((1, 1, 2, 4)), "cin": _channels(rng, 3, 1024), "cout": _channels(rng, 16, 1024),
             "h": _log_uniform(rng, 7, 224 * scale), "kh": kh, "kw": kw, "stride": stride,
@@ -101,10 +103,36 @@ def _head(rng: random.Random, scale: float) -> dict:
             return c
 
 
-_MAKERS = {"conv": _conv, "linear": _linear, "attention": _attention, "embedding": _embedding, "head": _head}
-GRIDS = {  # probes of each kind
-    "default": {"conv": 150, "linear": 80, "attention": 35, "embedding": 25, "head": 25},
-    "quick": {"conv": 4, "linear": 3, "attention": 2, "embedding": 1, "head": 1},
+def _strided_pointwise(rng: random.Random, scale: float) -> dict:
+    """A 1x1 convolution with stride 2 (ResNet's downsampling shortcuts): PyTorch runs it with oneDNN, not
+    the GEMM an unstrided 1x1 gets, and on this CPU it costs 60-90 us more than the same convolution of a
+    pre-subsampled input; the random grid draws one in 26 convolutions."""
+    return _conv(rng, scale, pointwise_strided=True)
+
+
+_PERMUTATIONS = {  # what a copy reads: rows of the last dim (attention's heads), single elements, in order
+    "heads": (0, 2, 1, 3), "transpose": (0, 1, 3, 2), "channels_last": (0, 2, 3, 1), "none": (0, 1, 2, 3),
+}
+
+
+def _layout(rng: random.Random, scale: float) -> dict:
+    """A copy of a permuted (or, for contrast, a contiguous) tensor, forward and back: the grid's other
+    copies are nearly all attention's head merges and conv blocks' concatenations."""
+    while True:
+        c = {"dims": (rng.choice((1, 1, 2, 4)), _log_uniform(rng, 1, 64), _log_uniform(rng, 4, 1024),
+                      _log_uniform(rng, 2, 512)),
+             "perm": rng.choice(("heads", "heads", "transpose", "channels_last", "none"))}
+        if 2e3 <= math.prod(c["dims"]) <= 8e6 * scale:
+            return c
+
+
+_MAKERS = {"conv": _conv, "linear": _linear, "attention": _attention, "embedding": _embedding, "head": _head,
+           "conv_pointwise_s2": _strided_pointwise, "layout": _layout}
+_KIND_OF = {"conv_pointwise_s2": "conv"}  # a grid entry whose probes are of another block's kind
+GRIDS = {  # probes of each kind; entries after "head" are drawn last, so the earlier ones stay as they were
+    "default": {"conv": 150, "linear": 80, "attention": 35, "embedding": 25, "head": 25,
+                "conv_pointwise_s2": 16, "layout": 30},
+    "quick": {"conv": 4, "linear": 3, "attention": 2, "embedding": 1, "head": 1, "layout": 1},
     "holdout": {"conv": 50, "linear": 30, "attention": 12, "embedding": 8, "head": 8},  # evaluation only
 }
 # The default grid also trains each zoo model one step at these batch sizes, so the real layers (VGG's
@@ -138,7 +166,7 @@ def make_grid(grid: str = "default", seed: int = 0, device_type: str = "cpu", zo
             roll = rng.random()
             optimizer = "adam" if roll < 0.6 else ("adamw" if roll < 0.8 else "momentum")
             foreach = device_type == "cuda" or rng.random() < 0.2
-            probes.append(Probe(kind, tuple(sorted(config.items())), optimizer, foreach))
+            probes.append(Probe(_KIND_OF.get(kind, kind), tuple(sorted(config.items())), optimizer, foreach))
     return probes
 
 
@@ -222,6 +250,20 @@ class _Attention(nn.Module):
         return torch.matmul(probs, v).transpose(1, 2).contiguous()
 
 
+class _LayoutBlock(nn.Module):
+    """x.permute(...).contiguous() (x.clone() for "none"), scaled by a parameter: a permuted copy forward,
+    and in backward the gradient's copy back into x's layout."""
+
+    def __init__(self, c: dict) -> None:
+        super().__init__()
+        self.perm = _PERMUTATIONS[c["perm"]]
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.clone() if self.perm == (0, 1, 2, 3) else x.permute(*self.perm).contiguous()
+        return y * self.scale
+
+
 class _EmbeddingBlock(nn.Module):
     def __init__(self, c: dict) -> None:
         super().__init__()
@@ -268,6 +310,10 @@ def build_step(probe: Probe, device: str) -> TrainingStep:
             shape = (c["n"], c["heads"], c["t"], c["dh"])
             batch = tuple(torch.randn(*shape).requires_grad_(True) for _ in range(3))
             loss_fn = lambda m, b: m(*_fresh(b)).mean()  # noqa: E731
+        elif probe.kind == "layout":
+            model = _LayoutBlock(c)
+            batch = (torch.randn(*c["dims"]).requires_grad_(True),)
+            loss_fn = lambda m, b: m(_fresh(b)[0]).mean()  # noqa: E731
         elif probe.kind == "embedding":
             model = _EmbeddingBlock(c)
             batch = (torch.randint(0, c["vocab"], (c["n"], c["t"])),)
