@@ -760,18 +760,13 @@ class PlanExecutor(TorchDispatchMode):
         storage = slot.storage()
         if storage is None:
             return False
-        # the bookkeeping before the copy: after it, with the caches emptied, each step costs more
-        self.registry.mark_absent(slot)
         try:
             self._transfer(self.mover.swap_out, slot, storage)
         except RuntimeError:  # e.g. a storage that is not resizable (from numpy): leave it alone
-            self.registry.mark_resident(slot)
             self.mover.drop_host(slot)
             slot.pinned = True
             return False
-        except BaseException:  # the storage was not freed (freeing is the copy's last step)
-            self.registry.mark_resident(slot)
-            raise
+        self.registry.mark_absent(slot)
         self.stats.swap_out_bytes += slot.nbytes
         return True
 
@@ -782,17 +777,11 @@ class PlanExecutor(TorchDispatchMode):
             return
         if slot.recipe is not None:
             self._recompute(slot, storage)
-            self.registry.mark_resident(slot)
         else:
-            # the bookkeeping before the copy (after it the caches are cold); undone if the copy fails
-            self.registry.mark_resident(slot)
-            try:
-                self._transfer(self.mover.swap_in, slot, storage)
-            except BaseException:
-                self.registry.mark_absent(slot)
-                raise
+            self._transfer(self.mover.swap_in, slot, storage)
             self.stats.swap_in_bytes += slot.nbytes
         slot.passive = False
+        self.registry.mark_resident(slot)
 
     def _transfer(self, move: Any, *args: Any) -> None:
         """A copy through the mover: counted as transfer time, not as the hook's own."""

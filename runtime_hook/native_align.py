@@ -14,6 +14,7 @@ are made (a *root*). A tensor that cannot be aligned is named, with why.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -174,7 +175,7 @@ class SwapLearner:
             taken, swapped, fetch, checks = placed
             take_anchor = None
             if isinstance(taken[0], str):  # a saved tensor: taken from its node when the node is found
-                take_anchor = self._anchor(taken[1], range(len(self.boundaries)))
+                take_anchor = self._anchor(taken[1])
                 if take_anchor is None:
                     unmapped.append(f"swap of tensor {out.tensor}: the node saving it is made after the last module call")
                     continue
@@ -190,8 +191,8 @@ class SwapLearner:
         deferred: dict[int, dict[int, NodeHook]] = defaultdict(dict)
         for swap, out, taken, take_anchor, swapped, fetch, checks in placed_swaps:
             targets = [(s, "check") for s in checks] + ([(fetch, "fetch")] if fetch is not None else [])
-            anchors = [self._anchor(s, sorted(acting)) for s, _ in targets]
-            anchors = [self._anchor(s, range(len(self.boundaries))) if a is None else a for a, (s, _) in zip(anchors, targets)]
+            ordered = sorted(acting)
+            anchors = [a if (a := self._anchor(s, ordered)) is not None else self._anchor(s) for s, _ in targets]
             if any(a is None for a, (_, why) in zip(anchors, targets) if why != "fetch"):
                 unmapped.append(f"swap of tensor {out.tensor}: a node reading it is made after the last module call")
                 continue
@@ -286,8 +287,9 @@ class SwapLearner:
             fetch = self.nodes[first]
         return taken, swapped, fetch, checks
 
-    def _anchor(self, sequence: int, candidates: Any) -> int | None:
-        """The first of the candidate boundaries whose root is at least as new as the node: the node
-        is made before it, so it is a walk back from the root (the node hooks read the swap's slot
-        only when they run, after it was taken)."""
-        return next((i for i in candidates if self.boundaries[i].root is not None and self.boundaries[i].root[1] >= sequence), None)
+    def _anchor(self, sequence: int, candidates: Iterable[int] | None = None) -> int | None:
+        """The first of the candidate boundaries (all by default) whose root is at least as new as the
+        node: the node is made before it, so it is a walk back from the root (the node hooks read the
+        swap's slot only when they run, after it was taken)."""
+        indices = range(len(self.boundaries)) if candidates is None else candidates
+        return next((i for i in indices if self.boundaries[i].root is not None and self.boundaries[i].root[1] >= sequence), None)

@@ -75,18 +75,18 @@ class SwapCarrier:
         self.expected = alignment.expected
         # per boundary index: its action or None, a list (indexing beats a dict lookup in the hot hook)
         self.actions: list[Action | None] = [alignment.actions.get(i) for i in range(len(alignment.expected))]
+        hook_lists = [hooks for action in alignment.actions.values() for hooks in (action.hooks, action.deferred) if hooks]
         # per list of node hooks (an acting boundary's own or its deferred ones), keyed by id(list):
         # the hooks by sequence number relative to the root, and the lowest
         self.node_hooks = {id(hooks): ({hook.delta: hook for hook in hooks}, min(h.delta for h in hooks))
-                           for action in alignment.actions.values() for hooks in (action.hooks, action.deferred) if hooks}
+                           for hooks in hook_lists}
         # per list of node hooks: the next_functions index paths from its root to its nodes, found by the
         # first native iteration's walk; later ones follow them (a few steps, not a walk) while they hold
         self.paths: dict[int, list[tuple[tuple[int, ...], NodeHook]]] = {}
         # roots whose deferred node hooks wait for the next flush: (root, sequence number, id(hooks))
         self.pending: list[tuple[Any, int, int]] = []
         # one callback per node hook for the carrier's life, not one per node per iteration
-        self.callbacks = {id(hook): partial(self._node_pre, hook) for action in alignment.actions.values()
-                          for hooks in (action.hooks, action.deferred) for hook in hooks}
+        self.callbacks = {id(hook): partial(self._node_pre, hook) for hooks in hook_lists for hook in hooks}
         self.registry_slots = executor.registry.slots
         self.swaps = alignment.swaps
         self.exits = alignment.exits
@@ -214,9 +214,9 @@ class SwapCarrier:
         for node, hook in nodes:
             for swap, name, nbytes in hook.take:
                 saved = getattr(node, name, None)
-                if not isinstance(saved, torch.Tensor) or saved.untyped_storage().nbytes() != nbytes:
+                if not isinstance(saved, torch.Tensor) or (storage := saved.untyped_storage()).nbytes() != nbytes:
                     raise _Diverged(f"the tensor {name} saved at boundary {self.index - 1} is not the learnt one")
-                slots[swap] = self._slot(saved.untyped_storage(), nbytes)
+                slots[swap] = self._slot(storage, nbytes)
             node.register_prehook(self.callbacks[id(hook)])
 
     def _walk(self, root: Any, sequence: int, wanted: dict[int, NodeHook],
@@ -272,7 +272,7 @@ class SwapCarrier:
                 executor.stats.events["swap_in"] += 1
         for swap in hook.check:
             slot = slots[swap]
-            if slot is not None and (not slot.resident or slot.pending is not None):
+            if slot is not None:
                 executor._ensure_slot_resident(slot)
 
     def restore(self) -> None:
