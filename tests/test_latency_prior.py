@@ -234,22 +234,28 @@ def test_conv_features_flag_strided_pointwise_and_the_onednn_path(x, kernel, str
         assert features(o, "conv")[count - 2: count] == [strided_pointwise, onednn]
 
 
-def test_training_grid_adds_strided_pointwise_and_layout_probes_without_moving_the_others(monkeypatch):
+def test_training_grid_adds_its_extra_probes_without_moving_the_others(monkeypatch):
     """The extra probe kinds are drawn after the original ones: the original probes and the held-out grid do
     not change (the held-out grid has none of the extra kinds)."""
     from tensile.latency import probes
 
     default = make_grid("default")
-    extra = {"conv_pointwise_s2", "layout"}
+    extra = {"conv_pointwise_s2", "layout", "norm", "embedding_more"}
     original = {kind: count for kind, count in probes.GRIDS["default"].items() if kind not in extra}
     monkeypatch.setitem(probes.GRIDS, "default", original)
     before = make_grid("default")
-    assert len(before) == len(default) - 46 and before == default[: len(before)]
+    assert len(before) == len(default) - 116 and before == default[: len(before)]
     monkeypatch.undo()
-    added = default[len(default) - 16 - 30:]
-    assert [p.kind for p in added] == ["conv"] * 16 + ["layout"] * 30
+    added = default[len(before):]
+    assert [p.kind for p in added] == ["conv"] * 16 + ["layout"] * 30 + ["norm"] * 40 + ["embedding"] * 30
     assert all((p.params["kh"], p.params["kw"], p.params["stride"]) == (1, 1, 2) for p in added[:16])
-    assert not extra & set(probes.GRIDS["holdout"]) and "layout" not in {p.kind for p in make_grid("holdout", 1)}
+    assert not extra & set(probes.GRIDS["holdout"])
+    assert not {"layout", "norm"} & {p.kind for p in make_grid("holdout", 1)}
+    norms = {p.params["type"] for p in added[46:86]}
+    assert norms == {"batch", "layer"}
+    for probe in added[46:48] + added[86:87]:  # norm and embedding probes trace to their families' ops
+        workload = trace_step(build_step(probe, "meta"), model_name=probe.kind, batch_size=1, target_device="cpu")
+        assert {"norm", "embedding"} & {family_of(o) for o in workload.ops}
     runs = set()
     for probe in [p for p in make_grid("quick") if p.kind == "layout"] + added[16:20]:
         workload = trace_step(build_step(probe, "meta"), model_name=probe.kind, batch_size=1, target_device="cpu")

@@ -23,7 +23,7 @@ MAX_FLOPS = 6e9  # keep one probe iteration well under a second on a small CPU
 
 @dataclass(frozen=True)
 class Probe:
-    kind: str  # conv | linear | attention | embedding | head | layout | zoo
+    kind: str  # conv | linear | attention | embedding | head | layout | norm | zoo
     config: tuple[tuple[str, object], ...]
     optimizer: str = "adam"
     foreach: bool = False
@@ -126,13 +126,28 @@ def _layout(rng: random.Random, scale: float) -> dict:
             return c
 
 
+def _norm(rng: random.Random, scale: float) -> dict:
+    """A batch norm over a feature map or a layer norm over a sequence, alone: the grid's other norms come
+    with a convolution or a linear layer, so their shapes follow those layers' (fewer distinct sizes)."""
+    while True:
+        if rng.random() < 0.5:
+            h = _log_uniform(rng, 4, 224 * scale)
+            c = {"type": "batch", "dims": (rng.choice((1, 1, 2, 4)), _channels(rng, 16, 1024), h,
+                                           h if rng.random() < 0.75 else _log_uniform(rng, 4, 224 * scale))}
+        else:
+            c = {"type": "layer", "dims": (rng.choice((1, 2, 4)), rng.choice((1, _log_uniform(rng, 8, 512))),
+                                           _channels(rng, 16, 4096))}
+        if 1e3 <= math.prod(c["dims"]) <= 16e6 * scale:
+            return c
+
+
 _MAKERS = {"conv": _conv, "linear": _linear, "attention": _attention, "embedding": _embedding, "head": _head,
-           "conv_pointwise_s2": _strided_pointwise, "layout": _layout}
-_KIND_OF = {"conv_pointwise_s2": "conv"}  # a grid entry whose probes are of another block's kind
+           "conv_pointwise_s2": _strided_pointwise, "layout": _layout, "norm": _norm, "embedding_more": _embedding}
+_KIND_OF = {"conv_pointwise_s2": "conv", "embedding_more": "embedding"}  # grid entries of another block's kind
 GRIDS = {  # probes of each kind; entries after "head" are drawn last, so the earlier ones stay as they were
     "default": {"conv": 150, "linear": 80, "attention": 35, "embedding": 25, "head": 25,
-                "conv_pointwise_s2": 16, "layout": 30},
-    "quick": {"conv": 4, "linear": 3, "attention": 2, "embedding": 1, "head": 1, "layout": 1},
+                "conv_pointwise_s2": 16, "layout": 30, "norm": 40, "embedding_more": 30},
+    "quick": {"conv": 4, "linear": 3, "attention": 2, "embedding": 1, "head": 1, "layout": 1, "norm": 1},
     "holdout": {"conv": 50, "linear": 30, "attention": 12, "embedding": 8, "head": 8},  # evaluation only
 }
 # The default grid also trains each zoo model one step at these batch sizes, so the real layers (VGG's
@@ -264,6 +279,19 @@ class _LayoutBlock(nn.Module):
         return y * self.scale
 
 
+class _NormBlock(nn.Module):
+    """BatchNorm2d then ReLU (a CNN's), or LayerNorm then GELU (a transformer's): the activation hands the
+    norm's backward a contiguous gradient, as in the zoo (a bare mean's would be a stride-0 expand)."""
+
+    def __init__(self, c: dict) -> None:
+        super().__init__()
+        self.batch = c["type"] == "batch"
+        self.norm = nn.BatchNorm2d(c["dims"][1]) if self.batch else nn.LayerNorm(c["dims"][-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.norm(x)) if self.batch else F.gelu(self.norm(x))
+
+
 class _EmbeddingBlock(nn.Module):
     def __init__(self, c: dict) -> None:
         super().__init__()
@@ -313,6 +341,12 @@ def build_step(probe: Probe, device: str) -> TrainingStep:
         elif probe.kind == "layout":
             model = _LayoutBlock(c)
             batch = (torch.randn(*c["dims"]).requires_grad_(True),)
+            loss_fn = lambda m, b: m(_fresh(b)[0]).mean()  # noqa: E731
+        elif probe.kind == "norm":
+            model = _NormBlock(c)
+            n, t, d = c["dims"] if c["type"] == "layer" else (0, 0, 0)
+            shape = c["dims"] if c["type"] == "batch" else ((n, t, d) if t > 1 else (n, d))
+            batch = (torch.randn(*shape).requires_grad_(True),)
             loss_fn = lambda m, b: m(_fresh(b)[0]).mean()  # noqa: E731
         elif probe.kind == "embedding":
             model = _EmbeddingBlock(c)
