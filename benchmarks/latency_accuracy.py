@@ -82,14 +82,14 @@ def percent_errors(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
 def family_accuracy(model, prior, measured: list, seen: set[str]) -> dict:  # type: ignore[no-untyped-def]
     """Per family, errors of the op's own time on ops whose key calibration never measured."""
     rows = {}
-    for family, (ops, seconds, _, preceding) in sorted(family_samples(measured).items()):
+    for family, (ops, seconds, _, preceding, iteration) in sorted(family_samples(measured).items()):
         keep = [i for i, op in enumerate(ops) if op_key(op) not in seen]
         if not keep:
             continue
         held = [ops[i] for i in keep]
         truth = np.array([seconds[i] for i in keep])
         predicted = predict_seconds(held, model, utilization=0.0, include_gaps=False,
-                                    preceding=[preceding[i] for i in keep])
+                                    preceding=[preceding[i] for i in keep], iteration=[iteration[i] for i in keep])
         calibrated = percent_errors(predicted, truth)
         roofline = percent_errors(predict_seconds(held, None, prior, include_gaps=False), truth)
         rows[family] = {

@@ -119,6 +119,20 @@ def test_features_see_the_bytes_the_preceding_op_moved():
     assert len(after_big) == feature_count("elementwise") and after_big != after_small
 
 
+def test_features_see_the_bytes_the_whole_iteration_moves():
+    """The same add in a whole model and in a small probe: different features; predicting a workload's ops
+    gives each the bytes of all of them (views move none), unless told per op."""
+    from tensile.latency.families import features
+    from tensile.latency.prior import effective_bytes, iteration_bytes
+
+    ops = small_workload().ops
+    assert iteration_bytes(ops) == sum(effective_bytes(o) for o in ops) == iteration_bytes([*ops[:2], *ops[3:]])
+    assert iteration_bytes(ops) >= 90_000.0 + 262_144.0 + 790_000.0 + 5184.0
+    add = ops[4]
+    in_model, in_probe = features(add, "elementwise", 0.0, 0.0, 4e9), features(add, "elementwise", 0.0, 0.0, 4e6)
+    assert len(in_model) == feature_count("elementwise") and in_model[:-2] == in_probe[:-2] and in_model != in_probe
+
+
 def test_missing_model_falls_back_to_prior_with_a_warning(tmp_path):
     workload = small_workload()
     with pytest.warns(UncalibratedWarning, match="tensile calibrate"):
@@ -199,11 +213,15 @@ def test_training_samples_are_deduplicated_by_op_key():
     a = Op(0, "aten.add.Tensor", "forward", (), (), shapes=((8, 8), (8, 8)))
     b = Op(1, "aten.add.Tensor", "forward", (), (), shapes=((8, 8), (8, 8)))
     c = Op(2, "aten.add.Tensor", "forward", (), (), shapes=((16, 8), (16, 8)))
-    ops, seconds, utils, _ = deduplicated([a, b, c, a], [1.0, 3.0, 5.0, 100.0], [0.0, 0.0, 0.5, 0.0], [0.0] * 4)
+    ops, seconds, utils, _, _ = deduplicated([a, b, c, a], [1.0, 3.0, 5.0, 100.0], [0.0, 0.0, 0.5, 0.0], [0.0] * 4,
+                                             [1e6] * 4)
     assert len(ops) == 2 and sorted(seconds) == [3.0, 5.0] and sorted(utils) == [0.0, 0.5]
     # after a 64 MB op the same add is another sample (it refills the caches that op evicted)
-    ops, seconds, _, preceding = deduplicated([a, b, a], [1.0, 3.0, 9.0], [0.0] * 3, [0.0, 0.0, 64e6])
+    ops, seconds, _, preceding, _ = deduplicated([a, b, a], [1.0, 3.0, 9.0], [0.0] * 3, [0.0, 0.0, 64e6], [1e6] * 3)
     assert sorted(seconds) == [2.0, 9.0] and sorted(preceding) == [0.0, 64e6]
+    # and so is the same add in an iteration that moves 1 GB (a whole model) rather than 1 MB (a probe)
+    ops, seconds, *_, iteration = deduplicated([a, b, a], [1.0, 3.0, 9.0], [0.0] * 3, [0.0] * 3, [1e6, 1e6, 1e9])
+    assert sorted(seconds) == [2.0, 9.0] and sorted(iteration) == [1e6, 1e9]
 
 
 def test_phase_fit_recovers_scale_and_gap():

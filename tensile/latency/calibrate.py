@@ -23,7 +23,7 @@ from tensile.latency.device import cpu_key, cpu_name, gpu_utilization
 from tensile.latency.families import FAMILIES, base_name, family_of, features
 from tensile.latency.online import op_key
 from tensile.latency.measure import StepTiming, in_fresh_process, measure_roofline, measure_step
-from tensile.latency.prior import Roofline, compute_seconds, preceding_bytes
+from tensile.latency.prior import Roofline, compute_seconds, iteration_bytes, preceding_bytes
 from tensile.latency.probes import Probe, build_step, make_grid
 from tensile.latency.store import LatencyModel, save_model, slug
 from tensile.latency.train import fit_ensemble
@@ -139,44 +139,54 @@ def fit_gaps(measured: list[Measured]) -> dict[str, float]:
     return fit_phases(measured)[0]
 
 
-Samples = tuple[list, list[float], list[float], list[float]]  # ops, seconds, utilizations, preceding op's bytes
+# ops, seconds, utilizations, the preceding op's bytes, the bytes of the iteration each op ran in
+Samples = tuple[list, list[float], list[float], list[float], list[float]]
 
 
 def family_samples(measured: list[Measured]) -> dict[str, Samples]:
-    """family -> (ops, measured seconds, utilizations, bytes the op before moved), from every op of every
-    measured iteration."""
-    samples: dict[str, Samples] = defaultdict(lambda: ([], [], [], []))
+    """family -> (ops, measured seconds, utilizations, bytes the op before moved, bytes its iteration
+    moved), from every op of every measured iteration."""
+    samples: dict[str, Samples] = defaultdict(lambda: ([], [], [], [], []))
     for m in measured:
+        whole = iteration_bytes(m.timing.ops)
         for op, seconds, before in zip(m.timing.ops, m.timing.seconds, preceding_bytes(m.timing.ops)):
             family = family_of(op)
             if family is not None and seconds > 0:
-                ops, values, utils, preceding = samples[family]
+                ops, values, utils, preceding, iteration = samples[family]
                 ops.append(op)
                 values.append(seconds)
                 utils.append(m.timing.utilization)
                 preceding.append(before)
+                iteration.append(whole)
     return dict(samples)
 
 
-def deduplicated(ops: list, seconds: list[float], utils: list[float], preceding: list[float]) -> Samples:
-    """One sample per distinct op (family, name, shapes, params) and size class of the op before it (a
-    factor of 4 in bytes): the median of its timings.
+def _size_class(nbytes: float) -> int:
+    return round(math.log2(1.0 + nbytes) / 2)  # a factor of 4
+
+
+def deduplicated(ops: list, seconds: list[float], utils: list[float], preceding: list[float],
+                 iteration: list[float]) -> Samples:
+    """One sample per distinct op (family, name, shapes, params) and size class (a factor of 4 in bytes) of
+    the op before it and of its iteration: the median of its timings.
 
     A zoo model repeats its blocks (BERT's twelve layers, the optimizer's per-parameter loop over equal
     shapes); their median is a less noisy target, and the MLP does not weight a shape by how often it repeats.
     """
-    groups: dict[tuple[str, int], list[int]] = defaultdict(list)
+    groups: dict[tuple[str, int, int], list[int]] = defaultdict(list)
     for i, op in enumerate(ops):
-        groups[(op_key(op), round(math.log2(1.0 + preceding[i]) / 2))].append(i)
+        groups[(op_key(op), _size_class(preceding[i]), _size_class(iteration[i]))].append(i)
     keep = [members[0] for members in groups.values()]
     return ([ops[i] for i in keep], [float(np.median([seconds[j] for j in members])) for members in groups.values()],
             [float(np.mean([utils[j] for j in members])) for members in groups.values()],
-            [float(np.median([preceding[j] for j in members])) for members in groups.values()])
+            [float(np.median([preceding[j] for j in members])) for members in groups.values()],
+            [float(np.median([iteration[j] for j in members])) for members in groups.values()])
 
 
-def training_arrays(ops: list, seconds: list[float], utils: list[float], preceding: list[float], family: str,
-                    roofline: Roofline) -> tuple[np.ndarray, np.ndarray]:
-    x = np.array([features(op, family, u, b) for op, u, b in zip(ops, utils, preceding)], dtype=np.float64)
+def training_arrays(ops: list, seconds: list[float], utils: list[float], preceding: list[float],
+                    iteration: list[float], family: str, roofline: Roofline) -> tuple[np.ndarray, np.ndarray]:
+    x = np.array([features(op, family, u, b, w) for op, u, b, w in zip(ops, utils, preceding, iteration)],
+                 dtype=np.float64)
     base = np.array([compute_seconds(op, roofline, family) for op in ops])
     return x, np.log(np.asarray(seconds)) - np.log(base)
 
@@ -194,7 +204,7 @@ def fit_model(measured: list[Measured], roofline: Roofline, key: str, name: str,
     measured_ops: dict[str, float] = {}  # the median per op key, whatever ran before it
     for ops, seconds, *_ in samples.values():
         zeros = [0.0] * len(ops)
-        unique, medians, _, _ = deduplicated(ops, seconds, zeros, zeros)
+        unique, medians, *_ = deduplicated(ops, seconds, zeros, zeros, zeros)
         measured_ops.update((op_key(op), value) for op, value in zip(unique, medians))
     families = {}
     for family in FAMILIES:

@@ -12,9 +12,10 @@ from collections.abc import Callable, Sequence
 
 from tensile.workload import Op
 
-FEATURE_VERSION = 6  # 3: the prior counts fresh-page faults; 4: of every family's outputs, + the preceding op,
+FEATURE_VERSION = 7  # 3: the prior counts fresh-page faults; 4: of every family's outputs, + the preceding op,
 # + measured ops; 5: a cheap op's target is the mean of a batch of repeats (measure.batched_seconds);
-# 6: copies see their phase, convolutions a strided 1x1 and a oneDNN flag; op keys carry Op.runs
+# 6: copies see their phase, convolutions a strided 1x1 and a oneDNN flag; op keys carry Op.runs;
+# 7: every family sees the bytes its whole iteration moves
 
 # Ops that only make a new view or an uninitialised allocation: no data moves, cost is dispatch.
 VIEW_OPS = frozenset({
@@ -363,15 +364,17 @@ FEATURES: dict[str, Callable[[Op], list[float]]] = {
 assert set(FEATURES) == set(FAMILIES)
 
 
-def features(op: Op, family: str, utilization: float = 0.0, preceding_bytes: float = 0.0) -> list[float]:
+def features(op: Op, family: str, utilization: float = 0.0, preceding_bytes: float = 0.0,
+             iteration_bytes: float = 0.0) -> list[float]:
     """The family's feature vector: its own dims and params, then log FLOPs, log bytes, log bytes the op
     before it moved (a big op evicts the caches a small one then refills: on this CPU an optimizer sqrt
-    measured 21 us after a slow op and 5.5 us after a fast one), utilization."""
+    measured 21 us after a slow op and 5.5 us after a fast one), log bytes its whole iteration moves (the
+    same op runs slower inside a big model than in a small one), utilization."""
     try:
         own = FEATURES[family](op)
     except (IndexError, TypeError, ValueError, ZeroDivisionError):
         own = [0.0] * feature_count(family, own_only=True)
-    return [*own, _lg(op.flops), _lg(op.bytes_moved), _lg(preceding_bytes), float(utilization)]
+    return [*own, _lg(op.flops), _lg(op.bytes_moved), _lg(preceding_bytes), _lg(iteration_bytes), float(utilization)]
 
 
 _COUNTS: dict[str, int] = {}
@@ -393,4 +396,4 @@ def feature_count(family: str, own_only: bool = False) -> int:
             "optimizer": Op(0, "aten.add_.Tensor", "optimizer", (), (), shapes=((2, 4),)),
         }
         _COUNTS[family] = len(FEATURES[family](samples[family]))
-    return _COUNTS[family] if own_only else _COUNTS[family] + 4
+    return _COUNTS[family] if own_only else _COUNTS[family] + 5

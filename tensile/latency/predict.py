@@ -14,7 +14,7 @@ import numpy as np
 from tensile.latency.device import gpu_utilization, resolve_target
 from tensile.latency.families import base_name, family_of, features
 from tensile.latency.online import op_key
-from tensile.latency.prior import Roofline, compute_seconds, gap_seconds, preceding_bytes, prior_seconds
+from tensile.latency.prior import Roofline, compute_seconds, gap_seconds, iteration_bytes, preceding_bytes, prior_seconds
 from tensile.latency.store import LatencyModel, load_model, model_path
 from tensile.workload import Op, Workload
 
@@ -41,12 +41,12 @@ def find_model(device: str, model_dir: str | os.PathLike | None = None) -> tuple
 
 def predict_seconds(ops: Sequence[Op], model: LatencyModel | None, prior: Roofline | None = None,
                     utilization: float = 0.0, include_gaps: bool = True,
-                    preceding: Sequence[float] | None = None) -> np.ndarray:
+                    preceding: Sequence[float] | None = None, iteration: Sequence[float] | None = None) -> np.ndarray:
     """Latency of each op in seconds; ops of one family are predicted together (one MLP pass).
 
-    `ops` run in this order (each op's features include the bytes the one before moved) unless
-    `preceding` gives those bytes. `include_gaps=False` leaves out the host time between ops: the op's
-    own time, as measured alone.
+    `ops` are one iteration, in the order they run (each op's features include the bytes the one before
+    moved and the bytes the whole iteration moves) unless `preceding` and `iteration` give those bytes per
+    op. `include_gaps=False` leaves out the host time between ops: the op's own time, as measured alone.
     """
     if model is None:
         if prior is None:
@@ -57,6 +57,7 @@ def predict_seconds(ops: Sequence[Op], model: LatencyModel | None, prior: Roofli
     if not include_gaps:  # the op alone: no host gaps, no in-iteration scale
         roofline = roofline.alone()
     before = preceding_bytes(ops) if preceding is None else preceding
+    whole = [iteration_bytes(ops)] * len(ops) if iteration is None else iteration
     out = np.empty(len(ops), dtype=np.float64)
     by_family: dict[str, list[int]] = defaultdict(list)
     for i, op in enumerate(ops):
@@ -72,7 +73,7 @@ def predict_seconds(ops: Sequence[Op], model: LatencyModel | None, prior: Roofli
             out[i] = prior_seconds(op, roofline)
     for family, indices in by_family.items():
         mlp = model.families[family]
-        x = np.array([features(ops[i], family, utilization, before[i]) for i in indices], dtype=np.float64)
+        x = np.array([features(ops[i], family, utilization, before[i], whole[i]) for i in indices], dtype=np.float64)
         base = np.array([compute_seconds(ops[i], roofline, family) for i in indices])
         gaps = np.array([gap_seconds(ops[i], roofline) for i in indices])
         scales = np.array([roofline.scales.get(ops[i].phase, 1.0) for i in indices]) if include_gaps else 1.0
