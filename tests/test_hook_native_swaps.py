@@ -297,3 +297,19 @@ def test_a_backward_inside_the_top_level_call_hooks_the_nodes_where_they_are_fou
     [carrier] = made
     actions = [a for a in carrier.actions if a is not None]
     assert not any(a.flush or a.deferred for a in actions) and sum(len(a.hooks) for a in actions) >= 5
+
+
+def test_tensor_paths_find_what_tensors_in_finds_and_lead_back_to_it():
+    """The learner records index paths (`tensor_paths`) and the executor collects tensors (`tensors_in`, on
+    the per-op path, without paths): the two walks must agree on the tensors and their order."""
+    from tensile.runtime_hook.storages import tensor_paths, tensors_in
+
+    a, b, c, d = (torch.zeros(i + 1) for i in range(4))
+    values = ((a, [b, 3, {"x": c, "y": None}]), {"out": (d,)}, "text")
+    found = tensor_paths(values)
+    assert [t for _, t in found] == tensors_in(values) == [a, b, c, d]
+    for path, tensor in found:
+        value = values
+        for key in path:
+            value = value[key]
+        assert value is tensor

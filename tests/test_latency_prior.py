@@ -255,7 +255,7 @@ def test_training_grid_adds_its_extra_probes_without_moving_the_others(monkeypat
     assert norms == {"batch", "layer"}
     for probe in added[46:48] + added[86:87]:  # norm and embedding probes trace to their families' ops
         workload = trace_step(build_step(probe, "meta"), model_name=probe.kind, batch_size=1, target_device="cpu")
-        assert {"norm", "embedding"} & {family_of(o) for o in workload.ops}
+        assert probe.kind in {family_of(o) for o in workload.ops}
     runs = set()
     for probe in [p for p in make_grid("quick") if p.kind == "layout"] + added[16:20]:
         workload = trace_step(build_step(probe, "meta"), model_name=probe.kind, batch_size=1, target_device="cpu")

@@ -89,8 +89,9 @@ def preceding_bytes(ops: Sequence[Op]) -> list[float]:
 
 def iteration_bytes(ops: Sequence[Op]) -> float:
     """Bytes all the ops of an iteration move: how much of the caches, the TLB and the heap the rest of the
-    step takes from each op (on validation folds a norm or a copy inside a whole CNN ran 10-15% slower than
-    the same op in a small probe; with this as a feature the fold medians of seven families came down)."""
+    step takes from each op. Fitted with the zoo models' steps and without this, the probes' batch-norm
+    backward came out 14.6% high on validation folds (0.2% fitted without the zoo); with it as a feature,
+    six families' fold medians came down in both seeds tried (docs/latency_model.md)."""
     return float(sum(effective_bytes(op) for op in ops))
 
 

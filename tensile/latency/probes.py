@@ -134,9 +134,9 @@ def _norm(rng: random.Random, scale: float) -> dict:
             h = _log_uniform(rng, 4, 224 * scale)
             c = {"type": "batch", "dims": (rng.choice((1, 1, 2, 4)), _channels(rng, 16, 1024), h,
                                            h if rng.random() < 0.75 else _log_uniform(rng, 4, 224 * scale))}
-        else:
-            c = {"type": "layer", "dims": (rng.choice((1, 2, 4)), rng.choice((1, _log_uniform(rng, 8, 512))),
-                                           _channels(rng, 16, 4096))}
+        else:  # (batch, features) or (batch, tokens, features)
+            n, t, d = rng.choice((1, 2, 4)), rng.choice((1, _log_uniform(rng, 8, 512))), _channels(rng, 16, 4096)
+            c = {"type": "layer", "dims": (n, t, d) if t > 1 else (n, d)}
         if 1e3 <= math.prod(c["dims"]) <= 16e6 * scale:
             return c
 
@@ -338,15 +338,9 @@ def build_step(probe: Probe, device: str) -> TrainingStep:
             shape = (c["n"], c["heads"], c["t"], c["dh"])
             batch = tuple(torch.randn(*shape).requires_grad_(True) for _ in range(3))
             loss_fn = lambda m, b: m(*_fresh(b)).mean()  # noqa: E731
-        elif probe.kind == "layout":
-            model = _LayoutBlock(c)
+        elif probe.kind in ("layout", "norm"):
+            model = _LayoutBlock(c) if probe.kind == "layout" else _NormBlock(c)
             batch = (torch.randn(*c["dims"]).requires_grad_(True),)
-            loss_fn = lambda m, b: m(_fresh(b)[0]).mean()  # noqa: E731
-        elif probe.kind == "norm":
-            model = _NormBlock(c)
-            n, t, d = c["dims"] if c["type"] == "layer" else (0, 0, 0)
-            shape = c["dims"] if c["type"] == "batch" else ((n, t, d) if t > 1 else (n, d))
-            batch = (torch.randn(*shape).requires_grad_(True),)
             loss_fn = lambda m, b: m(_fresh(b)[0]).mean()  # noqa: E731
         elif probe.kind == "embedding":
             model = _EmbeddingBlock(c)
