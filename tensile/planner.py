@@ -186,6 +186,11 @@ class JobState:
             self._pending = next(self._candidates, None)
         return self._pending
 
+    def crosses_step(self, root: int, gap: tuple[int, int, int]) -> bool:
+        """An updated parameter or optimizer state swapped out in the optimizer phase and back in the
+        next iteration (the paper's cross-iteration swap)."""
+        return gap[1] >= self.n and self.workload.tensors[root].role in ("param", "optimizer_state")
+
     def reject(self, root: int, gap: tuple[int, int, int]) -> None:
         self.failed.add((root, gap[0], gap[2]))
         self._pending = None
@@ -338,8 +343,10 @@ def plan_gpu(
     without, it plans for the lowest peak it can reach: swaps first, then recomputations by MSPS
     until none is legal at any job's peak. `capacity_bytes` (the paper's Free_GPU_Memory) then only
     decides `fits`. `slowdown` stretches op latencies for co-running jobs. Swapping pauses, past
-    `stop_after_rounds` swap rounds, when three in a row gained less than `stop_gain` of the peak
-    (the paper's stopping rule); a recomputation moves the peak and resumes it."""
+    `stop_after_rounds` swap rounds, when the last three together lowered the peaks of the jobs they
+    swapped in by less than `stop_gain` (the paper's stopping rule, on each job's own peak: with many
+    jobs a swap lowers the GPU's sum by a share of one job's); a recomputation moves the peak and
+    resumes it."""
     started = time.perf_counter()
     if not jobs:
         raise TensileUserError("no jobs to plan")
@@ -353,7 +360,7 @@ def plan_gpu(
     target = budget_bytes
     d2h, h2d = Channel(), Channel()
     transfers: list[Transfer] = []
-    history: list[int] = []
+    gains: list[float] = []  # per placed swap: how much it lowered its own job's peak (relative)
     rounds = 0
     swaps_spent = False
 
@@ -372,11 +379,14 @@ def plan_gpu(
         total_swaps = sum(s.swaps for s in states)
         options = []
         for state in candidates:
-            if state.swaps >= state.spec.max_swap_rate * (total_swaps + 1):
-                continue
             candidate = state.next_swap_candidate()
-            if candidate is not None:
-                options.append((state.slots[candidate[0]].size, state, candidate))
+            if candidate is None:
+                continue
+            # the max swapping rate holds for every tensor but an updated parameter or optimizer state
+            # swapped across the iteration boundary (Algorithm 2, lines 26-28: scheduled without the check)
+            if state.swaps >= state.spec.max_swap_rate * (total_swaps + 1) and not state.crosses_step(*candidate):
+                continue
+            options.append((state.slots[candidate[0]].size, state, candidate))
         if not options:
             return None
         _, state, (root, gap) = max(options, key=lambda o: o[0])
@@ -390,7 +400,9 @@ def plan_gpu(
         h2d.book(back, duration, state.timeline.period)
         transfers.append(Transfer(state.spec.name, root, "d2h", out, out + duration))
         transfers.append(Transfer(state.spec.name, root, "h2d", back, back + duration))
+        before = state.peak[0]
         state.add_swap(root, gap, out, back, bandwidth)
+        gains.append((before - state.peak[0]) / before if before else 0.0)
         return True
 
     # Algorithm 3: swap while swaps lower the peak; when they are spent and the peak is still above the
@@ -405,10 +417,8 @@ def plan_gpu(
             placed = swap_round(candidates)
             if placed is None:
                 swaps_spent = True
-            elif placed:
-                history.append(total_peak())
-                if len(history) > max(stop_after_rounds, 3) and history[-4] - history[-1] < stop_gain * history[-4]:
-                    swaps_spent = True
+            elif placed and len(gains) > max(stop_after_rounds, 3) and sum(gains[-3:]) < stop_gain:
+                swaps_spent = True
             continue
         choices = [(c, s) for s in candidates if s.spec.recompute and (c := s.best_recompute()) is not None]
         if not choices:
@@ -416,7 +426,7 @@ def plan_gpu(
         choice, state = max(choices, key=lambda cs: cs[0].msps)
         state.add_recompute(choice)
         swaps_spent = False
-        history.clear()
+        gains.clear()
 
     limit = budget_bytes if budget_bytes is not None else capacity_bytes
     plans: dict[str, Plan] = {}
