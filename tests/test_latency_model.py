@@ -370,6 +370,31 @@ def test_view_ops_are_priced_by_name(tmp_path):
     np.testing.assert_allclose(seconds, [2e-6, 5e-6, model.view_seconds])
 
 
+def test_a_view_after_a_big_op_is_priced_by_what_ran_before_it():
+    """Five or more samples of one name after ops of one size class get their own price; fewer, or a class
+    never measured, fall back to the name's median."""
+    from tensile.latency.calibrate import view_table
+    from tensile.latency.predict import predict_seconds
+    from tensile.latency.prior import view_key
+
+    def op(name, moved=0):
+        return Op(0, f"aten.{name}.default", "forward", (), (), shapes=((4, 4),), bytes_moved=moved)
+
+    views = [op("view")] * 10 + [op("detach")] * 3
+    preceding = [64.0] * 5 + [4e8] * 5 + [4e8] * 3
+    seconds = [1e-6] * 5 + [7e-6] * 5 + [5e-6] * 3
+    table = view_table(views, seconds, preceding)
+    assert table[view_key(op("view"), 64.0)] == 1e-6 and table[view_key(op("view"), 4e8)] == 7e-6
+    assert table["view"] == pytest.approx(4e-6) and view_key(op("detach"), 4e8) not in table
+    model = synthetic_model(cpu_key())
+    model.view_ops = table
+    big, small = op("convolution", moved=400_000_000), op("relu", moved=64)
+    # one iteration: a view after a big op, one after a small op, a view after a class never measured
+    ops = [big, op("view"), small, op("view"), op("relu", moved=4_000_000), op("view"), big, op("detach")]
+    seconds = predict_seconds(ops, model, include_gaps=False)
+    np.testing.assert_allclose(seconds[[1, 3, 5, 7]], [7e-6, 1e-6, 4e-6, 5e-6])
+
+
 def test_phase_fit_prefers_whole_model_iterations_over_small_probes():
     """Small probes' bare phases carry per-step host cost (x1.5 here); the zoo models' iterations (x1.0,
     2 us gap) are what jobs run, so with enough of them the fit follows them."""

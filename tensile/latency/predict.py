@@ -14,7 +14,8 @@ import numpy as np
 from tensile.latency.device import gpu_utilization, resolve_target
 from tensile.latency.families import base_name, family_of, features
 from tensile.latency.online import op_key
-from tensile.latency.prior import Roofline, compute_seconds, gap_seconds, iteration_bytes, preceding_bytes, prior_seconds
+from tensile.latency.prior import (Roofline, compute_seconds, gap_seconds, iteration_bytes, preceding_bytes, prior_seconds,
+                                   view_key)
 from tensile.latency.store import LatencyModel, load_model, model_path
 from tensile.workload import Op, Workload
 
@@ -64,7 +65,10 @@ def predict_seconds(ops: Sequence[Op], model: LatencyModel | None, prior: Roofli
         family = family_of(op)
         measured = model.measured_ops.get(op_key(op)) if model.measured_ops and family != "view" else None
         if family == "view" and model.view_seconds is not None:
-            out[i] = model.view_ops.get(base_name(op.name), model.view_seconds) + gap_seconds(op, roofline)
+            price = model.view_ops.get(view_key(op, before[i]))
+            if price is None:
+                price = model.view_ops.get(base_name(op.name), model.view_seconds)
+            out[i] = price + gap_seconds(op, roofline)
         elif measured is not None:
             out[i] = measured * (roofline.scales.get(op.phase, 1.0) if include_gaps else 1.0) + gap_seconds(op, roofline)
         elif family in model.families:

@@ -6,6 +6,7 @@ bandwidth (a preset, or the figures `tensile calibrate` measured); the learned m
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
@@ -80,6 +81,16 @@ def fresh_output_bytes(op: Op, family: str | None = None) -> float:
     """Bytes of the op's new outputs big enough to be fresh mmaps, whatever its family: VGG-16's 411 MB FC
     weight gradient (an mm), GPT-2's logits and their softmax, BERT's embedding gradient."""
     return float(sum(b for b in output_bytes(op, family) if b > FRESH_ALLOCATION_BYTES))
+
+
+def size_class(nbytes: float) -> int:
+    """Bytes in classes a factor of 4 apart: how samples of one op are grouped by what ran around it."""
+    return round(math.log2(1.0 + nbytes) / 2)
+
+
+def view_key(op: Op, preceding: float) -> str:
+    """A view op's price key by the size of the op before it ('view@9'); the name alone is the fallback."""
+    return f"{base_name(op.name)}@{size_class(preceding)}"
 
 
 def preceding_bytes(ops: Sequence[Op]) -> list[float]:
