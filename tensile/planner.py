@@ -109,6 +109,7 @@ class JobState:
             diff[slot.first] += slot.size
             diff[slot.last + 1] -= slot.size
         self.mem = np.cumsum(diff[:-1])
+        self._peak: tuple[int, int] | None = None  # (bytes, op) of mem; add_absent, its only writer, clears it
         self._activity_analysis()
         self.order = sorted(
             (s.root for s in self.slots.values() if s.size >= min_swap_bytes and s.accesses),
@@ -138,9 +139,12 @@ class JobState:
 
     @property
     def peak(self) -> tuple[int, int]:
-        """(peak bytes, peak op)."""
-        p = int(self.mem.argmax())
-        return int(self.mem[p]), p
+        """(peak bytes, peak op): read several times a round (the GPU's total, the candidates, a swap's
+        gain), computed once per change of memory."""
+        if self._peak is None:
+            p = int(self.mem.argmax())
+            self._peak = int(self.mem[p]), p
+        return self._peak
 
     def present(self, root: int, k: int) -> bool:
         slot = self.slots[root]
@@ -177,6 +181,7 @@ class JobState:
         self._candidates = None
         self._pending = None
         self._best = False
+        self._peak = None
 
     def next_swap_candidate(self) -> tuple[int, tuple[int, int, int]] | None:
         """The largest slot on the device at the peak with a free gap around it (cached until memory changes)."""
