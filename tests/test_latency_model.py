@@ -447,3 +447,31 @@ def test_a_zoo_model_is_measured_in_a_fresh_process_as_its_trace_records_it():
     assert [op.name for op in measured.timing.ops] == [op.name for op in traced.ops]
     assert len(measured.timing.seconds) == len(traced.ops) and all(s > 0 for s in measured.timing.seconds)
     assert measured.timing.iteration_seconds > 0 and set(measured.timing.phase_seconds) == {"forward", "backward", "optimizer"}
+
+
+def test_time_spent_alongside_calibration_does_not_count_against_its_budget(monkeypatch):
+    """A benchmark times its held-out probes between calibration's (`on_probe`): calibration's budget is for its
+    own probes, so that time must not make it stop early. A fake clock makes the accounting exact."""
+    from tensile.latency import calibrate as calibration
+    from tensile.latency.probes import make_grid
+
+    clock = [0.0]
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
+
+    def measure(probe: object, *args: object) -> object:  # each probe takes one second of the fake clock
+        clock[0] += 1.0
+        return probe
+
+    monkeypatch.setattr(calibration, "measure_probe", measure)
+    probes = [p for p in make_grid("quick", seed=0, device_type="cpu") if p.kind != "zoo"][:5]
+    seen: list = []
+
+    def alongside(probe: object) -> None:  # a hundred seconds of the caller's own work
+        seen.append(probe)
+        clock[0] += 100.0
+
+    assert calibration.measure_probes(probes, "cpu", budget_s=4.5, on_probe=alongside) == probes
+    assert seen == probes
+    # its own probes still stop it: past 2.5 s of them, the fourth is not measured
+    clock[0] = 0.0
+    assert calibration.measure_probes(probes, "cpu", budget_s=2.5, on_probe=alongside) == probes[:3]

@@ -11,7 +11,7 @@ import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -78,9 +78,10 @@ def measure_probes(probes: Iterable[Probe], device_type: str, *, timed: int = 5,
     10% of its time), which a process that has run bigger models before no longer does.
     """
     start = time.perf_counter()
+    aside = 0.0  # time spent in on_probe: the caller's, not the budget's
     results = []
     for probe in probes:
-        if budget_s is not None and time.perf_counter() - start > budget_s:
+        if budget_s is not None and time.perf_counter() - start - aside > budget_s:
             break
         try:
             if probe.kind == "zoo":
@@ -91,7 +92,9 @@ def measure_probes(probes: Iterable[Probe], device_type: str, *, timed: int = 5,
             if device_type == "cuda":
                 torch.cuda.empty_cache()
         if on_probe is not None:
+            began = time.perf_counter()
             on_probe(probe)
+            aside += time.perf_counter() - began
     return results
 
 
@@ -235,11 +238,13 @@ def view_table(ops: list, seconds: list[float], preceding: list[float] | None = 
 
 def calibrate(device: str = "cpu", quick: bool = False, model_dir: str | os.PathLike | None = None,
               progress: bool = True, budget_s: float | None = 480.0, threads: int | None = None,
-              ) -> tuple[LatencyModel, Path]:
+              alongside: Callable[[Probe], None] | None = None) -> tuple[LatencyModel, Path]:
     """Measure the grid on the local device, train, save; returns the model and its file.
 
     `threads` sets torch's CPU threads for the measurements (default: as jobs get them); on an
     oversubscribed CPU, 1 thread avoids OpenMP barrier stalls that make timings meaningless.
+    `alongside` runs after each probe, outside calibration's clock and budget: a benchmark measures its
+    held-out probes there, in the same minutes of a shared machine as the probes the model learns from.
     """
     device_type, key, name = local_device(device)
     previous_threads = torch.get_num_threads()
@@ -248,16 +253,27 @@ def calibrate(device: str = "cpu", quick: bool = False, model_dir: str | os.Path
             raise TensileUserError(f"--threads must be at least 1 (was {threads})")
         torch.set_num_threads(threads)
     try:
-        return _calibrate(device_type, key, name, quick, model_dir, progress, budget_s)
+        return _calibrate(device_type, key, name, quick, model_dir, progress, budget_s, alongside)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _calibrate(device_type: str, key: str, name: str, quick: bool, model_dir: str | os.PathLike | None,
-               progress: bool, budget_s: float | None) -> tuple[LatencyModel, Path]:
+               progress: bool, budget_s: float | None,
+               alongside: Callable[[Probe], None] | None) -> tuple[LatencyModel, Path]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     started = time.perf_counter()
+    aside = 0.0
+
+    def measured_one(probe: Probe) -> None:
+        nonlocal aside
+        bar.update(task, advance=1)
+        if alongside is not None:
+            began = time.perf_counter()
+            alongside(probe)
+            aside += time.perf_counter() - began
+
     probes = make_grid("quick" if quick else "default", seed=0, device_type=device_type)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not progress, transient=False) as bar:
@@ -266,13 +282,13 @@ def _calibrate(device_type: str, key: str, name: str, quick: bool, model_dir: st
         bar.update(task, advance=1)
         task = bar.add_task(f"measuring {len(probes)} probe steps on {name}", total=len(probes))
         measured = measure_probes(probes, device_type, timed=2 if quick else 5, plain=1 if quick else 2,
-                                  budget_s=budget_s, on_probe=lambda _: bar.update(task, advance=1))
+                                  budget_s=budget_s, on_probe=measured_one)
         task = bar.add_task("training family models", total=len(FAMILIES))
         meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "grid": "quick" if quick else "default",
                 "probes": len(measured), "probes_planned": len(probes), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
         model = fit_model(measured, roofline, key, name, device_type, meta,
                           steps=300 if quick else 1500, on_family=lambda _: bar.update(task, advance=1))
-    model.meta["calibration_seconds"] = round(time.perf_counter() - started, 1)
+    model.meta["calibration_seconds"] = round(time.perf_counter() - started - aside, 1)
     return model, save_model(model, model_dir)
 
 
