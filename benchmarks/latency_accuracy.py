@@ -155,9 +155,9 @@ def _agreeing(passes: list[list]) -> list[list]:
 class HeldOutAlongside:
     """Measures the held-out grid's passes between calibration's probes, spread evenly over them, so the held-out
     truth comes from the same minutes of a shared machine as the labels the model learns from: its speed drifts
-    by 5-10% over ten minutes (run L8: every family's predicted / measured total 1.06-1.19 on the grid timed
-    after calibration; its training probes re-timed then ran 5-9% faster than calibration had timed them),
-    which is the machine's, not the model's."""
+    by 5-10% over ten minutes (run L8: every family's predicted / measured total but the views' 1.06-1.19 on
+    the grid timed after calibration; its training probes re-timed then ran 2-9% faster than calibration had
+    timed them), which is the machine's, not the model's."""
 
     def __init__(self, probes: list, passes: int, device_type: str, calibration_probes: int) -> None:
         self.queue = [(i, probe) for i in range(passes) for probe in probes]
@@ -183,18 +183,18 @@ class HeldOutAlongside:
             self.done += 1
 
 
-def median_of_passes(passes: list[list]) -> list:
-    """One measurement per probe: each op's median over the passes that agree with the first."""
+def median_of_passes(groups: list[list]) -> list:
+    """One measurement per probe (`_agreeing` groups): each op's median over the passes that agree with the first."""
     return [replace(group[0], timing=replace(group[0].timing, seconds=[float(np.median(values)) for values in
                                                                       zip(*(m.timing.seconds for m in group))]))
-            for group in _agreeing(passes)]
+            for group in groups]
 
 
-def label_spread(passes: list[list]) -> dict[str, float]:
-    """Per family, the median distance (%) of one pass's op time from the median of the passes: how far
-    the machine's own noise moves the truth."""
+def label_spread(groups: list[list]) -> dict[str, float]:
+    """Per family, the median distance (%) of one pass's op time from the median of the passes (`_agreeing`
+    groups): how far the machine's own noise moves the truth."""
     spread: dict[str, list[float]] = defaultdict(list)
-    for group in _agreeing(passes):
+    for group in groups:
         if len(group) < 2:
             continue
         for i, op in enumerate(group[0].timing.ops):
@@ -383,7 +383,8 @@ def main() -> None:
         after = measure_grid(held_out_grid, device_type, console, "held-out grid after calibration (one pass)")
     else:
         held_out_passes = measure_passes(held_out_grid, device_type, console, "held-out grid", args.passes)
-    held_out = median_of_passes(held_out_passes) if held_out_passes else []
+    groups = _agreeing(held_out_passes) if held_out_passes else []
+    held_out = median_of_passes(groups)
     families = family_accuracy(model, prior, held_out, seen) if held_out else {}
     families_after = family_accuracy(model, prior, after, seen) if after else {}
     zoo_measured = [] if args.skip_families or args.skip_zoo_ops else measure_grid(
@@ -424,7 +425,7 @@ def main() -> None:
         "roofline": model.roofline.to_dict(), "passes": args.passes,
         "held_out_timing": "alongside calibration" if alongside is not None else "after calibration",
         "families_after_calibration": families_after,
-        "label_spread_percent": label_spread(held_out_passes) if len(held_out_passes) > 1 else {},
+        "label_spread_percent": label_spread(groups) if len(held_out_passes) > 1 else {},
         "drift_since_calibration": drift,
         "families": families, "zoo_ops": zoo_ops, "zoo": zoo,
         "evaluation_batches": BATCHES, "calibration_zoo_batches": list(ZOO_CALIBRATION_BATCHES),

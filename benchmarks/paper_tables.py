@@ -308,11 +308,11 @@ def _not_above(tables: dict) -> list[str]:
     out = []
     for case in _cases(tables):
         t = case["gpu"]["tensile"]
+        spent = {job: v for job, v in case["tensile_time"].items()
+                 if v["recompute_seconds_per_iteration"] + v["simulated_stall_seconds"] > 0}
         for policy in _ahead(case):
             b = case["gpu"][policy]
             line = f"- {case['case']}: {policy} MSR {b['msr']:.4f} EOR {b['eor']:.4f} against TENSILE's {t['msr']:.4f} / {t['eor']:.4f}"
-            spent = {job: v for job, v in case["tensile_time"].items()
-                     if v["recompute_seconds_per_iteration"] + v["simulated_stall_seconds"] > 0}
             if t["eor"] > b["eor"] and spent:
                 line += "; TENSILE's extra time: " + ", ".join(
                     f"{job} {v['recompute_seconds_per_iteration']:.2f} s of recomputation an iteration, "
