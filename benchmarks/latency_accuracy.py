@@ -346,6 +346,8 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=3,
                         help="measure the held-out grid and the zoo iterations this many times, one pass after another; "
                              "the truth is each one's median over the passes")
+    parser.add_argument("--calibration-budget", type=float, default=480.0, metavar="SECONDS",
+                        help="calibration's time budget (tensile calibrate --budget)")
     parser.add_argument("--skip-families", action="store_true")
     parser.add_argument("--skip-zoo-ops", action="store_true", help="skip the op-level errors on the zoo models")
     parser.add_argument("--out", type=Path, default=None,
@@ -368,7 +370,7 @@ def main() -> None:
         alongside = HeldOutAlongside(held_out_grid, args.passes, device_type,
                                      len(make_grid("default", seed=0, device_type=device_type)))
         model, path = calibrate(args.device, model_dir=model_dir, progress=console.is_terminal, threads=args.threads,
-                                alongside=alongside)
+                                alongside=alongside, budget_s=args.calibration_budget)
         torch.set_num_threads(args.threads)
     console.print(f"model {path} ({os.path.getsize(path) / 1024:.0f} KiB), calibration "
                   f"{model.meta.get('calibration_seconds', '?')} s, {model.meta.get('probes')} probes")

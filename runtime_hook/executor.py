@@ -28,13 +28,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from tensile.latency.measure import CudaOpTimer
 from tensile.peak import analyze_vanilla
 from tensile.plan import Event, Plan
 from tensile.runtime_hook.movers import CpuMover, CudaMover
 from tensile.runtime_hook.native_map import NativeMap, map_plan
 from tensile.runtime_hook.native_swaps import NativeSwaps
 from tensile.runtime_hook.report import HookReport, IterationStats
-from tensile.runtime_hook.settings import HookSettings, budget_bytes
+from tensile.runtime_hook.settings import HookSettings, budget_bytes, native_plans
 from tensile.runtime_hook.storages import Slot, StorageRegistry
 from tensile.runtime_hook.storages import tensors_in as _tensors
 from tensile.tracer import Recorder, classify_roles, written_values
@@ -199,6 +200,8 @@ class PlanExecutor(TorchDispatchMode):
         self.mover = CudaMover(device) if device.type == "cuda" else CpuMover()
         self.registry.release_host = self.mover.pool.put
         self.recorder = _LiveRecorder(device.type, self.registry)
+        self.op_timer = CudaOpTimer() if device.type == "cuda" else None  # the recorded ops' kernel times
+        self.native_plans = native_plans(settings, device.type)  # unaligned swaps stay resident rather than dispatch
         self.planner = planner
         self.report = HookReport(job=settings.job, device=str(device))
         self.iteration = 0
@@ -401,7 +404,7 @@ class PlanExecutor(TorchDispatchMode):
             super().__exit__(*exc)
 
     def _finish_iteration(self) -> None:
-        self.mover.finish_iteration()
+        self.mover.settle()
         stats = self.stats
         stats.seconds = time.perf_counter() - self.iteration_started
         stats.ops = len(self.recorder.ops) if self.iteration == self.match_at else self.op_index
@@ -412,6 +415,9 @@ class PlanExecutor(TorchDispatchMode):
             stats.peak_bytes = (self.report.scheduled_peak_bytes if self.active else None) or self.vanilla_peak or 0
         self.report.iterations.append(stats)
         if not self.disabled and self.iteration == self.match_at:
+            if self.op_timer is not None:
+                for op, seconds in zip(self.recorder.ops, self.op_timer.seconds()):
+                    op.latency = seconds
             self.recorder.stop()
             classify_roles(self.recorder)
             live = Workload(self.settings.job, 0, self.device.type, self.recorder.tensors, self.recorder.ops)
@@ -448,6 +454,8 @@ class PlanExecutor(TorchDispatchMode):
         self.op_index = 0
         if self.iteration == self.match_at:
             self.recorder = _LiveRecorder(self.device.type, self.registry)
+            if self.op_timer is not None:
+                self.op_timer.pairs = []
         self.active = None if self.disabled else self.ready
         mode = "planned" if self.active else ("recording" if self.iteration <= self.match_at else "guarded")
         self.stats = IterationStats(self.iteration, mode, self.active.plan.version if self.active else None)
@@ -513,13 +521,17 @@ class PlanExecutor(TorchDispatchMode):
     def _dispatch_recording(self, func: Any, args: tuple, kwargs: dict, leaves: list[Any], started: float) -> Any:
         """The iteration the plan is matched against: recorded in full with the tracer's Recorder."""
         self._ensure_resident(leaves)
+        timer = self.op_timer
+        kernel_started = timer.start() if timer is not None else None
         before_op = time.perf_counter()
         out = self._run(func, args, kwargs)
         after_op = time.perf_counter()
+        if timer is not None:
+            timer.stop(kernel_started)
         try:
             self.recorder.phase = self._phase()
             op = self.recorder.record(func, args, kwargs, out)
-            op.latency = after_op - before_op
+            op.latency = after_op - before_op  # on CUDA the kernel's time replaces it at the iteration's end
             self._after_accounting({self.recorder._key_of[t] for t in op.inputs + op.outputs})
         except Exception as exc:  # noqa: BLE001 - the op ran: keep its result, stand down
             self._stand_down(exc)
@@ -667,7 +679,7 @@ class PlanExecutor(TorchDispatchMode):
             started = time.perf_counter()
             self._fetch(slot)
             self.stats.stall_seconds += time.perf_counter() - started
-        elif slot.pending is not None:
+        if slot.pending is not None:  # on CUDA: the op waits for the copy, on the stream, not the host
             self.mover.wait(slot)
 
     def _rng_state(self) -> torch.Tensor:
@@ -838,6 +850,7 @@ class PlanExecutor(TorchDispatchMode):
                     self._fetch(slot)
                 except Exception:  # noqa: BLE001 - keep restoring the others
                     log.exception("tensile: could not restore a tensor")
+        self.mover.settle()
         self.active = self.ready = None
 
     def restore_all(self) -> None:
@@ -852,6 +865,7 @@ class PlanExecutor(TorchDispatchMode):
         with _disable_current_modes():
             for slot in self.registry.absent():
                 self._fetch(slot)
+        self.mover.settle()
 
     def _storage_freed(self, key: int) -> None:
         self.recipes.pop(key, None)

@@ -4,7 +4,8 @@ The tensor objects keep their identity: a storage is copied out and resized to z
 later resized back and copied in. On the CPU device copies are synchronous (the same logic, for
 tests and GPU-less machines). On CUDA, copies run on one side stream per direction, ordered by
 events (never host sleeps), into pinned host buffers taken from a pool so that pinning does not
-serialise the copies.
+serialise the copies. A swap-out never makes the compute stream wait: the freed block is marked as
+used by the copy stream, so the allocator hands it out again only after the copy has read it.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class CpuMover:
             self.pool.put(slot.host)
             slot.host = None
 
-    def finish_iteration(self) -> None:
+    def settle(self) -> None:
         """Nothing is in flight on the CPU."""
 
 
@@ -81,11 +82,13 @@ class CudaMover(CpuMover):
         self.d2h.wait_event(ready)
         with torch.cuda.stream(self.d2h):
             slot.host.untyped_storage().copy_(storage, non_blocking=True)
+        # the freed block is reused only once the copy stream's work queued so far has run (the
+        # caching allocator's stream uses): compute goes on while the copy reads it
+        torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage).record_stream(self.d2h)
+        storage.resize_(0)
         copied = torch.cuda.Event()
         copied.record(self.d2h)
-        # the memory goes back to the allocator only once the copy has read it
-        compute.wait_event(copied)
-        storage.resize_(0)
+        slot.pending = copied  # a swap-in copies the host buffer back only after this
 
     def swap_in(self, slot: Slot, storage: torch.UntypedStorage) -> None:
         compute = torch.cuda.current_stream(self.device)
@@ -93,9 +96,13 @@ class CudaMover(CpuMover):
         allocated = torch.cuda.Event()
         allocated.record(compute)
         self.h2d.wait_event(allocated)
+        if slot.pending is not None:
+            self.h2d.wait_event(slot.pending)
         assert slot.host is not None
         with torch.cuda.stream(self.h2d):
             storage.copy_(slot.host.untyped_storage(), non_blocking=True)
+        # should the tensor die unread, its block is not handed out while the copy still writes it
+        torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage).record_stream(self.h2d)
         arrived = torch.cuda.Event()
         arrived.record(self.h2d)
         slot.pending = arrived
@@ -124,7 +131,8 @@ class CudaMover(CpuMover):
             torch.cuda.current_stream(self.device).wait_event(slot.pending)
             slot.pending = None
 
-    def finish_iteration(self) -> None:
-        """The Executor waits for the iteration's unfinished transfers at its end (paper, §III)."""
+    def settle(self) -> None:
+        """The compute stream waits for every transfer queued so far: at an iteration's end (the paper's
+        Executor, §III) and after a restore, whose swap-ins nothing else waits for."""
         torch.cuda.current_stream(self.device).wait_stream(self.d2h)
         torch.cuda.current_stream(self.device).wait_stream(self.h2d)

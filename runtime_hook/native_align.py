@@ -27,6 +27,8 @@ from tensile.runtime_hook.storages import tensor_paths
 if TYPE_CHECKING:
     from tensile.runtime_hook.executor import ActivePlan, PlanExecutor
 
+MAX_WALK = 4096  # autograd nodes visited from one root: a bound that a model keeping to the plan never reaches
+
 
 @dataclass
 class Boundary:
@@ -39,6 +41,7 @@ class Boundary:
     nbytes: list[int]  # their storages' full sizes (a storage the plan swapped out reads 0 bytes)
     paths: list[tuple[Any, ...]]  # their index paths into the hook's values (args, or (args, output))
     root: tuple[int, int] | None  # (position, sequence number) of its tensors' newest autograd node
+    root_node: Any = None  # that node, for the walks that check an anchor reaches a node (learning only)
 
 
 @dataclass
@@ -93,6 +96,7 @@ class SwapLearner:
         self.saved: dict[int, tuple[int, str, int]] = {}  # plan tensor -> (node, saved attribute, nbytes)
         self.wanted: set[int] | None = None  # the plan tensors the plan swaps
         self.failed: str | None = None  # what went wrong while learning: nothing is aligned then
+        self.reach: dict[tuple[int, int], bool] = {}  # (boundary, node sequence number) -> behind its root
         self.handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
 
     def remove(self) -> None:
@@ -126,7 +130,8 @@ class SwapLearner:
         seqs = [(t.grad_fn._sequence_nr(), i) for i, t in enumerate(tensors) if t.grad_fn is not None]
         root = (max(seqs)[1], max(seqs)[0]) if seqs else None
         op = executor.op_index if executor.iteration == self.iteration else 0
-        self.boundaries.append(Boundary(pre, id(module), op, keys, nbytes, [path for path, _ in found], root))
+        self.boundaries.append(Boundary(pre, id(module), op, keys, nbytes, [path for path, _ in found], root,
+                                        tensors[root[0]].grad_fn if root is not None else None))
 
     def on_op(self, index: int) -> None:
         """Called by the executor for every op of the dispatch path that keeps to the plan."""
@@ -156,7 +161,8 @@ class SwapLearner:
                     return
 
     def align(self, plan: ActivePlan, swaps: list[tuple[Event, Event | None]], keys: dict[int, int]) -> tuple[Alignment | None, list[str]]:
-        """The plan's swaps on this iteration's boundaries and nodes, or why some cannot be."""
+        """The plan's swaps on this iteration's boundaries and nodes (those that align), and why the
+        others cannot be; no alignment at all when learning failed."""
         if self.failed is not None:
             return None, [f"learning failed ({self.failed})"]
         wanted = {out.tensor for out, _ in swaps}
@@ -232,7 +238,7 @@ class SwapLearner:
         renumber = {old: new for new, old in enumerate(kept)}
         expected = [self.boundaries[i].module * 2 + self.boundaries[i].pre for i in kept]
         alignment = Alignment(expected, {renumber[i]: a for i, a in actions.items()}, len(swaps), exits)
-        return (None if unmapped else alignment), unmapped
+        return alignment, unmapped
 
     def _top_level_exits(self) -> list[int]:
         """The boundaries where a top-level module call returns: every node its forward made exists
@@ -292,4 +298,25 @@ class SwapLearner:
         node: the node is made before it, so it is a walk back from the root (the node hooks read the
         swap's slot only when they run, after it was taken)."""
         indices = range(len(self.boundaries)) if candidates is None else candidates
-        return next((i for i in indices if self.boundaries[i].root is not None and self.boundaries[i].root[1] >= sequence), None)
+        return next((i for i in indices if self.boundaries[i].root is not None and self.boundaries[i].root[1] >= sequence
+                     and self._reaches(i, sequence)), None)
+
+    def _reaches(self, index: int, sequence: int) -> bool:
+        """Whether the node is behind the boundary's root: a node of a parallel branch (a residual
+        block's main path, seen from its shortcut's exit) is newer than some roots it is not behind."""
+        known = self.reach.get((index, sequence))
+        if known is None:
+            root = self.boundaries[index].root_node
+            stack, seen = [root], {root._sequence_nr()}
+            known = False
+            while stack and len(seen) < MAX_WALK:
+                node = stack.pop()
+                if node._sequence_nr() == sequence:
+                    known = True
+                    break
+                for following, _ in node.next_functions:
+                    if following is not None and sequence <= (number := following._sequence_nr()) and number not in seen:
+                        seen.add(number)
+                        stack.append(following)
+            self.reach[index, sequence] = known
+        return known

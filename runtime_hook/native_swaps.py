@@ -24,7 +24,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import _disable_current_modes
 
-from tensile.runtime_hook.native_align import Action, Alignment, NodeHook, SwapLearner
+from tensile.runtime_hook.native_align import MAX_WALK, Action, Alignment, NodeHook, SwapLearner
 from tensile.runtime_hook.storages import Slot
 
 log = logging.getLogger("tensile.hook")
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from tensile.runtime_hook.executor import ActivePlan, PlanExecutor
     from tensile.runtime_hook.native_map import NativeMap
 
-MAX_WALK = 4096  # autograd nodes visited from one root: a bound that a model keeping to the plan never reaches
 MAX_ABORTS = 2  # native iterations of a plan that leave the learnt module calls before it stays on the dispatch path
 
 
@@ -340,13 +339,21 @@ class NativeSwaps:
         return diverged
 
     def _align(self, learner: SwapLearner, active: ActivePlan) -> None:
+        """Swaps that do not align keep the plan on the dispatch path (exact), unless the settings prefer
+        native plans (CUDA by default): then they stay on the device and the native path carries the rest."""
         alignment, unmapped = learner.align(active, active.native.swaps, self.executor.keys)
-        if alignment is None:
-            self.executor._say(f"{len(unmapped)} swaps of plan version {active.plan.version} do not align with module "
-                               f"calls (e.g. {'; '.join(unmapped[:3])}): its iterations run on the dispatch path")
+        executor = self.executor
+        examples = f"e.g. {'; '.join(unmapped[:3])}"
+        if alignment is None or (unmapped and not executor.native_plans):
+            executor._say(f"{len(unmapped)} swaps of plan version {active.plan.version} do not align with module "
+                          f"calls ({examples}): its iterations run on the dispatch path")
             active.native = None
-        else:
-            active.native.carrier = SwapCarrier(self.executor, alignment)
+            return
+        if unmapped:
+            executor._say(f"{len(unmapped)} swaps of plan version {active.plan.version} do not align with module calls "
+                          f"({examples}): they stay on the device; the native path carries the other "
+                          f"{len(active.native.swaps) - len(unmapped)}")
+        active.native.carrier = SwapCarrier(executor, alignment)
 
     def prepare(self, native: NativeMap | None, matched: bool) -> None:
         """After the step chose the next path: the carrier's hooks for a native iteration, or a

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from tensile.plan import Plan
 from tensile.runtime_hook.agent_link import AgentLink
 from tensile.runtime_hook.executor import Planner
-from tensile.runtime_hook.settings import HookSettings
+from tensile.runtime_hook.settings import HookSettings, native_plans
 from tensile.workload import Workload
 from tensile.workload_io import load_workload
 
@@ -36,24 +37,45 @@ def agent_link(settings: HookSettings, fallback: Planner) -> AgentLink | None:
 
 def local_planner(settings: HookSettings, device: torch.device) -> Planner:
     """Plan in-process with the core planner (no agent): one job alone on its device, from the
-    live iteration's measured op latencies."""
+    live iteration's measured op latencies. On CUDA the plan keeps to activation swaps by default:
+    events only the dispatch path carries cost more per iteration in Python than a GPU iteration
+    takes (docs/runtime-hook.md, "On the GPU")."""
+    activations_only = native_plans(settings, device.type)
 
     def plan(workload: Workload, budget: int | None) -> Plan | None:
         from tensile.planner import plan_job
 
-        return plan_job(workload, host_link_bandwidth(device), budget, name=settings.job).plans[settings.job]
+        return plan_job(workload, host_link_bandwidth(device) * settings.link_share, budget, name=settings.job,
+                        activations_only=activations_only).plans[settings.job]
 
     return plan
 
 
+@functools.cache
 def host_link_bandwidth(device: torch.device) -> float:
-    """Bytes/s per direction between host and device: the preset for a known GPU, else a default."""
+    """Bytes/s per direction between host and device. On CUDA measured once, the slower direction
+    of pinned copies: the preset's datasheet figure was twice what a virtualised H100 moved, and
+    a plan made for a faster link leaves compute waiting for its swap-ins."""
     from tensile.devices import PRESETS
 
     if device.type != "cuda":
         return PRESETS["cpu"].host_link_bandwidth
-    name = torch.cuda.get_device_name(device).lower()
-    for key, spec in PRESETS.items():
-        if key in name:
-            return spec.host_link_bandwidth
-    return PRESETS["a6000"].host_link_bandwidth
+    return measure_host_link(device)
+
+
+def measure_host_link(device: torch.device, nbytes: int = 64 * 1024**2, repeats: int = 3) -> float:
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    on_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    rates = []
+    for source, target in ((on_device, on_host), (on_host, on_device)):
+        target.copy_(source, non_blocking=True)  # warm-up
+        timings = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            target.copy_(source, non_blocking=True)
+            end.record()
+            end.synchronize()
+            timings.append(start.elapsed_time(end) / 1e3)
+        rates.append(nbytes / sorted(timings)[len(timings) // 2])
+    return min(rates)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -17,6 +18,10 @@ class HookSettings:
     gpu: str | None = None
     report_path: str | None = None
     max_swap_rate: float | None = None
+    # which events the in-process planner may use: "all", "native" (activation swaps only, what the
+    # native path carries without seeing every op) or "auto" (native on CUDA, all on the CPU device)
+    plan_events: str = "auto"
+    link_share: float = 1.0  # the share of the measured host link the in-process planner counts on
     # the agent path (runtime_hook/agent_link.py): how long iteration 1 may wait for the agent's first
     # plan, each call's timeout, the longest quiet spell after failures, how often to post and poll
     agent_wait: float = 5.0
@@ -39,6 +44,8 @@ class HookSettings:
             gpu=env.get("TENSILE_GPU") or None,
             report_path=env.get("TENSILE_REPORT") or None,
             max_swap_rate=float(rate) if rate else None,
+            plan_events=_choice(env, "TENSILE_PLAN_EVENTS", PLAN_EVENTS),
+            link_share=_share(env, "TENSILE_LINK_SHARE", cls.link_share),
             agent_wait=_seconds(env, "TENSILE_AGENT_WAIT", cls.agent_wait),
             agent_timeout=_seconds(env, "TENSILE_AGENT_TIMEOUT", cls.agent_timeout),
             agent_max_backoff=_seconds(env, "TENSILE_AGENT_MAX_BACKOFF", cls.agent_max_backoff),
@@ -46,16 +53,39 @@ class HookSettings:
         )
 
 
+PLAN_EVENTS = ("auto", "all", "native")
+
+
+def native_plans(settings: HookSettings, device_type: str) -> bool:
+    """Plans kept to what the native path carries (activation swaps aligned with module calls)."""
+    return settings.plan_events == "native" or (settings.plan_events == "auto" and device_type == "cuda")
+
+
+def _choice(env, name: str, choices: tuple[str, ...]) -> str:  # type: ignore[no-untyped-def]
+    text = env.get(name) or choices[0]
+    if text not in choices:
+        raise ValueError(f"{name}: '{text}' is not one of {', '.join(choices)}")
+    return text
+
+
+def _share(env, name: str, default: float) -> float:  # type: ignore[no-untyped-def]
+    return _number(env, name, default, lambda v: 0 < v <= 1, "a share in (0, 1], e.g. 0.5")
+
+
 def _seconds(env, name: str, default: float) -> float:  # type: ignore[no-untyped-def]
+    return _number(env, name, default, lambda v: 0 < v < 3600, "seconds between 0 and 3600")
+
+
+def _number(env, name: str, default: float, valid: Callable[[float], bool], expected: str) -> float:  # type: ignore[no-untyped-def]
     text = env.get(name)
     if not text:
         return default
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"{name}: '{text}' is not a number of seconds") from None
-    if not 0 < value < 3600:
-        raise ValueError(f"{name}: must be between 0 and 3600 seconds (was {text})")
+        raise ValueError(f"{name}: '{text}' is not a number; give {expected}") from None
+    if not valid(value):
+        raise ValueError(f"{name}: must be {expected} (was {text})")
     return value
 
 

@@ -44,6 +44,9 @@ class JobSpec:
     max_swap_rate: float = 1.0  # share of all the GPU's swaps this job may hold (1.0: no limit)
     recompute: bool = True
     budget_bytes: int | None = None
+    # swap only tensors made within the iteration (parameters, optimizer state and the batch stay):
+    # with recompute off, the plans the hook's native path carries without seeing every op
+    activations_only: bool = False
 
 
 @dataclass(slots=True)
@@ -206,6 +209,8 @@ class JobState:
             if not self.present(root, p):
                 continue
             slot = self.slots[root]
+            if slot.persistent and self.spec.activations_only:
+                continue
             cyclic = slot.persistent and self.workload.tensors[root].role != "input"
             gap = gap_at(slot, p, self.n, cyclic)
             if gap is None or (root, gap[0]) in self.used_gaps or (root, gap[0], gap[2]) in self.failed:
@@ -455,9 +460,11 @@ def plan_gpu(
     return GpuPlan(plans, vanilla_total, scheduled_total, limit, fits, transfers, rounds, time.perf_counter() - started)
 
 
-def plan_job(workload: Workload, bandwidth: float, budget_bytes: int | None = None, name: str = "job", **options) -> GpuPlan:
-    """One job alone on its GPU (what `tensile forecast` needs)."""
-    return plan_gpu([JobSpec(name, workload)], bandwidth, budget_bytes, **options)
+def plan_job(workload: Workload, bandwidth: float, budget_bytes: int | None = None, name: str = "job",
+             activations_only: bool = False, **options) -> GpuPlan:
+    """One job alone on its GPU (what `tensile forecast` and the hook's in-process planner need)."""
+    spec = JobSpec(name, workload, recompute=not activations_only, activations_only=activations_only)
+    return plan_gpu([spec], bandwidth, budget_bytes, **options)
 
 
 def resolve_budget(text: str, vanilla_peak_bytes: int) -> int:

@@ -6,8 +6,10 @@ No weights are downloaded. Each entry builds the user contract's parts for a giv
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -24,17 +26,31 @@ class ZooEntry:
     classes_or_vocab: int
 
 
-_torchvision_ops: list[torch.library.Library] = []
+_torchvision_ops: list[torch.library.Library | None] = []  # once checked: the stub library, or None
+
+
+def _native_ops_load() -> bool:
+    """Whether torchvision's own C++ ops load here (they do on a CUDA machine, not with the CPU torch)."""
+    spec = importlib.util.find_spec("torchvision")
+    folders = (spec.submodule_search_locations or []) if spec else []
+    for library in (path for folder in folders for path in Path(folder).glob("_C*.so")):
+        try:
+            torch.ops.load_library(str(library))  # torchvision's import loads the same file: no second registration
+            return True
+        except OSError:
+            return False
+    return False
 
 
 def _torchvision():  # type: ignore[no-untyped-def]
-    """torchvision here is a CUDA build whose C++ ops do not load; its models work once nms is defined.
+    """torchvision on the CPU machine is a CUDA build whose C++ ops do not load; its models work once nms is
+    defined. Where they load (a GPU machine), defining nms as well would abort the process.
 
     timm and transformers import torchvision too, so every zoo builder goes through here first."""
     if not _torchvision_ops:
-        try:
-            torch.ops.torchvision.nms.default
-        except (AttributeError, RuntimeError):
+        if _native_ops_load():
+            _torchvision_ops.append(None)
+        else:
             library = torch.library.Library("torchvision", "DEF")
             library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
             library.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
@@ -121,7 +137,7 @@ def build_zoo_parts(
     input_shape: tuple[int, ...] | None = None,
     seed: int = 0,
 ) -> ModelParts:
-    """The contract's parts on `device` ("meta" for forecasts, "cpu" for live runs); optimizer added later."""
+    """The contract's parts on `device` ("meta" for forecasts, "cpu" or "cuda" for live runs); optimizer added later."""
     _, entry = zoo_entry(name)
     shape = tuple(input_shape or entry.input_shape)
     generator = torch.Generator().manual_seed(seed)
@@ -138,5 +154,7 @@ def build_zoo_parts(
     else:
         inputs = torch.randint(0, entry.classes_or_vocab, (batch_size, *shape), generator=generator)
         labels = inputs.clone()
+    if device not in ("meta", "cpu"):  # drawn on the host, so a batch is the same on every device
+        inputs, labels = inputs.to(device), labels.to(device)
     loss_fn = _image_loss if entry.kind == "image" else _lm_loss
     return model, (inputs, labels), loss_fn, lambda params: torch.optim.Adam(params)

@@ -4,12 +4,14 @@ only, training ends bit-identical, and the report says what happened."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
 
 import tracing_models
 from tensile.plan import EVENT_KINDS, Event, Plan
+from tensile.runtime_hook.settings import HookSettings, native_plans
 from tensile.workload import Workload
 from test_hook_correctness import aggressive_plan, assert_identical, deterministic, fit, train  # noqa: F401
 
@@ -89,3 +91,21 @@ def test_a_budget_in_bytes_holds_from_the_first_iteration():
     recorded = [it for it in report.iterations if it.mode == "recording"]
     assert recorded and all(it.passive_evictions > 0 for it in recorded)
     assert all(it.peak_bytes <= budget + report.guard_slack_bytes for it in report.iterations)
+
+
+@pytest.mark.parametrize("environ, named", [
+    ({"TENSILE_PLAN_EVENTS": "swaps"}, "TENSILE_PLAN_EVENTS: 'swaps' is not one of auto, all, native"),
+    ({"TENSILE_LINK_SHARE": "half"}, "TENSILE_LINK_SHARE: 'half' is not a number"),
+    ({"TENSILE_LINK_SHARE": "1.5"}, "TENSILE_LINK_SHARE: must be a share in (0, 1]"),
+])
+def test_bad_planning_settings_name_the_variable_and_the_fix(environ, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        HookSettings.from_env(environ)
+
+
+def test_native_plans_are_cudas_default_and_can_be_chosen_anywhere():
+    settings = HookSettings.from_env({"TENSILE_LINK_SHARE": "0.5"})
+    assert settings.link_share == 0.5 and settings.plan_events == "auto"
+    assert native_plans(settings, "cuda") and not native_plans(settings, "cpu")
+    assert native_plans(HookSettings.from_env({"TENSILE_PLAN_EVENTS": "native"}), "cpu")
+    assert not native_plans(HookSettings.from_env({"TENSILE_PLAN_EVENTS": "all"}), "cuda")

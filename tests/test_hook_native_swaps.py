@@ -78,8 +78,9 @@ def feature_swaps(workload: Workload, budget: int | None = None) -> Plan:
     return Plan("job", 1, workload.signature, events)
 
 
-def hooked(build, planner, steps: int = STEPS, micro_batches: int = 1, observe: bool = False) -> tuple[dict, HookReport]:  # type: ignore[no-untyped-def]
-    executor = activate(HookSettings(job="job"), planner=planner, device=torch.device("cpu"))
+def hooked(build, planner, steps: int = STEPS, micro_batches: int = 1, observe: bool = False,  # type: ignore[no-untyped-def]
+           settings: HookSettings = HookSettings(job="job")) -> tuple[dict, HookReport]:
+    executor = activate(settings, planner=planner, device=torch.device("cpu"))
     executor.observe_native = observe
     try:
         return fit(build, 4, steps, micro_batches), executor.report
@@ -151,27 +152,92 @@ def test_the_measured_native_peak_is_below_vanilla():
         [it.peak_bytes for it in native], report.vanilla_peak_bytes)
 
 
+def every_activation(workload: Workload, budget: int | None = None) -> Plan:
+    uses = first_uses(workload)
+    events = []
+    for tensor in workload.tensors.values():
+        backward = [i for i in uses.get(tensor.id, []) if workload.ops[i].phase == "backward"]
+        if tensor.role == "activation" and tensor.created_by >= 0 and backward:
+            last = max([tensor.created_by, *(i for i in uses[tensor.id] if workload.ops[i].phase == "forward")])
+            events += [Event("job", "swap_out", tensor.id, last), Event("job", "swap_in", tensor.id, backward[0] - 1)]
+    return Plan("job", 1, workload.signature, events)
+
+
 def test_a_swap_after_the_last_module_call_keeps_the_plan_on_the_dispatch_path():
     """tracing_models.views reads some activations last after its last module call (the loss):
     no module boundary can trigger their swap-out, so the plan runs on the dispatch path (exact)
     and says why. (Its transposed and sliced tensors, no module's inputs or outputs, are taken
     from the autograd nodes that saved them.)"""
-    def every_activation(workload: Workload, budget: int | None = None) -> Plan:
-        uses = first_uses(workload)
-        events = []
-        for tensor in workload.tensors.values():
-            backward = [i for i in uses.get(tensor.id, []) if workload.ops[i].phase == "backward"]
-            if tensor.role == "activation" and tensor.created_by >= 0 and backward:
-                last = max([tensor.created_by, *(i for i in uses[tensor.id] if workload.ops[i].phase == "forward")])
-                events += [Event("job", "swap_out", tensor.id, last), Event("job", "swap_in", tensor.id, backward[0] - 1)]
-        return Plan("job", 1, workload.signature, events)
-
     plain = fit(tracing_models.views, 4, STEPS)
     state, report = hooked(tracing_models.views, every_activation)
     assert_identical(plain, state)
     assert any("do not align with module calls" in m and "no module call after its last forward use" in m for m in report.messages)
     planned = [it for it in report.iterations if it.mode == "planned"]
     assert len(planned) == STEPS - 2 and all(it.path == "dispatch" and it.events["swap_out"] > 0 for it in planned)
+
+
+def test_with_native_plans_swaps_that_do_not_align_stay_on_the_device_and_the_rest_run_natively():
+    """TENSILE_PLAN_EVENTS=native (CUDA's default): the same plan, its unaligned swaps dropped rather than
+    every op going through the dispatch mode."""
+    plain = fit(tracing_models.views, 4, STEPS)
+    state, report = hooked(tracing_models.views, every_activation, settings=HookSettings(job="job", plan_events="native"))
+    assert_identical(plain, state)
+    assert any("they stay on the device; the native path carries the other" in m for m in report.messages), report.messages
+    native = [it for it in report.iterations[3:] if it.mode == "planned"]
+    assert len(native) == STEPS - 3 and all(it.path == "native" and it.events["swap_out"] > 0 for it in native)
+
+
+class Shortcut(nn.Module):
+    """A residual block as torchvision's Bottleneck runs it: the main path's modules, then the
+    shortcut's conv on the block's input. The shortcut's exit is newer than the main path's autograd
+    nodes without being behind them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv1, self.bn1 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.shortcut = nn.Conv2d(8, 8, 1)
+        self.fc = nn.Linear(512, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        main = self.bn2(self.conv2(self.bn1(self.conv1(x))))
+        return self.fc((main + self.shortcut(x)).flatten(1))
+
+
+def shortcut(batch_size: int) -> tuple:
+    torch.manual_seed(0)
+    batch = (torch.randn(batch_size, 3, 8, 8), torch.randint(0, 10, (batch_size,)))
+
+    def loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    return Shortcut(), batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+
+
+def stem_output_swap(workload: Workload, budget: int | None = None) -> Plan:
+    """The block's input alone: out after the shortcut's conv reads it, back before backward; the main
+    path's first conv reads it in backward too."""
+    stem = next(op for op in workload.ops if op.name == "aten.convolution.default")
+    tensor = stem.outputs[0]
+    uses = first_uses(workload)[tensor]
+    backward = [i for i in uses if workload.ops[i].phase == "backward"]
+    last_forward = max(i for i in uses if workload.ops[i].phase == "forward")
+    return Plan("job", 1, workload.signature, [Event("job", "swap_out", tensor, last_forward),
+                                                Event("job", "swap_in", tensor, backward[0] - 1)])
+
+
+def test_a_node_of_the_main_path_is_hooked_from_a_boundary_it_is_behind():
+    """The main path's first conv reads the swapped input in backward: its node is hooked from a
+    boundary whose root it is behind, not from the shortcut's exit (newer, but a walk back from it
+    never meets the main path)."""
+    plain = fit(shortcut, 4, STEPS)
+    state, report = hooked(shortcut, stem_output_swap)
+    assert_identical(plain, state)
+    assert not any("left the learnt" in m or "align" in m for m in report.messages), report.messages
+    native = [it for it in report.iterations[3:] if it.mode == "planned"]
+    assert len(native) == STEPS - 3 and all(it.path == "native" and it.events["swap_out"] == 1 for it in native)
 
 
 def test_a_tensor_still_absent_when_its_node_runs_is_fetched_there():

@@ -321,3 +321,18 @@ def test_each_job_keeps_its_own_budget_when_the_gpu_has_room():
     # without its own budget the loose GPU budget asks nothing of it
     alone = plan_gpu([JobSpec("tight", workloads["tight"])], BANDWIDTH, budget_bytes=10 * vanilla["tight"])
     assert not moves & {e.kind for e in alone.plans["tight"].events}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_activations_only_plans_move_no_persistent_tensor_and_recompute_nothing(seed):
+    """What the hook's native path carries (its default on CUDA): parameters, optimizer state and the
+    batch stay on the device, nothing is replayed; the peak still drops."""
+    workload = random_workload(seed, layers=16)
+    full = plan_job(workload, BANDWIDTH, name="a")
+    native = plan_job(workload, BANDWIDTH, name="a", activations_only=True)
+    moved = {e.tensor for e in native.plans["a"].events if e.kind in ("swap_out", "swap_in")}
+    persistent = {t.id for t in workload.tensors.values() if t.created_by < 0 or t.reuses is not None}
+    assert moved and not moved & persistent
+    assert not any(e.kind == "recompute" or e.next_iteration for e in native.plans["a"].events)
+    assert native.scheduled_peak_bytes < native.vanilla_peak_bytes
+    assert full.scheduled_peak_bytes <= native.scheduled_peak_bytes

@@ -139,6 +139,30 @@ def batched_seconds(func: Any, args: tuple, kwargs: dict, first: float, clock: C
     return (clock() - t0) / repeats
 
 
+class CudaOpTimer:
+    """Kernel time of each op on the current stream: an event pair around it, all read after one
+    synchronisation (host clocks would time the asynchronous launch, not the kernel)."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[Any, Any]] = []
+
+    def start(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, start: Any) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.pairs.append((start, end))
+
+    def seconds(self) -> list[float]:
+        torch.cuda.synchronize()
+        times = [start.elapsed_time(end) / 1e3 for start, end in self.pairs]
+        self.pairs = []
+        return times
+
+
 class TimingRecorder(Recorder):
     """The tracer's recorder, plus the time each op's kernel(s) took (CPU ops under BATCH_BELOW: the mean
     of a batch of repeats, see batched_seconds)."""
@@ -148,18 +172,16 @@ class TimingRecorder(Recorder):
         self.cuda = device_type == "cuda"
         self.clock = host_clock(device_type)
         self.times: list[float] = []
-        self._events: list[tuple[Any, Any]] = []
+        self._timer = CudaOpTimer()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func.namespace == "profiler":
             return func(*args, **kwargs)
         if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start = self._timer.start()
             out = func(*args, **kwargs)
-            end.record()
-            self._events.append((start, end))
+            self._timer.stop(start)
         else:
             t0 = self.clock()
             out = func(*args, **kwargs)
@@ -173,9 +195,7 @@ class TimingRecorder(Recorder):
     def finish(self) -> list[float]:
         """Seconds per recorded op (synchronises CUDA once)."""
         if self.cuda:
-            torch.cuda.synchronize()
-            self.times = [start.elapsed_time(end) / 1e3 for start, end in self._events]
-            self._events = []
+            self.times = self._timer.seconds()
         return self.times
 
 
