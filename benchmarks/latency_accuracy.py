@@ -237,7 +237,7 @@ def _faulted() -> tuple[float, float]:
     return usage.ru_minflt * resource.getpagesize() / 2**20, usage.ru_stime
 
 
-def measure_job(model_name: str, batch: int, repeats: int, threads: int) -> dict:
+def measure_job(model_name: str, batch: int, repeats: int, threads: int, device_type: str) -> dict:
     """A zoo model trained as a user's job runs it: in a process of its own (run this in a fresh one), warm-ups
     until the allocator settles, then robust plain iterations (timed as calibration times them: host_clock;
     re-measured while fewer than two agree; outliers reported); with the pages each faulted in and its
@@ -245,12 +245,12 @@ def measure_job(model_name: str, batch: int, repeats: int, threads: int) -> dict
     torch.set_num_threads(threads)
     warnings.simplefilter("ignore")
     probe = zoo_probes((batch,), (model_name,))[0]
-    step = build_step(probe, "cpu")
+    step = build_step(probe, device_type)
     runs: list[tuple[float, dict[str, float], float, float]] = []
 
     def once() -> float:
         mb, sys_s = _faulted()
-        total, phases = time_plain_iteration(step, "cpu")
+        total, phases = time_plain_iteration(step, device_type)
         mb_after, sys_after = _faulted()
         runs.append((total, phases, mb_after - mb, sys_after - sys_s))
         return total
@@ -266,17 +266,17 @@ def measure_job(model_name: str, batch: int, repeats: int, threads: int) -> dict
     phases = {phase: robust_seconds([run[phase] for _, run, _, _ in runs]) for phase in runs[0][1]}
     return {"seconds": robust_seconds(totals), "runs": totals, "outlier_runs": outliers(totals), "phases": phases,
             "warmups": warmups, "faulted_mb": [r[2] for r in runs], "system_seconds": [r[3] for r in runs],
-            "clock": "cpu" if uses_cpu_clock("cpu") else "wall", "load_average": load_average()}
+            "clock": "cpu" if uses_cpu_clock(device_type) else "wall", "load_average": load_average()}
 
 
-def measure_jobs(models: list[str], repeats: int, threads: int, console: Console, passes: int) -> dict:
+def measure_jobs(models: list[str], repeats: int, threads: int, console: Console, passes: int, device_type: str) -> dict:
     """measure_job for each model, each in a fresh process (one process's history, heap fragmentation and
     trimmed arenas, must not leak into another model's iteration time), in `passes` rounds over the models:
     the measured time is the median of the rounds, so a slow minute of the shared machine moves one round."""
     rounds: dict[str, list[dict]] = defaultdict(list)
     for i in range(passes):
         for name in models:
-            real = in_fresh_process(measure_job, name, BATCHES[name], repeats, threads)
+            real = in_fresh_process(measure_job, name, BATCHES[name], repeats, threads, device_type)
             rounds[name].append(real)
             console.print(f"{name} b{BATCHES[name]} (pass {i + 1} of {passes}): measured {real['seconds']:.3f} s after "
                           f"{real['warmups']} warm-ups (faulted {np.median(real['faulted_mb']):.0f} MB, system "
@@ -398,7 +398,7 @@ def main() -> None:
         console.print(f"the {drift['ops']} zoo ops calibration also timed run {drift['median_ratio']:.2f}x their calibration "
                       "time now (below 1: the machine is faster than while it calibrated)")
     op_by_op = {m.probe.params["model"]: m for m in zoo_measured}
-    zoo = zoo_accuracy(args.device, model_dir, prior, measure_jobs(models, args.repeats, args.threads, console, args.passes),
+    zoo = zoo_accuracy(args.device, model_dir, prior, measure_jobs(models, args.repeats, args.threads, console, args.passes, device_type),
                        console, seen, op_by_op)
 
     timing = "measured alongside calibration" if alongside is not None else "measured after calibration"

@@ -10,6 +10,9 @@ iteration (on the CPU device: the hook's storage tracker; vanilla CPU peaks are 
   (the median over both vanilla runs). Steady = the iterations after the plan was aligned (the hook
   records iterations 0-1, aligns in 2, runs natively from 3). Targets: MSR at least Table III's, EOR at
   most 1.15.
+- The hook's own cost: a fourth run under an empty plan (native from iteration 3, no event):
+  `empty_plan_ratio` is its iteration time over vanilla's; `transfer_seconds_per_iteration` is the
+  time the planned run spent enqueueing copies (on CUDA) or copying (on the CPU device).
 - Correctness: parameters, buffers and optimizer state after the last step compared bit for bit with
   the first vanilla run (deterministic algorithms on in every run; `vanilla_repeatable` says whether the
   two vanilla runs agree, without which a difference proves nothing).
@@ -34,10 +37,13 @@ from rich.console import Console
 from rich.table import Table
 
 from tensile.latency.calibrate import local_device
+from tensile.plan import Plan
 from tensile.runtime_hook import activate, deactivate
+from tensile.runtime_hook.executor import Planner
 from tensile.runtime_hook.plan_source import host_link_bandwidth, local_planner
 from tensile.runtime_hook.report import HookReport
 from tensile.runtime_hook.settings import PLAN_EVENTS, HookSettings
+from tensile.workload import Workload
 from tensile.zoo import build_zoo_parts
 
 PAPER_MODELS = ("vgg16", "inception_v3", "inception_v4", "resnet50", "densenet121")
@@ -52,15 +58,20 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(model_name: str, batch_size: int, steps: int, device: torch.device, settings: HookSettings | None = None) -> dict:
-    """One training run (under the hook with `settings`, else vanilla): per-iteration seconds and peaks, the
-    final state, the hook's report."""
+def empty_plan(workload: Workload, budget: int | None) -> Plan:
+    return Plan(workload.name, 1, workload.signature, [])
+
+
+def run(model_name: str, batch_size: int, steps: int, device: torch.device, settings: HookSettings | None = None,
+        planner: Planner | None = None) -> dict:
+    """One training run (under the hook with `settings` and the in-process planner, or `planner`; else
+    vanilla): per-iteration seconds and peaks, the final state, the hook's report."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     executor = None
     if settings is not None:
-        executor = activate(settings, planner=local_planner(settings, device), device=device)
+        executor = activate(settings, planner=planner or local_planner(settings, device), device=device)
     try:
         model, batch, loss_fn, make_optimizer = build_zoo_parts(model_name, batch_size, device=device.type)
         optimizer = make_optimizer(model.parameters())
@@ -95,6 +106,7 @@ def compare(model_name: str, batch_size: int, steps: int, device: torch.device, 
     first = run(model_name, batch_size, steps, device)
     settings = HookSettings(job=model_name, plan_events=plan_events, link_share=link_share)
     tensile = run(model_name, batch_size, steps, device, settings)
+    empty = run(model_name, batch_size, steps, device, settings, planner=empty_plan)  # the hook's own cost, no event
     second = run(model_name, batch_size, steps, device)
     report: HookReport = tensile["report"]
     steady = list(range(FIRST_STEADY, steps))
@@ -121,11 +133,13 @@ def compare(model_name: str, batch_size: int, steps: int, device: torch.device, 
         "vanilla_seconds": vanilla_seconds,
         "tensile_seconds": tensile_seconds,
         "eor": tensile_seconds / vanilla_seconds,
+        "empty_plan_ratio": statistics.median(empty["seconds"][FIRST_STEADY:]) / vanilla_seconds,
         "vanilla_seconds_per_run": [statistics.median(r["seconds"][FIRST_STEADY:]) for r in (first, second)],
         "planned_iterations": len(planned),
         "paths": sorted({it.path for it in planned}),
         "hook_seconds_per_iteration": statistics.median([it.hook_seconds for it in planned]) if planned else None,
         "stall_seconds_per_iteration": statistics.median([it.stall_seconds for it in planned]) if planned else None,
+        "transfer_seconds_per_iteration": statistics.median([it.transfer_seconds for it in planned]) if planned else None,
         "swap_out_bytes_per_iteration": planned[-1].swap_out_bytes if planned else 0,
         "recompute_bytes_per_iteration": planned[-1].recompute_bytes if planned else 0,
         "events_per_iteration": planned[-1].events if planned else {},
