@@ -36,30 +36,21 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from hook_overhead import empty_plan
+from paper_tables import MODELS as PAPER_MODELS
+from paper_tables import PAPER_TABLE_III
 from tensile.latency.calibrate import local_device
-from tensile.plan import Plan
+from tensile.latency.measure import synchronize
 from tensile.runtime_hook import activate, deactivate
 from tensile.runtime_hook.executor import Planner
 from tensile.runtime_hook.plan_source import host_link_bandwidth, local_planner
 from tensile.runtime_hook.report import HookReport
 from tensile.runtime_hook.settings import PLAN_EVENTS, HookSettings
-from tensile.workload import Workload
 from tensile.zoo import build_zoo_parts
 
-PAPER_MODELS = ("vgg16", "inception_v3", "inception_v4", "resnet50", "densenet121")
-PAPER_MSR = {"vgg16": 0.2670, "inception_v3": 0.4361, "inception_v4": 0.5154, "resnet50": 0.4258, "densenet121": 0.5135}
 TARGET_EOR = 1.15
 FIRST_STEADY = 3  # iterations 0-1 recorded and matched, 2 aligned on the dispatch path
 RESULTS = Path(__file__).parent / "results"
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def empty_plan(workload: Workload, budget: int | None) -> Plan:
-    return Plan(workload.name, 1, workload.signature, [])
 
 
 def run(model_name: str, batch_size: int, steps: int, device: torch.device, settings: HookSettings | None = None,
@@ -77,14 +68,14 @@ def run(model_name: str, batch_size: int, steps: int, device: torch.device, sett
         optimizer = make_optimizer(model.parameters())
         seconds, peaks = [], []
         for _ in range(steps):
-            synchronize(device)
+            synchronize(device.type)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss_fn(model, batch).backward()
             optimizer.step()
-            synchronize(device)
+            synchronize(device.type)
             seconds.append(time.perf_counter() - started)
             peaks.append(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
         report: HookReport | None = executor.report if executor else None
@@ -109,13 +100,12 @@ def compare(model_name: str, batch_size: int, steps: int, device: torch.device, 
     empty = run(model_name, batch_size, steps, device, settings, planner=empty_plan)  # the hook's own cost, no event
     second = run(model_name, batch_size, steps, device)
     report: HookReport = tensile["report"]
-    steady = list(range(FIRST_STEADY, steps))
     planned = [it for it in report.iterations[FIRST_STEADY:steps] if it.mode == "planned"]
     vanilla_seconds = statistics.median(first["seconds"][FIRST_STEADY:] + second["seconds"][FIRST_STEADY:])
     tensile_seconds = statistics.median(tensile["seconds"][FIRST_STEADY:])
     if device.type == "cuda":
         vanilla_peak = max(first["peaks"][FIRST_STEADY:])
-        tensile_peak = max(tensile["peaks"][i] for i in steady)
+        tensile_peak = max(tensile["peaks"][FIRST_STEADY:])
     else:  # the hook's tracker of live storages is the CPU device's only peak: the vanilla one is its forecast
         vanilla_peak = report.vanilla_peak_bytes or 0
         tensile_peak = max((it.peak_bytes for it in planned), default=0)
@@ -129,7 +119,7 @@ def compare(model_name: str, batch_size: int, steps: int, device: torch.device, 
         "scheduled_peak_bytes": report.scheduled_peak_bytes,
         "forecast_vanilla_peak_bytes": report.vanilla_peak_bytes,
         "msr": 1 - tensile_peak / vanilla_peak if vanilla_peak else None,
-        "paper_msr": PAPER_MSR.get(model_name),
+        "paper_msr": PAPER_TABLE_III[model_name]["tensile"][0] if model_name in PAPER_TABLE_III else None,
         "vanilla_seconds": vanilla_seconds,
         "tensile_seconds": tensile_seconds,
         "eor": tensile_seconds / vanilla_seconds,
@@ -183,7 +173,8 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"device": device_name, "torch": torch.__version__, "host": platform.node(),
                                    "host_link_bytes_per_second": host_link_bandwidth(device),
-                                   "cpu_count": os.cpu_count(), "steps": args.steps, "rows": rows}, indent=2, default=str))
+                                   "cpu_count": os.cpu_count(), "steps": args.steps,
+                                   "targets": {"msr": "at least the paper's Table III", "eor": TARGET_EOR}, "rows": rows}, indent=2, default=str))
     table = Table(title=f"Real training on {device_name}, batch {args.batch_size}: vanilla against TENSILE")
     for column in ("model", "vanilla peak MB", "TENSILE peak MB", "MSR", "paper MSR", "EOR", "hook ms/iter", "bit-identical"):
         table.add_column(column, justify="right")

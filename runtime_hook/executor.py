@@ -35,7 +35,7 @@ from tensile.runtime_hook.movers import CpuMover, CudaMover
 from tensile.runtime_hook.native_map import NativeMap, map_plan
 from tensile.runtime_hook.native_swaps import NativeSwaps
 from tensile.runtime_hook.report import HookReport, IterationStats
-from tensile.runtime_hook.settings import HookSettings, budget_bytes, native_plans
+from tensile.runtime_hook.settings import HookSettings, budget_bytes
 from tensile.runtime_hook.storages import Slot, StorageRegistry
 from tensile.runtime_hook.storages import tensors_in as _tensors
 from tensile.tracer import Recorder, classify_roles, written_values
@@ -201,7 +201,6 @@ class PlanExecutor(TorchDispatchMode):
         self.registry.release_host = self.mover.pool.put
         self.recorder = _LiveRecorder(device.type, self.registry)
         self.op_timer = CudaOpTimer() if device.type == "cuda" else None  # the recorded ops' kernel times
-        self.native_plans = native_plans(settings, device.type)  # unaligned swaps stay resident rather than dispatch
         self.planner = planner
         self.report = HookReport(job=settings.job, device=str(device))
         self.iteration = 0
@@ -454,8 +453,6 @@ class PlanExecutor(TorchDispatchMode):
         self.op_index = 0
         if self.iteration == self.match_at:
             self.recorder = _LiveRecorder(self.device.type, self.registry)
-            if self.op_timer is not None:
-                self.op_timer.pairs = []
         self.active = None if self.disabled else self.ready
         mode = "planned" if self.active else ("recording" if self.iteration <= self.match_at else "guarded")
         self.stats = IterationStats(self.iteration, mode, self.active.plan.version if self.active else None)

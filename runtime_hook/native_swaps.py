@@ -25,6 +25,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._python_dispatch import _disable_current_modes
 
 from tensile.runtime_hook.native_align import MAX_WALK, Action, Alignment, NodeHook, SwapLearner
+from tensile.runtime_hook.settings import native_plans
 from tensile.runtime_hook.storages import Slot
 
 log = logging.getLogger("tensile.hook")
@@ -344,7 +345,7 @@ class NativeSwaps:
         alignment, unmapped = learner.align(active, active.native.swaps, self.executor.keys)
         executor = self.executor
         examples = f"e.g. {'; '.join(unmapped[:3])}"
-        if alignment is None or (unmapped and not executor.native_plans):
+        if alignment is None or (unmapped and not native_plans(executor.settings, executor.device.type)):
             executor._say(f"{len(unmapped)} swaps of plan version {active.plan.version} do not align with module "
                           f"calls ({examples}): its iterations run on the dispatch path")
             active.native = None
