@@ -11,7 +11,12 @@ Each row says which path (dispatch / native) its measured iterations took, with 
 each path apart (`by_path`): the first iteration under a plan runs on the dispatch path (it aligns
 the plan's swaps with module and autograd node hooks), the later ones natively when they can.
 
-Run: .venv/bin/python benchmarks/hook_overhead.py [--batch-size N]  -> benchmarks/results/hook_overhead.json
+On CUDA (`--device cuda`) every iteration's time ends at a device synchronisation, and `hook_seconds`
+is host time: there the kernels run asynchronously, so the hook's Python does not run right after
+kernels that emptied the host's caches, as it does on the CPU device.
+
+Run: .venv/bin/python benchmarks/hook_overhead.py [--batch-size N] [--device cuda]
+  -> benchmarks/results/hook_overhead.json (CPU), hook_overhead_<gpu>.json (CUDA)
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from tensile.latency.calibrate import local_device
+from tensile.latency.measure import synchronize
 from tensile.plan import Plan
 from tensile.runtime_hook import activate, deactivate
 from tensile.runtime_hook.report import HookReport
@@ -38,11 +45,11 @@ from tensile.zoo import build_zoo_parts
 RESULTS = Path(__file__).parent / "results" / "hook_overhead.json"
 
 
-def tiny_ops_model(batch_size: int) -> tuple:
+def tiny_ops_model(batch_size: int, device: torch.device) -> tuple:
     torch.manual_seed(0)
     layers = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(100)]
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
-    batch = (torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,)))
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(16, 4)).to(device)
+    batch = (torch.randn(batch_size, 16, device=device), torch.randint(0, 4, (batch_size,), device=device))
 
     def loss_fn(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
@@ -54,14 +61,16 @@ def empty_plan(workload: Workload, budget: int | None) -> Plan:
     return Plan("bench", 1, workload.signature, [])
 
 
-def full_plan(workload: Workload, budget: int | None) -> Plan | None:
+def full_plan(device: torch.device):  # type: ignore[no-untyped-def]
+    """The in-process planner's plan for the device, as the hook makes it by default."""
     from tensile.runtime_hook.plan_source import local_planner
 
-    return local_planner(HookSettings(job="bench"), torch.device("cpu"))(workload, budget)
+    return local_planner(HookSettings(job="bench"), device)
 
 
-def timed_iterations(parts: tuple, steps: int, planner=None, budget: float | None = None) -> tuple[list[float], HookReport | None]:  # type: ignore[no-untyped-def]
-    executor = activate(HookSettings(job="bench", memory_budget=budget), planner=planner, device=torch.device("cpu")) if planner else None
+def timed_iterations(parts: tuple, steps: int, planner=None, budget: float | None = None,  # type: ignore[no-untyped-def]
+                     device: torch.device = torch.device("cpu")) -> tuple[list[float], HookReport | None]:
+    executor = activate(HookSettings(job="bench", memory_budget=budget), planner=planner, device=device) if planner else None
     try:
         model, batch, loss_fn, make_optimizer = parts
         optimizer = make_optimizer(model.parameters())
@@ -71,6 +80,7 @@ def timed_iterations(parts: tuple, steps: int, planner=None, budget: float | Non
             optimizer.zero_grad(set_to_none=True)
             loss_fn(model, batch).backward()
             optimizer.step()
+            synchronize(device.type)
             times.append(time.perf_counter() - started)
         return times, (executor.report if executor else None)
     finally:
@@ -82,15 +92,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=7, help="ResNet-50 iterations (the first 2 are recorded, the 3rd aligns)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
+    device_type, device_key, device_name = local_device(args.device)
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
     console = Console()
     load_before = os.getloadavg()[0]
     rows = []
     # 1. tiny ops, empty plan; interleave repeats so noise hits both alike
     plain_times, hooked_times, hook_seconds = [], [], []
     for _ in range(3):
-        plain, _ = timed_iterations(tiny_ops_model(4), 30)
-        hooked, report = timed_iterations(tiny_ops_model(4), 30, planner=empty_plan)
+        plain, _ = timed_iterations(tiny_ops_model(4, device), 30, device=device)
+        hooked, report = timed_iterations(tiny_ops_model(4, device), 30, planner=empty_plan, device=device)
         iterations = report.iterations
         plain_times += plain[5:]
         hooked_times += hooked[5:]
@@ -109,9 +122,10 @@ def main() -> None:
     # 2-3. ResNet-50 under the planner's full plan, then under an empty plan, between two plain runs
     # (the machine is shared: their steady iterations together are the plain figure)
     resnet_rows = []
-    plain = timed_iterations(build_zoo_parts("resnet50", args.batch_size, device="cpu"), args.steps)[0][2:]
-    for label, planner, budget in (("full plan (budget 0.6)", full_plan, 0.6), ("empty plan", empty_plan, None)):
-        hooked, report = timed_iterations(build_zoo_parts("resnet50", args.batch_size, device="cpu"), args.steps, planner=planner, budget=budget)
+    plain = timed_iterations(build_zoo_parts("resnet50", args.batch_size, device=device_type), args.steps, device=device)[0][2:]
+    for label, planner, budget in (("full plan (budget 0.6)", full_plan(device), 0.6), ("empty plan", empty_plan, None)):
+        hooked, report = timed_iterations(build_zoo_parts("resnet50", args.batch_size, device=device_type), args.steps,
+                                          planner=planner, budget=budget, device=device)
         iterations = report.iterations
         planned = [it for it in iterations if it.mode == "planned"]
         native = [it for it in planned if it.path == "native"]
@@ -134,13 +148,13 @@ def main() -> None:
             "target_hook_seconds": 0.002,
         }
         resnet_rows.append(row)
-    plain += timed_iterations(build_zoo_parts("resnet50", args.batch_size, device="cpu"), args.steps)[0][2:]
+    plain += timed_iterations(build_zoo_parts("resnet50", args.batch_size, device=device_type), args.steps, device=device)[0][2:]
     for row in resnet_rows:
         row["plain_seconds"] = statistics.median(plain)
         if row["hooked_seconds"]:
             row["ratio"] = row["hooked_seconds"] / row["plain_seconds"]
         rows.append(row)
-    table = Table(title="Runtime hook overhead (CPU)")
+    table = Table(title=f"Runtime hook overhead ({device_name})")
     for column in ("case", "plain s/iter", "hooked s/iter", "ratio", "hook s/iter"):
         table.add_column(column, justify="right")
     for row in rows:
@@ -151,11 +165,12 @@ def main() -> None:
             "-" if row["hook_seconds_per_iteration"] is None else f"{row['hook_seconds_per_iteration'] * 1e3:.2f} ms",
         )
     console.print(table)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    out = RESULTS if device_type == "cpu" else RESULTS.with_name(f"hook_overhead_{device_key}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     # the ResNet-50 ratios compare runs made one after the other: only meaningful on a quiet machine
     load = {"before": load_before, "after": os.getloadavg()[0], "cores": os.cpu_count()}
     console.print(f"load average (1 min): {load['before']:.2f} before, {load['after']:.2f} after, {load['cores']} cores")
-    RESULTS.write_text(json.dumps({"device": f"cpu ({platform.machine()})", "torch": torch.__version__,
+    out.write_text(json.dumps({"device": f"cpu ({platform.machine()})" if device_type == "cpu" else device_name, "torch": torch.__version__,
                                    "load_average_1min": load, "rows": rows}, indent=2))
 
 

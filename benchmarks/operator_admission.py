@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from operator_harness import cluster, fake_kubelet, simulated_gpu, start_operator, trainingjob  # noqa: E402
 
 from tensile.operator.forecasting import Forecaster  # noqa: E402
-from tensile.operator.model import WorkloadSpec  # noqa: E402
+from tensile.operator.model import parse_spec  # noqa: E402
 
 MODELS = [("vgg16", 1), ("gpt2", 1), ("bert_base", 1)]
 
@@ -68,7 +68,8 @@ async def measure(jobs: int, interval: float, gpu_gib: float) -> dict:
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     for model, batch in MODELS:
-        await forecaster.forecast(WorkloadSpec(model=model, batch_size=batch))
+        spec = parse_spec(trainingjob("warm-up", model, batch)["spec"])  # as the jobs below are forecast
+        await forecaster.forecast(spec.workload, spec.activations_only)
     warmup = time.perf_counter() - started
     async with cluster(Path(tempfile.mkdtemp())) as c:
         for node in ("node-a", "node-b"):

@@ -67,6 +67,7 @@ class RegisterIn(_Model):
     token: str | None = Field(None, pattern=TOKEN_PATTERN)
     last_plan_version: int = Field(0, ge=0, le=BIG)
     external: bool = False
+    activations_only: bool = Field(False, description="plan activation swaps only (no recompute): what the hook's native path carries")
 
 
 class RegisterOut(_Model):
@@ -175,6 +176,7 @@ class JobOut(_Model):
     memory_budget_bytes: int | None
     max_swap_rate: float | None
     recompute: bool
+    activations_only: bool
     external: bool
     latency_source: str | None
     events: int

@@ -58,7 +58,7 @@ def same_plan(a, b) -> bool:  # type: ignore[no-untyped-def]
 _CHILD_WORKLOADS: dict[str, Workload] = {}  # in the planning process: workloads by key, sent once
 
 
-def _plan_in_child(jobs: list[tuple[str, str, list[float], float, bool, int | None]], new: dict[str, str], keep: list[str],
+def _plan_in_child(jobs: list[tuple[str, str, list[float], float, bool, int | None, bool]], new: dict[str, str], keep: list[str],
                    bandwidth: float, options: dict) -> GpuPlan:
     from tensile.workload_io import workload_from_dict
 
@@ -67,11 +67,11 @@ def _plan_in_child(jobs: list[tuple[str, str, list[float], float, bool, int | No
     for key in set(_CHILD_WORKLOADS) - set(keep):
         del _CHILD_WORKLOADS[key]
     specs = []
-    for name, key, latencies, rate, recompute, budget in jobs:
+    for name, key, latencies, rate, recompute, budget, activations_only in jobs:
         workload = _CHILD_WORKLOADS[key]
         for op, seconds in zip(workload.ops, latencies):
             op.latency = seconds
-        specs.append(JobSpec(name, workload, rate, recompute, budget))
+        specs.append(JobSpec(name, workload, rate, recompute, budget, activations_only))
     result = plan_gpu(specs, bandwidth, **options)
     result.transfers = []  # not needed by the agent; keeps the answer small
     return result
@@ -139,7 +139,7 @@ class ProcessPlanner:
             while len(self._sent) > self.cache_size:
                 del self._sent[next(iter(self._sent))]
             jobs = [(spec.name, f"{spec.workload.signature}:{id(spec.workload)}", [op.latency for op in spec.workload.ops],
-                     spec.max_swap_rate, spec.recompute, spec.budget_bytes) for spec in specs]
+                     spec.max_swap_rate, spec.recompute, spec.budget_bytes, spec.activations_only) for spec in specs]
             try:
                 result = self._pool.submit(_plan_in_child, jobs, new, list(self._sent), bandwidth, options).result()
             except BrokenProcessPool:
@@ -300,7 +300,9 @@ class PlanningService:
             if latencies is not None:
                 for op, seconds in zip(workload.ops, latencies):
                     op.latency = seconds
-            specs.append(JobSpec(job.key, workload, job.max_swap_rate or 1.0, job.recompute, job.memory_budget_bytes))
+            # a job whose hook keeps to its native path gets only the activation swaps that path carries
+            specs.append(JobSpec(job.key, workload, job.max_swap_rate or 1.0, job.recompute and not job.activations_only,
+                                 job.memory_budget_bytes, job.activations_only))
         started = time.perf_counter()
         error = None
         try:

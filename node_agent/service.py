@@ -156,6 +156,7 @@ class AgentService:
                 raise Problem(403, "wrong_token", f"job {ref.key} is registered already under another token")
             if (existing.gpu == gpu and existing.signature == signature and existing.memory_budget_bytes == request.memory_budget_bytes
                     and existing.max_swap_rate == request.max_swap_rate and existing.recompute == request.recompute
+                    and existing.activations_only == request.activations_only
                     and (existing.workload is not None or workload is None)):
                 return self._response(existing, created=False)  # a retry: nothing changed, nothing to plan
         latency_source, ewma = (None, None)
@@ -166,7 +167,8 @@ class AgentService:
         token = request.token or (existing.token if existing else secrets.token_urlsafe(24))
         job = Job(ref=ref, gpu=gpu, token=token, incarnation=self.state.next_incarnation(), workload=workload,
                   signature=signature, memory_budget_bytes=request.memory_budget_bytes, max_swap_rate=request.max_swap_rate,
-                  recompute=request.recompute, external=request.external, latency_source=latency_source, ewma=ewma,
+                  recompute=request.recompute, external=request.external, activations_only=request.activations_only,
+                  latency_source=latency_source, ewma=ewma,
                   planned_sum=ewma.corrected_sum() if ewma else 0.0)
         if existing is not None:  # plan versions go on from the job's previous registration
             job.version, job.plan, job.observed = existing.version, existing.plan, existing.observed

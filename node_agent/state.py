@@ -56,6 +56,7 @@ class Job:
     max_swap_rate: float | None
     recompute: bool
     external: bool
+    activations_only: bool  # plans keep to activation swaps (what the hook's native path carries), no recompute
     latency_source: str | None = None
     ewma: LatencyEWMA | None = None
     planned_sum: float = 0.0  # s of the plan-updating rule: op latencies the current plan was made with
@@ -131,7 +132,8 @@ class Job:
             "job": self.ref.name, "namespace": self.ref.namespace, "gpu": self.gpu, "status": self.status,
             "message": self.message, "signature": self.signature, "plan_version": self.version, "round": self.round,
             "memory_budget_bytes": self.memory_budget_bytes, "max_swap_rate": self.max_swap_rate,
-            "recompute": self.recompute, "external": self.external, "latency_source": self.latency_source,
+            "recompute": self.recompute, "activations_only": self.activations_only, "external": self.external,
+            "latency_source": self.latency_source,
             "events": len(self.plan.events) if self.plan else 0,
             "forecast": {
                 "vanilla_peak_bytes": forecast.vanilla_peak_bytes,

@@ -156,7 +156,7 @@ class Admission:
                                   condition("Validated", False, "InvalidSpec", str(exc)))
             return
         valid = condition("Validated", True, "Valid")
-        if self.forecaster.ready(spec.workload):  # cached: straight to Queued, one status write less
+        if self.forecaster.ready(spec.workload, spec.activations_only):  # cached: straight to Queued, one status write less
             self.conditions[key] = merge_conditions(self.conditions.get(key, []), valid)
         elif status.get("phase") != "Forecasting":
             await self.set_status(namespace, name, {"phase": "Forecasting", "message": "tracing and planning on the CPU"}, valid)
@@ -164,7 +164,7 @@ class Admission:
         failure: ForecastError | None = None
         started = time.perf_counter()
         try:
-            forecast = await self.forecaster.forecast(spec.workload)
+            forecast = await self.forecaster.forecast(spec.workload, spec.activations_only)
         except ForecastError as exc:
             failure = exc
         self.metrics.forecast_seconds.observe(time.perf_counter() - started)
@@ -259,7 +259,7 @@ class Admission:
         if not placement or status.get("phase") in model.FINISHED:
             return None
         fstatus = status.get("forecast") or {}
-        forecast = self.forecaster.by_signature(fstatus.get("signature", ""))
+        forecast = self.forecaster.by_signature(fstatus.get("signature", ""), bool(fstatus.get("activationsOnly")))
         spec = body.get("spec") or {}
         knobs = spec.get("scheduling") or {}
         budget = None
@@ -270,7 +270,8 @@ class Admission:
                 pass
         profile = (spec.get("workload") or {}).get("profile") if forecast is None else None
         return Booking(job_key(body), placement["gpu"], placement["node"],
-                       int(fstatus.get("reservedBytes") or 0), forecast, budget, knobs.get("maxSwapRate"), profile)
+                       int(fstatus.get("reservedBytes") or 0), forecast, budget, knobs.get("maxSwapRate"), profile,
+                       placement.get("planEvents", "auto"))
 
     def adopt(self, body: dict) -> None:
         """A placement seen in a status but missing from the ledger (a predecessor's write that landed after
@@ -345,12 +346,13 @@ class Admission:
         lower = {j: p for j, p in changes.items() if p < self.ledger.bookings[j].reserved_bytes}
         await self._repeak(lower)
         profile = pending.spec.workload.profile if pending.forecast is None else None
-        booking = Booking(key, gpu.uuid, gpu.node, reserved, pending.forecast, pending.spec.memory_budget, pending.spec.max_swap_rate, profile)
+        booking = Booking(key, gpu.uuid, gpu.node, reserved, pending.forecast, pending.spec.memory_budget, pending.spec.max_swap_rate,
+                          profile, pending.spec.plan_events)
         self.ledger.book(booking)
         fstatus = (pending.forecast.to_status() if pending.forecast else {"source": "budget"}) | {
             "scheduledPeakBytes": reserved, "reservedBytes": reserved, "plannedWith": sum(1 for j in peaks if j != key)}
         placement = {"node": gpu.node, "gpu": gpu.uuid, "gpuName": gpu.name, "simulated": gpu.simulated,
-                     "agent": gpu.agent or "", "admittedAt": now()}
+                     "agent": gpu.agent or "", "planEvents": pending.spec.plan_events, "admittedAt": now()}
         await self.set_status(pending.namespace, pending.name, {
             "phase": "Admitted", "message": f"placed on {gpu.node} GPU {gpu.uuid}", "placement": placement,
             "forecast": fstatus, "queue": None}, condition("Admitted", True, "Placed", f"{reserved / MIB:,.0f} MiB on {gpu.node}/{gpu.uuid}"))
@@ -400,7 +402,7 @@ class Admission:
         signature = booking.forecast.signature if booking.forecast else None
         budget = booking.budget_bytes if booking.budget_bytes is not None else (booking.reserved_bytes if booking.forecast is None else None)
         pod = build_pod(body, booking.node, booking.gpu, gpu.agent if gpu else None, self.token(body), budget,
-                        booking.max_swap_rate, signature, self.image)
+                        booking.max_swap_rate, signature, self.image, booking.plan_events)
         try:
             await self.kube.create_pod(meta["namespace"], pod)
         except Conflict:

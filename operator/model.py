@@ -11,12 +11,14 @@ import re
 from dataclasses import dataclass, field
 
 from tensile.forecast import DTYPES, OPTIMIZERS
+from tensile.plan import PLAN_EVENTS, native_plan_events
 
 ANNOTATION_PREFIX = "tensile.dev/"
 ANNOTATIONS = {
     "max-swap-rate": "maxSwapRate",
     "memory-budget": "memoryBudget",
     "recompute": "recompute",
+    "plan-events": "planEvents",
 }
 PHASES = ("Pending", "Forecasting", "Queued", "Admitted", "Running", "Succeeded", "Failed")
 FINISHED = ("Succeeded", "Failed")
@@ -111,6 +113,14 @@ class JobSpec:
     max_swap_rate: float | None = None
     recompute: bool = True
     template: dict = field(default_factory=dict)
+    plan_events: str = "auto"  # tensile.plan.PLAN_EVENTS; the pod's TENSILE_PLAN_EVENTS
+
+    @property
+    def activations_only(self) -> bool:
+        """Whether the forecast and placement plan as the hook will: activation swaps only, by the hook's
+        rule on the device the job declares (planned with every event, the peak admitted is one the
+        hook does not reach)."""
+        return native_plan_events(self.plan_events, self.workload.device)
 
 
 def _int(value: object, field_name: str, problems: list[SpecProblem], minimum: int = 1) -> int:
@@ -176,6 +186,10 @@ def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
     recompute = knobs.get("recompute", True)
     if isinstance(recompute, str):
         recompute = recompute.lower() not in ("false", "0", "no", "off")
+    plan_events = knobs.get("planEvents", "auto")
+    if plan_events not in PLAN_EVENTS:
+        problems.append(SpecProblem("spec.scheduling.planEvents", f"'{plan_events}' is not one of {', '.join(PLAN_EVENTS)} "
+                                    "(auto: activation swaps only on CUDA, every event on the CPU)"))
     raw_sel = dict(spec.get("gpuSelector") or {})
     min_memory = 0
     if raw_sel.get("minMemory") is not None:
@@ -196,4 +210,4 @@ def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
         problems.append(SpecProblem("spec.template.spec.containers", "needs at least one container: the training command"))
     if problems:
         raise SpecError(problems)
-    return JobSpec(workload, budget, selector, rate, bool(recompute), template)
+    return JobSpec(workload, budget, selector, rate, bool(recompute), template, plan_events)

@@ -5,7 +5,9 @@ CUDA context per job. A candidate fits when the TENSILE planner, planning the GP
 the candidate under the GPU's capacity, reaches a sum within it. Two shortcuts avoid planning: if
 the vanilla peaks already fit, no job needs a plan change; if even each job's lowest reachable peak
 alone does not fit, no joint plan can (co-located jobs share the copy channels, they never swap
-more than alone). Joint plans are cached by the multiset of workload signatures and the budget.
+more than alone). Each job is planned with the events its hook will use (its forecast's
+`activations_only`). Joint plans are cached by the multiset of (workload signature, activations only,
+max swap rate) and the budget.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class Booking:
     budget_bytes: int | None = None
     max_swap_rate: float | None = None
     profile: str | None = None  # admitted by budget: the profile its live workload is stored under
+    plan_events: str = "auto"  # the job's spec.scheduling.planEvents at admission: its pod's TENSILE_PLAN_EVENTS
 
 
 @dataclass
@@ -105,8 +108,8 @@ class JointPlanner:
         self.runs = 0
 
     def plan(self, entries: list[tuple[str, JobForecast, float | None]], budget: int, bandwidth: float) -> tuple[bool, dict[str, int]]:
-        order = sorted(range(len(entries)), key=lambda i: (entries[i][1].signature, entries[i][2] or 1.0, entries[i][0]))
-        key = (tuple((entries[i][1].signature, entries[i][2] or 1.0) for i in order), budget, bandwidth)
+        order = sorted(range(len(entries)), key=lambda i: (*_planned_as(entries[i]), entries[i][0]))
+        key = (tuple(_planned_as(entries[i]) for i in order), budget, bandwidth)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -114,7 +117,11 @@ class JointPlanner:
         if hit is None:
             from tensile.planner import JobSpec, plan_gpu
 
-            specs = [JobSpec(f"j{k}", entries[i][1].workload, min(1.0, entries[i][2] or 1.0)) for k, i in enumerate(order)]
+            specs = []
+            for k, i in enumerate(order):
+                _, forecast, rate = entries[i]
+                specs.append(JobSpec(f"j{k}", forecast.workload, min(1.0, rate or 1.0), recompute=not forecast.activations_only,
+                                     activations_only=forecast.activations_only))
             result = plan_gpu(specs, bandwidth, budget_bytes=max(budget, 0))
             hit = (result.fits, tuple(result.plans[f"j{k}"].forecast.scheduled_peak_bytes for k in range(len(order))))
             self.runs += 1
@@ -124,6 +131,12 @@ class JointPlanner:
                     self._cache.popitem(last=False)
         fits, peaks = hit
         return fits, {entries[i][0]: peaks[k] for k, i in enumerate(order)}
+
+
+def _planned_as(entry: tuple[str, JobForecast, float | None]) -> tuple[str, bool, float]:
+    """What a job's plan depends on besides its neighbours: jobs equal in it share cached joint plans."""
+    _, forecast, rate = entry
+    return forecast.signature, forecast.activations_only, rate or 1.0
 
 
 class Ledger:

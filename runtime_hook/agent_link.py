@@ -19,7 +19,7 @@ from tensile.agent_contract import FAILED, ContractError, Measurements, PlanResp
 from tensile.plan import Plan
 from tensile.runtime_hook.executor import Planner
 from tensile.runtime_hook.report import HookReport, IterationStats
-from tensile.runtime_hook.settings import HookSettings, budget_bytes
+from tensile.runtime_hook.settings import HookSettings, budget_bytes, native_plans
 from tensile.workload import Workload
 
 log = logging.getLogger("tensile.hook")
@@ -195,9 +195,11 @@ class AgentLink:
         if todo.upload:
             self.client.upload_workload(todo.workload)
         else:
-            # the operator gives every pod it places a token; a job without one came by itself
+            # the operator gives every pod it places a token; a job without one came by itself. The agent
+            # plans with the events this hook's own planner would use (on CUDA, what the native path carries)
             self.client.register(workload=todo.workload, memory_budget_bytes=todo.budget,
-                                 max_swap_rate=self.settings.max_swap_rate, external=self.settings.token is None)
+                                 max_swap_rate=self.settings.max_swap_rate, external=self.settings.token is None,
+                                 activations_only=native_plans(self.settings, todo.workload.device))
 
     def _flush(self) -> None:
         """Post what the iterations since the last post measured (dropped if the agent is away)."""

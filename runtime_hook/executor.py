@@ -34,7 +34,7 @@ from tensile.plan import Event, Plan
 from tensile.runtime_hook.movers import CpuMover, CudaMover
 from tensile.runtime_hook.native_map import NativeMap, map_plan
 from tensile.runtime_hook.native_swaps import NativeSwaps
-from tensile.runtime_hook.report import HookReport, IterationStats
+from tensile.runtime_hook.report import HookReport, IterationStats, ReportWriter
 from tensile.runtime_hook.settings import HookSettings, budget_bytes
 from tensile.runtime_hook.storages import Slot, StorageRegistry
 from tensile.runtime_hook.storages import tensors_in as _tensors
@@ -203,6 +203,7 @@ class PlanExecutor(TorchDispatchMode):
         self.op_timer = CudaOpTimer() if device.type == "cuda" else None  # the recorded ops' kernel times
         self.planner = planner
         self.report = HookReport(job=settings.job, device=str(device))
+        self.report_writer = ReportWriter(settings.report_path, settings.report_interval) if settings.report_path else None
         self.iteration = 0
         self.stats = IterationStats(0)
         self.iteration_started = time.perf_counter()
@@ -423,8 +424,11 @@ class PlanExecutor(TorchDispatchMode):
             self._match(live)
         if self.listener is not None and not self.disabled:
             self._take_newer(self.listener(stats, self.report))
-        if self.settings.report_path:
-            self.report.write(self.settings.report_path)
+
+    def _write_report(self, now: bool = False) -> None:
+        """The --report file, when due (its writer spaces the writes out) or `now` (at the end)."""
+        if self.report_writer is not None and (now or self.report_writer.due()):
+            self.report_writer.write(self.report)
 
     def _take_newer(self, plan: Plan | None) -> None:
         """A re-plan of the workload already matched applies from the next iteration, unmatched again."""
@@ -439,6 +443,7 @@ class PlanExecutor(TorchDispatchMode):
 
     def _begin_iteration(self) -> None:
         self._finish_iteration()
+        self._write_report()
         self.previous_planned = self.active is not None
         self.diverged_in_a_row = self.diverged_in_a_row + 1 if self.stats.mode == "diverged" else 0
         if self.diverged_in_a_row >= MAX_DIVERGED:
@@ -478,8 +483,7 @@ class PlanExecutor(TorchDispatchMode):
         if self.step_done:
             self._finish_iteration()
             self.step_done = False
-        elif self.settings.report_path:
-            self.report.write(self.settings.report_path)
+        self._write_report(now=True)
 
     # -- the hot path -------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:

@@ -6,6 +6,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tensile.plan import PLAN_EVENTS, native_plan_events
+
 
 @dataclass(frozen=True)
 class HookSettings:
@@ -17,9 +19,9 @@ class HookSettings:
     token: str | None = None
     gpu: str | None = None
     report_path: str | None = None
+    report_interval: float = 10.0  # seconds between rewrites of the report file (and always at exit)
     max_swap_rate: float | None = None
-    # which events the in-process planner may use: "all", "native" (activation swaps only, what the
-    # native path carries without seeing every op) or "auto" (native on CUDA, all on the CPU device)
+    # which events plans may use, the in-process planner's and the agent's (tensile.plan.PLAN_EVENTS)
     plan_events: str = "auto"
     link_share: float = 1.0  # the share of the measured host link the in-process planner counts on
     # the agent path (runtime_hook/agent_link.py): how long iteration 1 may wait for the agent's first
@@ -43,6 +45,7 @@ class HookSettings:
             token=env.get("TENSILE_TOKEN") or None,
             gpu=env.get("TENSILE_GPU") or None,
             report_path=env.get("TENSILE_REPORT") or None,
+            report_interval=_seconds(env, "TENSILE_REPORT_INTERVAL", cls.report_interval),
             max_swap_rate=float(rate) if rate else None,
             plan_events=_choice(env, "TENSILE_PLAN_EVENTS", PLAN_EVENTS),
             link_share=_share(env, "TENSILE_LINK_SHARE", cls.link_share),
@@ -53,12 +56,9 @@ class HookSettings:
         )
 
 
-PLAN_EVENTS = ("auto", "all", "native")
-
-
 def native_plans(settings: HookSettings, device_type: str) -> bool:
     """Plans kept to what the native path carries (activation swaps aligned with module calls)."""
-    return settings.plan_events == "native" or (settings.plan_events == "auto" and device_type == "cuda")
+    return native_plan_events(settings.plan_events, device_type)
 
 
 def _choice(env, name: str, choices: tuple[str, ...]) -> str:  # type: ignore[no-untyped-def]

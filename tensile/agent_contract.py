@@ -204,6 +204,9 @@ class RegisterRequest:
     token: str | None = None
     last_plan_version: int = 0
     external: bool = False  # not placed by the operator (tensile run --agent)
+    # plan activation swaps only (no recompute): what the hook's native path carries, so a CUDA job
+    # under the agent keeps off the dispatch path (tensile.plan.native_plan_events)
+    activations_only: bool = False
 
     @property
     def ref(self) -> JobRef:
@@ -229,10 +232,9 @@ class RegisterRequest:
         _opt_int(data, "memory_budget_bytes", 1)
         _swap_rate(data)
         _int(data, "last_plan_version")
-        if not isinstance(self.recompute, bool):
-            raise ContractError("recompute", "must be true or false")
-        if not isinstance(self.external, bool):
-            raise ContractError("external", "must be true or false")
+        for name in ("recompute", "external", "activations_only"):
+            if not isinstance(getattr(self, name), bool):
+                raise ContractError(name, "must be true or false")
         return self
 
     def to_dict(self) -> dict:
@@ -245,7 +247,7 @@ class RegisterRequest:
         if "job" not in data:
             raise ContractError("job", "is required")
         known = {f.name: data[f.name] for f in fields(cls) if f.name in data}
-        defaults = {"namespace": "default", "recompute": True, "last_plan_version": 0, "external": False}
+        defaults = {"namespace": "default", "recompute": True, "last_plan_version": 0, "external": False, "activations_only": False}
         for key, value in defaults.items():
             if known.get(key) is None:
                 known[key] = value

@@ -17,6 +17,7 @@ import jsonschema
 import yaml
 
 from tensile.errors import TensileUserError
+from tensile.plan import PLAN_EVENTS
 
 CRD = Path(__file__).resolve().parents[1] / "crds" / "trainingjobs.tensile.dev.yaml"
 _QUANTITY_UNITS = {"Ki": "KiB", "Mi": "MiB", "Gi": "GiB", "Ti": "TiB"}
@@ -37,6 +38,7 @@ class LocalJob:
     max_swap_rate: float | None
     command: list[str]  # the container's command + args, as it runs locally (python -> this Python)
     problem: str | None = None  # why the command cannot run here (reported, the job fails)
+    plan_events: str = "auto"  # spec.scheduling.planEvents: the forecast's and the hook's (TENSILE_PLAN_EVENTS)
 
 
 def strict_schema(schema: dict) -> dict:
@@ -116,12 +118,16 @@ def load_job(path: str | Path) -> LocalJob:
             rate = float(annotations["tensile.dev/max-swap-rate"])
         except ValueError:
             raise TensileUserError(f"{path}: metadata.annotations.tensile.dev/max-swap-rate: not a number") from None
+    plan_events = annotations.get("tensile.dev/plan-events", (spec.get("scheduling") or {}).get("planEvents", "auto"))
+    if plan_events not in PLAN_EVENTS:
+        raise TensileUserError(f"{path}: metadata.annotations.tensile.dev/plan-events: '{plan_events}' is not one of "
+                               f"{', '.join(PLAN_EVENTS)}")
     shape = workload.get("inputShape")
     return LocalJob(name=name, path=path, model=workload.get("model"), profile=workload.get("profile"),
                     batch_size=workload.get("batchSize", 16), input_shape=tuple(shape) if shape else None,
                     optimizer=workload.get("optimizer"), dtype=workload.get("dtype", "float32"),
                     micro_batches=workload.get("microBatches", 1), memory_budget=budget, max_swap_rate=rate,
-                    command=command, problem=problem)
+                    command=command, problem=problem, plan_events=plan_events)
 
 
 def local_command(command: list[str]) -> tuple[list[str], str | None]:

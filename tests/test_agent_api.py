@@ -16,6 +16,7 @@ from tensile.agent_client import AgentClient
 from tensile.agent_contract import MAX_SMALL_BYTES, ContractError, Measurements
 from tensile.node_agent.gpus import Inventory
 from tensile.node_agent.server import Agent, AgentConfig
+from tensile.peak import analyze_vanilla
 from tensile.workload_io import workload_to_dict
 
 TOKEN = "t" * 32
@@ -247,6 +248,34 @@ def test_knobs_replan_and_reregister_is_idempotent(agent_server, tiny_workload):
         client.update_knobs(max_swap_rate=5)
     status, body = call(server.url, "PATCH", "/v1/jobs/ns/a/knobs", {"max_swap_rate": 5}, client.token)
     assert status == 422
+
+
+@pytest.mark.parametrize("planning", ["thread", "process"])
+def test_a_job_registered_activations_only_gets_activation_swaps_only(agent_server, tiny_workload, planning):
+    """What a hook on CUDA asks for (TENSILE_PLAN_EVENTS auto): no event on parameters, optimizer state or the
+    batch and no recompute, planned in the agent's thread and in its child process alike. The same job
+    without the flag recomputes under the same budget; registering again with the flag changed re-plans."""
+    server = agent_server(planning=planning)
+    workload = tiny_workload(1024)  # activations of 2 MiB: above the planner's smallest swap
+    budget = analyze_vanilla(workload).peak_bytes // 2
+
+    def planned(client: AgentClient) -> tuple[set[str], set[str]]:
+        server.idle()
+        plan = client.wait_for_plan(60).plan_object()
+        return {e.kind for e in plan.events}, {workload.tensors[e.tensor].role for e in plan.events if e.kind != "release"}
+
+    native = register(server.url, workload, job="native", memory_budget_bytes=budget, activations_only=True)
+    every = register(server.url, workload, job="every", memory_budget_bytes=budget)
+    kinds, roles = planned(native)
+    assert "recompute" not in kinds and not roles & {"param", "optimizer_state", "input"}, (kinds, roles)
+    assert "recompute" in planned(every)[0]
+    views = {j["job"]: j for j in get(server.url, "/v1/jobs")[1]["jobs"]}
+    assert views["native"]["activations_only"] is True and views["every"]["activations_only"] is False
+    version = every.plan_version
+    assert every.register(workload=workload, memory_budget_bytes=budget, activations_only=True).created is False
+    server.idle()
+    assert every.wait_for_plan(60, min_version=version + 1).version > version
+    assert "recompute" not in planned(every)[0]
 
 
 def test_cluster_publisher_writes_tensilenode_and_observed(tiny_workload):

@@ -31,7 +31,7 @@ def test_pydantic_models_mirror_the_contract(model, contract):
 
 def test_register_request_round_trip_and_errors():
     request = c.RegisterRequest.from_dict({"job": "a", "signature": "abcdef0123", "max_swap_rate": 0.5})
-    assert request.namespace == "default" and request.recompute is True
+    assert request.namespace == "default" and request.recompute is True and request.activations_only is False
     assert c.RegisterRequest.from_dict(request.to_dict()) == request
     for body, field in [
         ({"job": "a"}, "workload"),
@@ -42,6 +42,7 @@ def test_register_request_round_trip_and_errors():
         ({"job": "a", "signature": "abcdef01", "colour": "red"}, "colour"),
         ({"job": "a", "signature": "NOT-HEX"}, "signature"),
         ({"signature": "abcdef01"}, "job"),
+        ({"job": "a", "signature": "abcdef01", "activations_only": "yes"}, "activations_only"),
     ]:
         with pytest.raises(c.ContractError) as info:
             c.RegisterRequest.from_dict(body)

@@ -106,7 +106,9 @@ def test_a_fresh_process_forecasts_a_transformers_model():
 
 def test_memory_budget_and_saved_plan(capsys, tmp_path):
     plan_path = tmp_path / "plan.json"
-    out = run_json(capsys, "--model", "resnet50", "--batch-size", "4", "--memory-budget", "0.7", "--save-plan", str(plan_path))
+    # every event kind: at batch 4 activation swaps alone (CUDA's default) do not reach 0.7 of the vanilla peak
+    out = run_json(capsys, "--model", "resnet50", "--batch-size", "4", "--memory-budget", "0.7", "--plan-events", "all",
+                   "--save-plan", str(plan_path))
     assert out["memory_budget_bytes"] == int(0.7 * out["vanilla_peak_bytes"])
     assert out["msr"] > 0.2 and out["scheduled_peak_bytes"] < out["vanilla_peak_bytes"]
     plan = json.loads(plan_path.read_text())
@@ -118,3 +120,24 @@ def test_memory_budget_and_saved_plan(capsys, tmp_path):
 def test_bad_memory_budget_names_the_option(capsys):
     assert main(["forecast", "--model", MLP, "--memory-budget", "lots"]) == 2
     assert "--memory-budget" in capsys.readouterr().err
+
+
+def test_cuda_plans_keep_to_activation_swaps_unless_told(capsys, tmp_path):
+    """On CUDA the hook plans activation swaps only by default (what its native path carries): the
+    forecast and the plan it saves do the same, and --plan-events all lifts it, as TENSILE_PLAN_EVENTS does."""
+    from tensile.workload_io import load_workload
+
+    saved, auto_plan, all_plan = tmp_path / "w.json", tmp_path / "auto.json", tmp_path / "all.json"
+    auto = run_json(capsys, "--model", "resnet50", "--batch-size", "4", "--save", str(saved), "--save-plan", str(auto_plan))
+    every = run_json(capsys, "--workload", str(saved), "--plan-events", "all", "--save-plan", str(all_plan))
+    assert auto["activations_only"] and not every["activations_only"]
+    tensors = load_workload(saved).tensors
+    persistent = ("param", "optimizer_state", "input")
+
+    def beyond_activations(path: Path) -> list[dict]:
+        return [e for e in json.loads(path.read_text())["events"]
+                if e["kind"] == "recompute" or tensors[e["tensor"]].role in persistent]
+
+    assert auto["plan_events"] > 0 and beyond_activations(auto_plan) == []
+    assert beyond_activations(all_plan)
+    assert every["scheduled_peak_bytes"] < auto["scheduled_peak_bytes"]

@@ -11,10 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from agent_harness import ROOT, AgentProcess, free_port, get
 
 import tracing_models
+from tensile.agent_client import AgentClient
 from tensile.runtime_hook import activate, deactivate
 from tensile.runtime_hook.agent_link import AgentLink
 from tensile.runtime_hook.plan_source import local_planner
@@ -66,6 +68,22 @@ def test_the_job_registers_gets_the_agents_plan_and_shows_its_peak(agent_server,
     assert data["plan_source"] == "agent" and data["plan_version"] >= 1
     assert any(it["mode"] == "planned" for it in data["iterations"])
     assert _job(agent.url, "mlp-a") is None  # unregistered at exit
+
+
+@pytest.mark.parametrize(("plan_events", "activations_only"), [("auto", True), ("all", False)])
+def test_the_link_asks_the_agent_for_the_events_the_hook_would_plan(agent_server, tiny_workload, plan_events, activations_only):
+    """A CUDA workload under TENSILE_PLAN_EVENTS auto registers activations_only, so the agent's plans stay on
+    the native path; `all` asks for every event."""
+    agent = agent_server()
+    workload = tiny_workload()
+    assert workload.device == "cuda"
+    settings = HookSettings(job="ns/link", plan_events=plan_events)
+    link = AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2)).start(workload)
+    try:
+        _wait(lambda: _job(agent.url, "link") is not None, 30, "the registration")
+        assert _job(agent.url, "link")["activations_only"] is activations_only
+    finally:
+        link.close()
 
 
 def test_the_agent_dies_mid_run_training_is_unharmed_and_registers_again(tmp_path):

@@ -109,3 +109,45 @@ def test_native_plans_are_cudas_default_and_can_be_chosen_anywhere():
     assert native_plans(settings, "cuda") and not native_plans(settings, "cpu")
     assert native_plans(HookSettings.from_env({"TENSILE_PLAN_EVENTS": "native"}), "cpu")
     assert not native_plans(HookSettings.from_env({"TENSILE_PLAN_EVENTS": "all"}), "cuda")
+
+
+def test_the_report_file_is_spaced_out_during_the_run_and_complete_at_exit(tmp_path):
+    """Rewriting the whole report at every step grew with the run; now the file is rewritten when its
+    interval has passed (the first time at once) and always at exit."""
+    import json
+
+    from tensile.runtime_hook import activate, deactivate
+
+    path = tmp_path / "report.json"
+    settings = HookSettings(job="job", report_path=str(path), report_interval=3600)
+    executor = activate(settings, planner=aggressive_plan, device=torch.device("cpu"))
+    seen = []
+    try:
+        torch.manual_seed(0)
+        model, batch, loss_fn, make_optimizer = tracing_models.tied(4)
+        optimizer = make_optimizer(model.parameters())
+        for _ in range(5):
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model, batch).backward()
+            optimizer.step()
+            seen.append(len(json.loads(path.read_text())["iterations"]) if path.exists() else None)
+    finally:
+        deactivate()
+    assert seen == [None, 1, 1, 1, 1]  # iteration 1 is written when iteration 2 starts, then not within the hour
+    data = json.loads(path.read_text())
+    assert len(data["iterations"]) == 5 and data == executor.report.to_dict()
+
+
+def test_report_writes_stay_a_small_share_of_the_run(tmp_path):
+    from tensile.runtime_hook.report import HookReport, ReportWriter
+
+    writer = ReportWriter(tmp_path / "report.json", interval=10)
+    assert writer.due()
+    writer.write(HookReport("job", "cpu"))
+    assert not writer.due()
+    writer.written_at -= 11
+    assert writer.due()
+    writer.write_seconds = 1.0  # a report that took a second to write: at most one write per 100 s
+    assert not writer.due()
+    writer.written_at -= 100
+    assert writer.due()

@@ -86,6 +86,8 @@ def test_two_jobs_share_a_gpu_too_small_for_both_one_waits_queued(tmp_path, monk
     (lambda t: t.replace("kind: TrainingJob", "kind: Job"), "apiVersion/kind"),
     (lambda t: t + "  memoryBudget: lots\n", "spec.memoryBudget"),
     (lambda t: t.replace("  workload:", "  workload: [", 1), "not valid YAML"),
+    (lambda t: t.replace("  template:", "  scheduling:\n    planEvents: swaps\n  template:"), "spec.scheduling.planEvents"),
+    (lambda t: t.replace("metadata:\n", "metadata:\n  annotations:\n    tensile.dev/plan-events: swaps\n"), "tensile.dev/plan-events"),
 ])
 def test_a_bad_job_file_is_refused_naming_the_file_and_field(tmp_path, edit, field):
     path = tmp_path / "bad.yaml"
@@ -109,3 +111,21 @@ def test_the_shipped_examples_load_for_local_runs(monkeypatch):
     jobs = load_jobs(sorted(str(p) for p in (ROOT / "examples").glob("trainingjob-mlp*.yaml")))
     assert sorted(j.name for j in jobs) == ["mlp", "mlp-wide"]
     assert all(j.problem is None and j.command[0] == sys.executable for j in jobs)
+
+
+def test_a_jobs_plan_events_reach_its_forecast_and_its_hook(tmp_path):
+    """spec.scheduling.planEvents (or its annotation) is what the local forecast plans with and what the
+    job's hook is told (TENSILE_PLAN_EVENTS), as the operator does for a pod."""
+    from tensile.commands.run import hook_environment
+    from tensile.local_runner import JobRun, hook_args
+
+    path = tmp_path / "job.yaml"
+    path.write_text(JOB.format(name="native", script="examples/train_mlp.py").replace(
+        "  template:", "  scheduling:\n    planEvents: native\n  template:"))
+    job = load_job(path)
+    assert job.plan_events == "native"
+    assert hook_environment(hook_args(JobRun(job), "http://127.0.0.1:1"))["TENSILE_PLAN_EVENTS"] == "native"
+    annotated = path.read_text().replace("metadata:\n", "metadata:\n  annotations:\n    tensile.dev/plan-events: all\n")
+    path.write_text(annotated)
+    assert load_job(path).plan_events == "all"
+    assert load_job(_write(tmp_path, "plain")).plan_events == "auto"

@@ -19,8 +19,11 @@ from operator_harness import (GIB, cluster, fake_kubelet, jitter, phase, pod_env
 from tensile.errors import TensileUserError
 from tensile.operator.forecasting import Forecaster
 from tensile.operator.metrics import OperatorMetrics, metrics_port
-from tensile.operator.placement import Booking, Ledger, gpus_from_tensilenode
+from tensile.operator.model import SpecError, parse_spec
+from tensile.operator.placement import Booking, JointPlanner, Ledger, gpus_from_tensilenode
 from tensile.operator.rbac import RULES, cluster_role
+from tensile.plan import PLAN_EVENTS
+from tensile.planner import plan_job
 
 ROOT = Path(__file__).resolve().parents[1]
 MIXED = [("vgg16", 1), ("gpt2", 1), ("bert_base", 1), ("densenet121", 1)]
@@ -59,6 +62,9 @@ def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster)
                 assert env["TENSILE_JOB"] == "default/one" and env["TENSILE_GPU"] == "GPU-a0"
                 assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-a0" and env["TENSILE_AGENT"] == "http://127.0.0.1:9"
                 assert env["TENSILE_MAX_SWAP_RATE"] == "0.5" and len(env["TENSILE_TOKEN"]) == 32
+                # a CUDA job under planEvents auto: admitted by activation-swap plans, and its hook plans so too
+                assert env["TENSILE_PLAN_EVENTS"] == "auto" and status["placement"]["planEvents"] == "auto"
+                assert status["forecast"]["activationsOnly"] is True
                 assert env["PYTHONPATH"].startswith("/tensile/site")
                 assert pod["spec"]["initContainers"][0]["command"][:3] == ["python", "-m", "tensile.runtime_hook.install"]
                 # the knob annotations of a placed job go to its agent
@@ -193,6 +199,7 @@ INVALID = [
     ("profile without budget", {"workload": {"profile": "never-ran"}}, "spec.memoryBudget"),
     ("selector matches nothing", {"gpuSelector": {"gpuNames": ["H100"]}}, "spec.gpuSelector"),
     ("bad swap rate", {"scheduling": {"maxSwapRate": "fast"}}, "spec.scheduling.maxSwapRate"),
+    ("bad plan events", {"scheduling": {"planEvents": "swaps"}}, "spec.scheduling.planEvents"),
     ("no containers", {"template": {"spec": {"containers": []}}}, "spec.template.spec.containers"),
 ]
 
@@ -281,6 +288,46 @@ def test_metrics_port_settings_name_the_fix(monkeypatch):
         taken.listen()
         with pytest.raises(TensileUserError, match="pick a free port, or 0"):
             OperatorMetrics(dict).serve(taken.getsockname()[1], "127.0.0.1")
+
+
+def test_plan_events_come_from_the_spec_or_its_annotation():
+    spec = trainingjob("x")["spec"]
+    default = parse_spec(spec)
+    assert default.plan_events == "auto" and default.activations_only  # the workload's device is cuda by default
+    cpu = parse_spec(spec | {"workload": spec["workload"] | {"device": "cpu"}})
+    assert cpu.plan_events == "auto" and not cpu.activations_only
+    every = spec | {"scheduling": {"planEvents": "all"}}
+    assert not parse_spec(every).activations_only
+    overridden = parse_spec(every, {"tensile.dev/plan-events": "native"})
+    assert overridden.plan_events == "native" and overridden.activations_only
+    for bad_spec, annotations in ((spec | {"scheduling": {"planEvents": "swaps"}}, None), (every, {"tensile.dev/plan-events": "Native"})):
+        with pytest.raises(SpecError) as info:
+            parse_spec(bad_spec, annotations)
+        (problem,) = info.value.problems
+        assert problem.field == "spec.scheduling.planEvents"
+        assert all(choice in problem.message for choice in PLAN_EVENTS), problem.message
+
+
+def test_a_cuda_jobs_forecast_and_placement_plan_activation_swaps_only(forecaster):
+    """Under planEvents auto a CUDA job's hook plans activation swaps only (its native path): the forecast
+    and the joint plans admission uses must plan so too, or it admits a peak the hook never reaches."""
+    spec = parse_spec(trainingjob("x", "vgg16", 1)["spec"])
+    traces = forecaster.traces
+    native = run(forecaster.forecast(spec.workload, spec.activations_only))
+    every = run(forecaster.forecast(spec.workload, False))
+    assert forecaster.traces - traces <= 1  # one trace, planned both ways
+    assert native.activations_only and not every.activations_only and native.workload is every.workload
+    assert native.min_peak_bytes > every.min_peak_bytes
+    alone = plan_job(native.workload, forecaster.bandwidth, activations_only=True)
+    assert native.min_peak_bytes == min(native.vanilla_peak_bytes, alone.scheduled_peak_bytes)
+    assert native.to_status()["activationsOnly"] is True and every.to_status()["activationsOnly"] is False
+    assert forecaster.by_signature(native.signature, True) is native and forecaster.by_signature(native.signature, False) is every
+    assert forecaster.ready(spec.workload, True) and forecaster.ready(spec.workload, False)
+    planner = JointPlanner()
+    _, peaks_native = planner.plan([("default/x", native, None)], 0, forecaster.bandwidth)
+    _, peaks_every = planner.plan([("default/x", every, None)], 0, forecaster.bandwidth)
+    assert planner.runs == 2  # not one cached joint plan for both
+    assert peaks_native["default/x"] == alone.scheduled_peak_bytes > peaks_every["default/x"]
 
 
 def test_external_capacity_is_what_no_booking_holds():

@@ -14,7 +14,7 @@ from tensile.devices import PRESETS, device_preset
 from tensile.forecast import DEVICES, DTYPES, OPTIMIZERS, trace_workload
 from tensile.latency import UncalibratedWarning, assign_latencies, iteration_seconds
 from tensile.peak import PeakResult, analyze_plan, analyze_vanilla
-from tensile.plan import Plan
+from tensile.plan import PLAN_EVENTS, Plan, native_plan_events
 from tensile.planner import GpuPlan, plan_job, resolve_budget
 from tensile.workload import ROLES, Workload
 from tensile.workload_io import load_workload, save_workload
@@ -35,6 +35,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per optimizer step")
     parser.add_argument("--live", action="store_true", help="trace a real CPU iteration instead of the meta device")
     parser.add_argument("--gpu", choices=sorted(PRESETS), help="device preset for latencies and PCIe (default: a6000 for cuda, cpu for cpu)")
+    parser.add_argument("--plan-events", choices=PLAN_EVENTS, default="auto",
+                        help="which events the plan may use, as the hook's TENSILE_PLAN_EVENTS: auto keeps CUDA plans to "
+                             "activation swaps (what the hook carries without seeing every op), all events on the CPU")
     parser.add_argument("--memory-budget", help="plan for this budget: bytes (12GiB) or a fraction of the vanilla peak (0.6); default: the lowest peak")
     parser.add_argument("--save-plan", metavar="PLAN.json", help="save the TENSILE plan (events: kind, tensor, trigger op, delay)")
     parser.add_argument("--save", metavar="WORKLOAD.json", help="save the traced workload (.gz compresses)")
@@ -53,7 +56,8 @@ def _load(args: argparse.Namespace) -> Workload:
     )
 
 
-def forecast_summary(workload: Workload, vanilla: PeakResult, latency_source: str, gpu_plan: GpuPlan, plan: Plan) -> dict:
+def forecast_summary(workload: Workload, vanilla: PeakResult, latency_source: str, gpu_plan: GpuPlan, plan: Plan,
+                     activations_only: bool = False) -> dict:
     """The forecast as one JSON-able object (the keys other tools rely on)."""
     peak_op = workload.ops[vanilla.peak_op] if vanilla.peak_op >= 0 else None
     assert plan.forecast is not None
@@ -81,6 +85,7 @@ def forecast_summary(workload: Workload, vanilla: PeakResult, latency_source: st
         "fits": gpu_plan.fits,
         "plan_message": gpu_plan.message,
         "plan_events": len(plan.events),
+        "activations_only": activations_only,
         "plan_seconds": gpu_plan.seconds,
     }
 
@@ -95,7 +100,8 @@ def _table(summary: dict) -> Table:
     table.add_row("peak at", f"op {summary['peak_op_index']} ({summary['peak_op']}, {summary['peak_phase']})")
     table.add_row("scheduled peak (TENSILE)", f"{summary['scheduled_peak_bytes'] / MIB:,.1f} MiB")
     table.add_row("MSR / predicted EOR", f"{summary['msr']:.3f} / {summary['predicted_eor']:.3f}")
-    table.add_row("plan", f"{summary['plan_events']:,} events; {summary['plan_message']}")
+    kept = " (activation swaps only: --plan-events)" if summary["activations_only"] else ""
+    table.add_row("plan", f"{summary['plan_events']:,} events{kept}; {summary['plan_message']}")
     table.add_row("predicted iteration", f"{summary['predicted_iteration_seconds'] * 1e3:,.1f} ms ({summary['latency_source']} latencies)")
     table.add_row("ops", f"{summary['ops']:,}")
     table.add_row("FLOPs per iteration", f"{summary['flops'] / 1e9:,.1f} GFLOP")
@@ -108,8 +114,10 @@ def _preset(args: argparse.Namespace, workload: Workload) -> str:
     return args.gpu or ("a6000" if workload.device == "cuda" else "cpu")
 
 
-def make_forecast(workload: Workload, preset: str, memory_budget: str | None = None) -> tuple[dict, Plan, PeakResult]:
-    """Latencies, vanilla peak analysis and the TENSILE plan for one traced workload."""
+def make_forecast(workload: Workload, preset: str, memory_budget: str | None = None,
+                  plan_events: str = "auto") -> tuple[dict, Plan, PeakResult]:
+    """Latencies, vanilla peak analysis and the TENSILE plan for one traced workload, with the events
+    the hook would plan with on the workload's device."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UncalibratedWarning)
         latency_source = assign_latencies(workload, device=preset if workload.device == "cuda" else "cpu")
@@ -117,9 +125,10 @@ def make_forecast(workload: Workload, preset: str, memory_budget: str | None = N
         Console(stderr=True).print(f"[yellow]note:[/] {warning.message}", highlight=False)
     vanilla = analyze_vanilla(workload)
     budget = resolve_budget(memory_budget, vanilla.peak_bytes) if memory_budget else None
-    gpu_plan = plan_job(workload, device_preset(preset).host_link_bandwidth, budget)
+    activations_only = native_plan_events(plan_events, workload.device)
+    gpu_plan = plan_job(workload, device_preset(preset).host_link_bandwidth, budget, activations_only=activations_only)
     plan = gpu_plan.plans["job"]
-    return forecast_summary(workload, vanilla, latency_source, gpu_plan, plan), plan, vanilla
+    return forecast_summary(workload, vanilla, latency_source, gpu_plan, plan, activations_only), plan, vanilla
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         workload = _load(args)
     preset = _preset(args, workload)
     with console.status("planning swaps and recomputations..."):
-        summary, plan, vanilla = make_forecast(workload, preset, args.memory_budget)
+        summary, plan, vanilla = make_forecast(workload, preset, args.memory_budget, args.plan_events)
     summary["gpu"] = preset
     summary["seconds"] = round(time.perf_counter() - started, 3)
     if args.save:

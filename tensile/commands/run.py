@@ -14,6 +14,7 @@ from rich.console import Console
 
 import tensile.runtime_hook
 from tensile.errors import TensileUserError
+from tensile.plan import PLAN_EVENTS
 from tensile.runtime_hook.settings import parse_budget
 from tensile.workload_io import load_workload
 
@@ -30,6 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--token", help="the job's token for the agent")
     parser.add_argument("--max-swap-rate", type=float)
     parser.add_argument("--report", help="write the hook's JSON report here")
+    parser.add_argument("--plan-events", choices=PLAN_EVENTS,
+                        help="which events plans use (TENSILE_PLAN_EVENTS); default auto: activation swaps only on CUDA")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
     parser.set_defaults(run=run)
 
@@ -48,6 +51,7 @@ def hook_environment(args: argparse.Namespace) -> dict[str, str]:
         "TENSILE_TOKEN": args.token,
         "TENSILE_MAX_SWAP_RATE": None if args.max_swap_rate is None else str(args.max_swap_rate),
         "TENSILE_REPORT": args.report,
+        "TENSILE_PLAN_EVENTS": args.plan_events,
     }
     env.update({k: v for k, v in optional.items() if v})
     return env
