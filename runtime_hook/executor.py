@@ -413,7 +413,7 @@ class PlanExecutor(TorchDispatchMode):
             torch.cuda.reset_peak_memory_stats(self.device)
         elif stats.peak_source == "planned":  # nothing watched the storages: the forecast, marked as such
             stats.peak_bytes = (self.report.scheduled_peak_bytes if self.active else None) or self.vanilla_peak or 0
-        self.report.iterations.append(stats)
+        self.report.add(stats)
         if not self.disabled and self.iteration == self.match_at:
             if self.op_timer is not None:
                 for op, seconds in zip(self.recorder.ops, self.op_timer.seconds()):

@@ -31,6 +31,39 @@ class IterationStats:
     ops: int = 0
 
 
+KEPT_ITERATIONS = 1000  # a long run's report lists its first and its last this many iterations one by one
+
+
+SUMMED = ("seconds", "stall_seconds", "swap_out_bytes", "swap_in_bytes", "recompute_bytes", "passive_evictions",
+          "hook_seconds", "transfer_seconds", "ops")  # IterationStats' figures that add up over iterations
+
+
+@dataclass
+class OmittedIterations:
+    """What a long run's report no longer lists one by one (the iterations between its first and its
+    last KEPT_ITERATIONS), as totals: the hook's memory and the report file stay bounded however long
+    the job trains (each listed iteration costs about 1 KB in the process and 300 bytes in the file)."""
+
+    count: int = 0
+    first: int | None = None  # the first omitted iteration's number
+    modes: dict[str, int] = field(default_factory=dict)  # iterations per mode
+    # their figures summed, peak_bytes the largest; iteration, mode, path and plan version the last one's
+    totals: IterationStats = field(default_factory=lambda: IterationStats(0))
+
+    def absorb(self, stats: IterationStats) -> None:
+        self.count += 1
+        self.first = stats.iteration if self.first is None else self.first
+        self.modes[stats.mode] = self.modes.get(stats.mode, 0) + 1
+        totals = self.totals
+        for name in SUMMED:
+            setattr(totals, name, getattr(totals, name) + getattr(stats, name))
+        for kind, count in stats.events.items():
+            totals.events[kind] = totals.events.get(kind, 0) + count
+        totals.peak_bytes = max(totals.peak_bytes, stats.peak_bytes)
+        totals.iteration, totals.mode, totals.path, totals.plan_version = stats.iteration, stats.mode, stats.path, stats.plan_version
+        totals.peak_source = stats.peak_source
+
+
 @dataclass
 class HookReport:
     job: str
@@ -45,7 +78,14 @@ class HookReport:
     live_signature: str | None = None
     stood_down: str | None = None
     messages: list[str] = field(default_factory=list)
+    omitted: OmittedIterations = field(default_factory=OmittedIterations)
     iterations: list[IterationStats] = field(default_factory=list)
+
+    def add(self, stats: IterationStats) -> None:
+        """One more iteration: listed, and the one that leaves the middle of a long run's list totalled."""
+        self.iterations.append(stats)
+        if len(self.iterations) > 2 * KEPT_ITERATIONS:
+            self.omitted.absorb(self.iterations.pop(KEPT_ITERATIONS))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -56,7 +96,7 @@ class ReportWriter:
     every iteration is serialised once, and the file is rewritten at most every `interval` seconds,
     and never more often than keeps the writes under 1% of the time (plus at the end). Rewriting the
     whole report at every step cost 38 ms an iteration after 1,000 iterations and 0.5 s after 10,000;
-    this way a write at 10,000 iterations takes about 20 ms."""
+    this way a write lists at most 2 x KEPT_ITERATIONS, each serialised once."""
 
     SHARE = 0.01  # of the run's time the writes may take
 
@@ -65,7 +105,7 @@ class ReportWriter:
         self.interval = interval
         self.written_at: float | None = None
         self.write_seconds = 0.0  # how long the last write took
-        self.iteration_texts: list[str] = []  # the report's iterations, serialised as they came
+        self.iteration_texts: dict[int, str] = {}  # the listed iterations by number, serialised as they came
 
     def due(self) -> bool:
         return self.written_at is None or time.monotonic() - self.written_at >= max(self.interval, self.write_seconds / self.SHARE)
@@ -73,10 +113,13 @@ class ReportWriter:
     def write(self, report: HookReport) -> None:
         """Atomically, so a reader never sees half a report."""
         started = time.monotonic()
-        for stats in report.iterations[len(self.iteration_texts):]:
-            self.iteration_texts.append(json.dumps(asdict(stats)))
-        head = json.dumps({f.name: getattr(report, f.name) for f in fields(report) if f.name != "iterations"}, indent=1)
-        text = head[:-2] + ',\n "iterations": [\n  ' + ",\n  ".join(self.iteration_texts) + "\n ]\n}\n"
+        cached = self.iteration_texts
+        self.iteration_texts = {stats.iteration: cached.get(stats.iteration) or json.dumps(asdict(stats))
+                                for stats in report.iterations}
+        head = {f.name: getattr(report, f.name) for f in fields(report) if f.name not in ("omitted", "iterations")}
+        head["omitted"] = asdict(report.omitted)
+        listed = ",\n  ".join(self.iteration_texts.values())
+        text = json.dumps(head, indent=1)[:-2] + ',\n "iterations": [\n  ' + listed + "\n ]\n}\n"
         partial = self.path.with_name(self.path.name + ".partial")
         partial.write_text(text)
         partial.replace(self.path)

@@ -151,3 +151,24 @@ def test_report_writes_stay_a_small_share_of_the_run(tmp_path):
     assert not writer.due()
     writer.written_at -= 100
     assert writer.due()
+
+
+def test_a_long_runs_report_lists_its_first_and_last_iterations_and_totals_the_rest(tmp_path):
+    """The hook's memory and the report file stay bounded however long the job trains."""
+    import json
+
+    from tensile.runtime_hook.report import KEPT_ITERATIONS, HookReport, IterationStats, ReportWriter
+
+    report, writer = HookReport("job", "cpu"), ReportWriter(tmp_path / "report.json", interval=10)
+    total = 2 * KEPT_ITERATIONS + 500
+    for i in range(total):
+        report.add(IterationStats(i, "planned", seconds=1.0, peak_bytes=i, events={"swap_out": 2}))
+        if i in (KEPT_ITERATIONS, total - 1):  # written before and after the list starts to be cut
+            writer.write(report)
+    listed = [it.iteration for it in report.iterations]
+    assert listed == [*range(KEPT_ITERATIONS), *range(total - KEPT_ITERATIONS, total)]
+    omitted = report.omitted
+    assert (omitted.count, omitted.first, omitted.totals.iteration) == (500, KEPT_ITERATIONS, KEPT_ITERATIONS + 499)
+    assert omitted.totals.seconds == 500 and omitted.totals.events["swap_out"] == 1000 and omitted.modes == {"planned": 500}
+    assert omitted.totals.peak_bytes == KEPT_ITERATIONS + 499
+    assert json.loads((tmp_path / "report.json").read_text()) == report.to_dict()
