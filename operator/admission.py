@@ -261,16 +261,15 @@ class Admission:
         fstatus = status.get("forecast") or {}
         forecast = self.forecaster.by_signature(fstatus.get("signature", ""), bool(fstatus.get("activationsOnly")))
         spec = body.get("spec") or {}
-        knobs = spec.get("scheduling") or {}
-        budget = None
-        if spec.get("memoryBudget") is not None:
-            try:
-                budget = model.parse_quantity(spec["memoryBudget"], "spec.memoryBudget")
-            except model.SpecError:
-                pass
+        try:  # the knobs as admission and knob changes read them: the spec with its annotations applied
+            parsed = model.parse_spec(spec, (body.get("metadata") or {}).get("annotations"))
+            budget, rate = parsed.memory_budget, parsed.max_swap_rate
+        except model.SpecError:  # edited since into something invalid: the knobs last forwarded, if any
+            applied = status.get("knobs") or {}
+            budget, rate = applied.get("memoryBudgetBytes"), applied.get("maxSwapRate")
         profile = (spec.get("workload") or {}).get("profile") if forecast is None else None
         return Booking(job_key(body), placement["gpu"], placement["node"],
-                       int(fstatus.get("reservedBytes") or 0), forecast, budget, knobs.get("maxSwapRate"), profile,
+                       int(fstatus.get("reservedBytes") or 0), forecast, budget, rate, profile,
                        placement.get("planEvents", "auto"))
 
     def adopt(self, body: dict) -> None:

@@ -537,6 +537,44 @@ def test_a_deleted_job_frees_its_room_only_once_its_pod_is_gone(tmp_path, foreca
     run(scenario())
 
 
+def test_a_rebuild_books_jobs_with_the_knobs_their_annotations_set():
+    """After an operator restart a placed job keeps the budget and swap rate it runs with: its annotations
+    override its spec, as at admission and on knob changes; a spec edited since into something invalid keeps
+    the knobs last forwarded to its agent."""
+    from tensile.operator.admission import Admission
+    from tensile.operator.placement import Gpu
+
+    placed = {"phase": "Running", "placement": {"gpu": "GPU-a0", "node": "node-a"},
+              "forecast": {"source": "budget", "reservedBytes": GIB}}
+    tuned = trainingjob("tuned", None, profile="p", memoryBudget="2Gi", scheduling={"maxSwapRate": 0.5})
+    tuned["metadata"] |= {"namespace": "default",
+                          "annotations": {"tensile.dev/memory-budget": "1Gi", "tensile.dev/max-swap-rate": "0.25"}}
+    tuned["status"] = placed
+    broken = trainingjob("broken", None, profile="p", memoryBudget="2Gi")
+    broken["metadata"] |= {"namespace": "default", "annotations": {"tensile.dev/max-swap-rate": "fast"}}
+    broken["status"] = placed | {"knobs": {"recompute": True, "maxSwapRate": 0.75, "memoryBudgetBytes": GIB}}
+    app = Admission()
+
+    class Listing:
+        async def list_trainingjobs(self) -> list[dict]:
+            return [tuned, broken]
+
+        async def list_pods(self, selector: str) -> list[dict]:
+            return []
+
+    app.kube = Listing()
+    app.inventory["node-a"] = [Gpu("node-a", "GPU-a0", "Simulated GPU", 4 * GIB, 4 * GIB, simulated=True)]
+
+    async def rebuild() -> None:
+        await app.rebuild()
+        await asyncio.gather(*app._background)
+
+    asyncio.run(rebuild())
+    bookings = app.ledger.bookings
+    assert (bookings["default/tuned"].budget_bytes, bookings["default/tuned"].max_swap_rate) == (GIB, 0.25)
+    assert (bookings["default/broken"].budget_bytes, bookings["default/broken"].max_swap_rate) == (GIB, 0.75)
+
+
 def test_a_rebuild_books_a_deleted_job_only_while_its_pod_holds_the_gpu():
     """A deleted job (kept by its finalizer) is booked by a rebuild while its pod is there and not ended;
     a pod that is gone or has ended holds nothing, and a later event of that job books nothing either. A job not being deleted stays booked without a pod
