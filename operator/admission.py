@@ -263,14 +263,14 @@ class Admission:
         spec = body.get("spec") or {}
         try:  # the knobs as admission and knob changes read them: the spec with its annotations applied
             parsed = model.parse_spec(spec, (body.get("metadata") or {}).get("annotations"))
-            budget, rate = parsed.memory_budget, parsed.max_swap_rate
+            budget, rate, recompute = parsed.memory_budget, parsed.max_swap_rate, parsed.recompute
         except model.SpecError:  # edited since into something invalid: the knobs last forwarded, if any
             applied = status.get("knobs") or {}
-            budget, rate = applied.get("memoryBudgetBytes"), applied.get("maxSwapRate")
+            budget, rate, recompute = applied.get("memoryBudgetBytes"), applied.get("maxSwapRate"), applied.get("recompute", True)
         profile = (spec.get("workload") or {}).get("profile") if forecast is None else None
         return Booking(job_key(body), placement["gpu"], placement["node"],
                        int(fstatus.get("reservedBytes") or 0), forecast, budget, rate, profile,
-                       placement.get("planEvents", "auto"))
+                       placement.get("planEvents", "auto"), recompute)
 
     def adopt(self, body: dict) -> None:
         """A placement seen in a status but missing from the ledger (a predecessor's write that landed after
@@ -346,7 +346,7 @@ class Admission:
         await self._repeak(lower)
         profile = pending.spec.workload.profile if pending.forecast is None else None
         booking = Booking(key, gpu.uuid, gpu.node, reserved, pending.forecast, pending.spec.memory_budget, pending.spec.max_swap_rate,
-                          profile, pending.spec.plan_events)
+                          profile, pending.spec.plan_events, pending.spec.recompute)
         self.ledger.book(booking)
         fstatus = (pending.forecast.to_status() if pending.forecast else {"source": "budget"}) | {
             "scheduledPeakBytes": reserved, "reservedBytes": reserved, "plannedWith": sum(1 for j in peaks if j != key)}
@@ -401,7 +401,7 @@ class Admission:
         signature = booking.forecast.signature if booking.forecast else None
         budget = booking.budget_bytes if booking.budget_bytes is not None else (booking.reserved_bytes if booking.forecast is None else None)
         pod = build_pod(body, booking.node, booking.gpu, gpu.agent if gpu else None, self.token(body), budget,
-                        booking.max_swap_rate, signature, self.image, booking.plan_events)
+                        booking.max_swap_rate, signature, self.image, booking.plan_events, booking.recompute)
         try:
             await self.kube.create_pod(meta["namespace"], pod)
         except Conflict:
@@ -524,6 +524,7 @@ class Admission:
         if booking is None:
             return  # not running yet: the pod starts with the knobs in its environment
         knobs: dict = {"recompute": spec.recompute}
+        booking.recompute = spec.recompute
         if spec.max_swap_rate is not None:
             knobs["maxSwapRate"] = spec.max_swap_rate
             booking.max_swap_rate = spec.max_swap_rate

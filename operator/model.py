@@ -130,6 +130,11 @@ def _int(value: object, field_name: str, problems: list[SpecProblem], minimum: i
     return value
 
 
+def switch(value: object) -> bool:
+    """A yes/no knob from the spec (a boolean) or an annotation (text: false, 0, no and off mean no)."""
+    return value.lower() not in ("false", "0", "no", "off") if isinstance(value, str) else bool(value)
+
+
 def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
     """The spec (with tensile.dev/* annotations overriding knobs) as a JobSpec; SpecError lists every problem."""
     problems: list[SpecProblem] = []
@@ -183,9 +188,7 @@ def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
         except (TypeError, ValueError):
             problems.append(SpecProblem("spec.scheduling.maxSwapRate", f"must be a positive number (was {rate!r}); the planner caps swap traffic by it"))
             rate = None
-    recompute = knobs.get("recompute", True)
-    if isinstance(recompute, str):
-        recompute = recompute.lower() not in ("false", "0", "no", "off")
+    recompute = switch(knobs.get("recompute", True))
     plan_events = knobs.get("planEvents", "auto")
     if plan_events not in PLAN_EVENTS:
         problems.append(SpecProblem("spec.scheduling.planEvents", f"'{plan_events}' is not one of {', '.join(PLAN_EVENTS)} "
@@ -210,4 +213,4 @@ def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
         problems.append(SpecProblem("spec.template.spec.containers", "needs at least one container: the training command"))
     if problems:
         raise SpecError(problems)
-    return JobSpec(workload, budget, selector, rate, bool(recompute), template, plan_events)
+    return JobSpec(workload, budget, selector, rate, recompute, template, plan_events)

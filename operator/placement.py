@@ -73,6 +73,7 @@ class Booking:
     max_swap_rate: float | None = None
     profile: str | None = None  # admitted by budget: the profile its live workload is stored under
     plan_events: str = "auto"  # the job's spec.scheduling.planEvents at admission: its pod's TENSILE_PLAN_EVENTS
+    recompute: bool = True  # spec.scheduling.recompute (or its annotation): its pod's TENSILE_RECOMPUTE
 
 
 @dataclass

@@ -30,7 +30,8 @@ def job_token(key: bytes, namespace: str, name: str, uid: str) -> str:
 
 
 def hook_env(job: str, gpu_uuid: str, agent: str | None, token: str, budget: int | None,
-             max_swap_rate: float | None, signature: str | None, existing_path: str | None, plan_events: str) -> list[dict]:
+             max_swap_rate: float | None, signature: str | None, existing_path: str | None, plan_events: str,
+             recompute: bool) -> list[dict]:
     env = {
         "TENSILE_JOB": job,
         "TENSILE_GPU": gpu_uuid,
@@ -39,6 +40,8 @@ def hook_env(job: str, gpu_uuid: str, agent: str | None, token: str, budget: int
         "TENSILE_TOKEN": token,
         # the events admission planned with: the hook's own plans and its agent's keep to the same
         "TENSILE_PLAN_EVENTS": plan_events,
+        # spec.scheduling.recompute: the hook registers with it, so the agent plans without recomputes from the start
+        "TENSILE_RECOMPUTE": "true" if recompute else "false",
         "PYTHONPATH": os.pathsep.join(p for p in (f"{HOOK_MOUNT}/site", f"{HOOK_MOUNT}/lib", existing_path) if p),
     }
     if agent:
@@ -53,7 +56,8 @@ def hook_env(job: str, gpu_uuid: str, agent: str | None, token: str, budget: int
 
 
 def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, token: str, budget: int | None,
-              max_swap_rate: float | None, signature: str | None, image: str = DEFAULT_IMAGE, plan_events: str = "auto") -> dict:
+              max_swap_rate: float | None, signature: str | None, image: str = DEFAULT_IMAGE, plan_events: str = "auto",
+              recompute: bool = True) -> dict:
     """The pod manifest for the TrainingJob `body` placed on (node, gpu_uuid)."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
@@ -70,7 +74,7 @@ def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, token: st
     job = f"{namespace}/{name}"
     for container in spec.get("containers") or []:
         existing = next((e.get("value") for e in container.get("env") or [] if e.get("name") == "PYTHONPATH"), None)
-        ours = hook_env(job, gpu_uuid, agent, token, budget, max_swap_rate, signature, existing, plan_events)
+        ours = hook_env(job, gpu_uuid, agent, token, budget, max_swap_rate, signature, existing, plan_events, recompute)
         names = {e["name"] for e in ours}
         container["env"] = [e for e in container.get("env") or [] if e.get("name") not in names] + ours
         container["volumeMounts"] = [m for m in container.get("volumeMounts") or [] if m.get("name") != HOOK_VOLUME] + [mount]

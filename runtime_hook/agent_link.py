@@ -198,7 +198,8 @@ class AgentLink:
             # the operator gives every pod it places a token; a job without one came by itself. The agent
             # plans with the events this hook's own planner would use (on CUDA, what the native path carries)
             self.client.register(workload=todo.workload, memory_budget_bytes=todo.budget,
-                                 max_swap_rate=self.settings.max_swap_rate, external=self.settings.token is None,
+                                 max_swap_rate=self.settings.max_swap_rate, recompute=self.settings.recompute,
+                                 external=self.settings.token is None,
                                  activations_only=native_plans(self.settings, todo.workload.device))
 
     def _flush(self) -> None:

@@ -46,7 +46,7 @@ def local_planner(settings: HookSettings, device: torch.device) -> Planner:
         from tensile.planner import plan_job
 
         return plan_job(workload, host_link_bandwidth(device) * settings.link_share, budget, name=settings.job,
-                        activations_only=activations_only).plans[settings.job]
+                        activations_only=activations_only, recompute=settings.recompute).plans[settings.job]
 
     return plan
 

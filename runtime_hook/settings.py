@@ -23,6 +23,7 @@ class HookSettings:
     max_swap_rate: float | None = None
     # which events plans may use, the in-process planner's and the agent's (tensile.plan.PLAN_EVENTS)
     plan_events: str = "auto"
+    recompute: bool = True  # a TrainingJob's spec.scheduling.recompute: false keeps every plan free of recomputes
     link_share: float = 1.0  # the share of the measured host link the in-process planner counts on
     # the agent path (runtime_hook/agent_link.py): how long iteration 1 may wait for the agent's first
     # plan, each call's timeout, the longest quiet spell after failures, how often to post and poll
@@ -48,6 +49,7 @@ class HookSettings:
             report_interval=_seconds(env, "TENSILE_REPORT_INTERVAL", cls.report_interval),
             max_swap_rate=float(rate) if rate else None,
             plan_events=_choice(env, "TENSILE_PLAN_EVENTS", PLAN_EVENTS),
+            recompute=_choice(env, "TENSILE_RECOMPUTE", ("true", "false")) == "true",
             link_share=_share(env, "TENSILE_LINK_SHARE", cls.link_share),
             agent_wait=_seconds(env, "TENSILE_AGENT_WAIT", cls.agent_wait),
             agent_timeout=_seconds(env, "TENSILE_AGENT_TIMEOUT", cls.agent_timeout),

@@ -17,6 +17,7 @@ import jsonschema
 import yaml
 
 from tensile.errors import TensileUserError
+from tensile.operator.model import switch
 from tensile.plan import PLAN_EVENTS
 
 CRD = Path(__file__).resolve().parents[1] / "crds" / "trainingjobs.tensile.dev.yaml"
@@ -39,6 +40,7 @@ class LocalJob:
     command: list[str]  # the container's command + args, as it runs locally (python -> this Python)
     problem: str | None = None  # why the command cannot run here (reported, the job fails)
     plan_events: str = "auto"  # spec.scheduling.planEvents: the forecast's and the hook's (TENSILE_PLAN_EVENTS)
+    recompute: bool = True  # spec.scheduling.recompute: false keeps the job's plans free of recomputes
 
 
 def strict_schema(schema: dict) -> dict:
@@ -122,12 +124,13 @@ def load_job(path: str | Path) -> LocalJob:
     if plan_events not in PLAN_EVENTS:
         raise TensileUserError(f"{path}: metadata.annotations.tensile.dev/plan-events: '{plan_events}' is not one of "
                                f"{', '.join(PLAN_EVENTS)}")
+    recompute = switch(annotations.get("tensile.dev/recompute", (spec.get("scheduling") or {}).get("recompute", True)))
     shape = workload.get("inputShape")
     return LocalJob(name=name, path=path, model=workload.get("model"), profile=workload.get("profile"),
                     batch_size=workload.get("batchSize", 16), input_shape=tuple(shape) if shape else None,
                     optimizer=workload.get("optimizer"), dtype=workload.get("dtype", "float32"),
                     micro_batches=workload.get("microBatches", 1), memory_budget=budget, max_swap_rate=rate,
-                    command=command, problem=problem, plan_events=plan_events)
+                    command=command, problem=problem, plan_events=plan_events, recompute=recompute)
 
 
 def local_command(command: list[str]) -> tuple[list[str], str | None]:

@@ -59,7 +59,7 @@ def forecast(run: JobRun, device: str, preset: str, directory: Path) -> None:
     optimizer = job.optimizer or (None if ".py:" in job.model else "adam")
     workload = trace_workload(job.model, job.batch_size, optimizer=optimizer, dtype=job.dtype, device=device,
                               micro_batches=job.micro_batches, input_shape=job.input_shape)
-    summary, _, _ = make_forecast(workload, preset, plan_events=job.plan_events)
+    summary, _, _ = make_forecast(workload, preset, plan_events=job.plan_events, recompute=job.recompute)
     run.vanilla_peak = summary["vanilla_peak_bytes"]
     run.scheduled_peak = summary["scheduled_peak_bytes"]
     run.demand = run.scheduled_peak if job.memory_budget is None else min(run.scheduled_peak, job.memory_budget)
@@ -72,7 +72,7 @@ def hook_args(run: JobRun, agent_url: str) -> argparse.Namespace:
     return argparse.Namespace(job=run.name, memory_budget=str(run.demand) if run.demand else None,
                               workload=str(run.workload_path) if run.workload_path else None, plan=None,
                               agent=agent_url, token=None, max_swap_rate=run.job.max_swap_rate, report=str(run.report),
-                              plan_events=run.job.plan_events)
+                              plan_events=run.job.plan_events, recompute=run.job.recompute)
 
 
 class Admission:

@@ -461,9 +461,9 @@ def plan_gpu(
 
 
 def plan_job(workload: Workload, bandwidth: float, budget_bytes: int | None = None, name: str = "job",
-             activations_only: bool = False, **options) -> GpuPlan:
+             activations_only: bool = False, recompute: bool = True, **options) -> GpuPlan:
     """One job alone on its GPU (what `tensile forecast` and the hook's in-process planner need)."""
-    spec = JobSpec(name, workload, recompute=not activations_only, activations_only=activations_only)
+    spec = JobSpec(name, workload, recompute=recompute and not activations_only, activations_only=activations_only)
     return plan_gpu([spec], bandwidth, budget_bytes, **options)
 
 

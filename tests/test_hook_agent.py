@@ -70,18 +70,21 @@ def test_the_job_registers_gets_the_agents_plan_and_shows_its_peak(agent_server,
     assert _job(agent.url, "mlp-a") is None  # unregistered at exit
 
 
-@pytest.mark.parametrize(("plan_events", "activations_only"), [("auto", True), ("all", False)])
-def test_the_link_asks_the_agent_for_the_events_the_hook_would_plan(agent_server, tiny_workload, plan_events, activations_only):
+@pytest.mark.parametrize(("plan_events", "activations_only", "recompute"), [("auto", True, True), ("all", False, False)])
+def test_the_link_asks_the_agent_for_the_events_the_hook_would_plan(agent_server, tiny_workload, plan_events, activations_only,
+                                                                    recompute):
     """A CUDA workload under TENSILE_PLAN_EVENTS auto registers activations_only, so the agent's plans stay on
-    the native path; `all` asks for every event."""
+    the native path; `all` asks for every event; TENSILE_RECOMPUTE=false (a TrainingJob's recompute: false)
+    registers without recomputes."""
     agent = agent_server()
     workload = tiny_workload()
     assert workload.device == "cuda"
-    settings = HookSettings(job="ns/link", plan_events=plan_events)
+    settings = HookSettings(job="ns/link", plan_events=plan_events, recompute=recompute)
     link = AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2)).start(workload)
     try:
         _wait(lambda: _job(agent.url, "link") is not None, 30, "the registration")
-        assert _job(agent.url, "link")["activations_only"] is activations_only
+        job = _job(agent.url, "link")
+        assert job["activations_only"] is activations_only and job["recompute"] is recompute
     finally:
         link.close()
 

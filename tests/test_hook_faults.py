@@ -97,6 +97,7 @@ def test_a_budget_in_bytes_holds_from_the_first_iteration():
     ({"TENSILE_PLAN_EVENTS": "swaps"}, "TENSILE_PLAN_EVENTS: 'swaps' is not one of auto, all, native"),
     ({"TENSILE_LINK_SHARE": "half"}, "TENSILE_LINK_SHARE: 'half' is not a number"),
     ({"TENSILE_LINK_SHARE": "1.5"}, "TENSILE_LINK_SHARE: must be a share in (0, 1]"),
+    ({"TENSILE_RECOMPUTE": "no"}, "TENSILE_RECOMPUTE: 'no' is not one of true, false"),
 ])
 def test_bad_planning_settings_name_the_variable_and_the_fix(environ, named):
     with pytest.raises(ValueError, match=re.escape(named)):
@@ -105,7 +106,8 @@ def test_bad_planning_settings_name_the_variable_and_the_fix(environ, named):
 
 def test_native_plans_are_cudas_default_and_can_be_chosen_anywhere():
     settings = HookSettings.from_env({"TENSILE_LINK_SHARE": "0.5"})
-    assert settings.link_share == 0.5 and settings.plan_events == "auto"
+    assert settings.link_share == 0.5 and settings.plan_events == "auto" and settings.recompute
+    assert not HookSettings.from_env({"TENSILE_RECOMPUTE": "false"}).recompute
     assert native_plans(settings, "cuda") and not native_plans(settings, "cpu")
     assert native_plans(HookSettings.from_env({"TENSILE_PLAN_EVENTS": "native"}), "cpu")
     assert not native_plans(HookSettings.from_env({"TENSILE_PLAN_EVENTS": "all"}), "cuda")

@@ -113,9 +113,9 @@ def test_the_shipped_examples_load_for_local_runs(monkeypatch):
     assert all(j.problem is None and j.command[0] == sys.executable for j in jobs)
 
 
-def test_a_jobs_plan_events_reach_its_forecast_and_its_hook(tmp_path):
-    """spec.scheduling.planEvents (or its annotation) is what the local forecast plans with and what the
-    job's hook is told (TENSILE_PLAN_EVENTS), as the operator does for a pod."""
+def test_a_jobs_plan_events_and_recompute_reach_its_forecast_and_its_hook(tmp_path):
+    """spec.scheduling.planEvents and recompute (or their annotations) are what the local forecast plans with
+    and what the job's hook is told (TENSILE_PLAN_EVENTS, TENSILE_RECOMPUTE), as the operator does for a pod."""
     from tensile.commands.run import hook_environment
     from tensile.local_runner import JobRun, hook_args
 
@@ -128,4 +128,8 @@ def test_a_jobs_plan_events_reach_its_forecast_and_its_hook(tmp_path):
     annotated = path.read_text().replace("metadata:\n", "metadata:\n  annotations:\n    tensile.dev/plan-events: all\n")
     path.write_text(annotated)
     assert load_job(path).plan_events == "all"
-    assert load_job(_write(tmp_path, "plain")).plan_events == "auto"
+    plain = load_job(_write(tmp_path, "plain"))
+    assert plain.plan_events == "auto" and plain.recompute
+    assert "TENSILE_RECOMPUTE" not in hook_environment(hook_args(JobRun(plain), "http://127.0.0.1:1"))
+    path.write_text(annotated.replace("metadata:\n  annotations:\n", "metadata:\n  annotations:\n    tensile.dev/recompute: \"off\"\n"))
+    assert hook_environment(hook_args(JobRun(load_job(path)), "http://127.0.0.1:1"))["TENSILE_RECOMPUTE"] == "false"

@@ -47,7 +47,7 @@ def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster)
             await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4), simulated_gpu("GPU-a1", 8)], agent="http://127.0.0.1:9")
             op = await start_operator(forecaster)
             try:
-                await c.apply(trainingjob("one", "vgg16", 1, scheduling={"maxSwapRate": 0.5}))
+                await c.apply(trainingjob("one", "vgg16", 1, scheduling={"maxSwapRate": 0.5, "recompute": False}))
                 await c.wait(lambda: phase(c.job("one")) == "Admitted" and c.pods(), 60, "admitted with a pod")
                 job = c.job("one")
                 status = job["status"]
@@ -64,6 +64,7 @@ def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster)
                 assert env["TENSILE_MAX_SWAP_RATE"] == "0.5" and len(env["TENSILE_TOKEN"]) == 32
                 # a CUDA job under planEvents auto: admitted by activation-swap plans, and its hook plans so too
                 assert env["TENSILE_PLAN_EVENTS"] == "auto" and status["placement"]["planEvents"] == "auto"
+                assert env["TENSILE_RECOMPUTE"] == "false"  # its hook registers so: the agent plans no recompute
                 assert status["forecast"]["activationsOnly"] is True
                 assert env["PYTHONPATH"].startswith("/tensile/site")
                 assert pod["spec"]["initContainers"][0]["command"][:3] == ["python", "-m", "tensile.runtime_hook.install"]
@@ -538,7 +539,7 @@ def test_a_deleted_job_frees_its_room_only_once_its_pod_is_gone(tmp_path, foreca
 
 
 def test_a_rebuild_books_jobs_with_the_knobs_their_annotations_set():
-    """After an operator restart a placed job keeps the budget and swap rate it runs with: its annotations
+    """After an operator restart a placed job keeps the budget, swap rate and recompute it runs with: its annotations
     override its spec, as at admission and on knob changes; a spec edited since into something invalid keeps
     the knobs last forwarded to its agent."""
     from tensile.operator.admission import Admission
@@ -548,11 +549,12 @@ def test_a_rebuild_books_jobs_with_the_knobs_their_annotations_set():
               "forecast": {"source": "budget", "reservedBytes": GIB}}
     tuned = trainingjob("tuned", None, profile="p", memoryBudget="2Gi", scheduling={"maxSwapRate": 0.5})
     tuned["metadata"] |= {"namespace": "default",
-                          "annotations": {"tensile.dev/memory-budget": "1Gi", "tensile.dev/max-swap-rate": "0.25"}}
+                          "annotations": {"tensile.dev/memory-budget": "1Gi", "tensile.dev/max-swap-rate": "0.25",
+                                          "tensile.dev/recompute": "false"}}
     tuned["status"] = placed
     broken = trainingjob("broken", None, profile="p", memoryBudget="2Gi")
     broken["metadata"] |= {"namespace": "default", "annotations": {"tensile.dev/max-swap-rate": "fast"}}
-    broken["status"] = placed | {"knobs": {"recompute": True, "maxSwapRate": 0.75, "memoryBudgetBytes": GIB}}
+    broken["status"] = placed | {"knobs": {"recompute": False, "maxSwapRate": 0.75, "memoryBudgetBytes": GIB}}
     app = Admission()
 
     class Listing:
@@ -573,6 +575,7 @@ def test_a_rebuild_books_jobs_with_the_knobs_their_annotations_set():
     bookings = app.ledger.bookings
     assert (bookings["default/tuned"].budget_bytes, bookings["default/tuned"].max_swap_rate) == (GIB, 0.25)
     assert (bookings["default/broken"].budget_bytes, bookings["default/broken"].max_swap_rate) == (GIB, 0.75)
+    assert not bookings["default/tuned"].recompute and not bookings["default/broken"].recompute  # the pods' TENSILE_RECOMPUTE
 
 
 def test_a_rebuild_books_a_deleted_job_only_while_its_pod_holds_the_gpu():

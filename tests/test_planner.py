@@ -261,6 +261,9 @@ def test_lowest_peak_mode_recomputes_without_a_budget():
     workload = chain_workload(1)
     lowest = plan_job(workload, BANDWIDTH)
     assert any(e.kind == "recompute" for e in lowest.plans["job"].events)
+    # a job alone that may not recompute (TENSILE_RECOMPUTE=false, the hook's in-process planner) gets none
+    kept = plan_job(workload, BANDWIDTH, recompute=False)
+    assert kept.plans["job"].events and not any(e.kind == "recompute" for e in kept.plans["job"].events)
     budgeted = plan_job(workload, BANDWIDTH, budget_bytes=lowest.scheduled_peak_bytes)
     assert lowest.scheduled_peak_bytes <= budgeted.scheduled_peak_bytes
 

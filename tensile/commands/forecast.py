@@ -115,7 +115,7 @@ def _preset(args: argparse.Namespace, workload: Workload) -> str:
 
 
 def make_forecast(workload: Workload, preset: str, memory_budget: str | None = None,
-                  plan_events: str = "auto") -> tuple[dict, Plan, PeakResult]:
+                  plan_events: str = "auto", recompute: bool = True) -> tuple[dict, Plan, PeakResult]:
     """Latencies, vanilla peak analysis and the TENSILE plan for one traced workload, with the events
     the hook would plan with on the workload's device."""
     with warnings.catch_warnings(record=True) as caught:
@@ -126,7 +126,8 @@ def make_forecast(workload: Workload, preset: str, memory_budget: str | None = N
     vanilla = analyze_vanilla(workload)
     budget = resolve_budget(memory_budget, vanilla.peak_bytes) if memory_budget else None
     activations_only = native_plan_events(plan_events, workload.device)
-    gpu_plan = plan_job(workload, device_preset(preset).host_link_bandwidth, budget, activations_only=activations_only)
+    gpu_plan = plan_job(workload, device_preset(preset).host_link_bandwidth, budget, activations_only=activations_only,
+                        recompute=recompute)
     plan = gpu_plan.plans["job"]
     return forecast_summary(workload, vanilla, latency_source, gpu_plan, plan, activations_only), plan, vanilla
 

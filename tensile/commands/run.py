@@ -33,6 +33,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--report", help="write the hook's JSON report here")
     parser.add_argument("--plan-events", choices=PLAN_EVENTS,
                         help="which events plans use (TENSILE_PLAN_EVENTS); default auto: activation swaps only on CUDA")
+    parser.add_argument("--no-recompute", dest="recompute", action="store_false",
+                        help="plans never recompute a tensor (TENSILE_RECOMPUTE=false)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
     parser.set_defaults(run=run)
 
@@ -52,6 +54,7 @@ def hook_environment(args: argparse.Namespace) -> dict[str, str]:
         "TENSILE_MAX_SWAP_RATE": None if args.max_swap_rate is None else str(args.max_swap_rate),
         "TENSILE_REPORT": args.report,
         "TENSILE_PLAN_EVENTS": args.plan_events,
+        "TENSILE_RECOMPUTE": None if args.recompute else "false",
     }
     env.update({k: v for k, v in optional.items() if v})
     return env
