@@ -69,7 +69,7 @@ async def measure(jobs: int, interval: float, gpu_gib: float) -> dict:
     started = time.perf_counter()
     for model, batch in MODELS:
         spec = parse_spec(trainingjob("warm-up", model, batch)["spec"])  # as the jobs below are forecast
-        await forecaster.forecast(spec.workload, spec.activations_only)
+        await forecaster.forecast(spec.workload, spec.scope)
     warmup = time.perf_counter() - started
     async with cluster(Path(tempfile.mkdtemp())) as c:
         for node in ("node-a", "node-b"):

@@ -156,7 +156,7 @@ class Admission:
                                   condition("Validated", False, "InvalidSpec", str(exc)))
             return
         valid = condition("Validated", True, "Valid")
-        if self.forecaster.ready(spec.workload, spec.activations_only):  # cached: straight to Queued, one status write less
+        if self.forecaster.ready(spec.workload, spec.scope):  # cached: straight to Queued, one status write less
             self.conditions[key] = merge_conditions(self.conditions.get(key, []), valid)
         elif status.get("phase") != "Forecasting":
             await self.set_status(namespace, name, {"phase": "Forecasting", "message": "tracing and planning on the CPU"}, valid)
@@ -164,7 +164,7 @@ class Admission:
         failure: ForecastError | None = None
         started = time.perf_counter()
         try:
-            forecast = await self.forecaster.forecast(spec.workload, spec.activations_only)
+            forecast = await self.forecaster.forecast(spec.workload, spec.scope)
         except ForecastError as exc:
             failure = exc
         self.metrics.forecast_seconds.observe(time.perf_counter() - started)
@@ -259,7 +259,8 @@ class Admission:
         if not placement or status.get("phase") in model.FINISHED:
             return None
         fstatus = status.get("forecast") or {}
-        forecast = self.forecaster.by_signature(fstatus.get("signature", ""), bool(fstatus.get("activationsOnly")))
+        scope = model.PlanScope(bool(fstatus.get("activationsOnly")), fstatus.get("recompute", True) is not False)
+        forecast = self.forecaster.by_signature(fstatus.get("signature", ""), scope)
         spec = body.get("spec") or {}
         try:  # the knobs as admission and knob changes read them: the spec with its annotations applied
             parsed = model.parse_spec(spec, (body.get("metadata") or {}).get("annotations"))

@@ -2,9 +2,10 @@
 
 Two caches: the trace cache maps a workload spec (model, batch, shape, optimizer, dtype, ...) to the
 traced workload's signature; the forecast cache maps a signature to the workload and its standalone
-forecast (vanilla peak, lowest reachable scheduled peak). Both are also keyed by whether the plan keeps
-to activation swaps (a job's planEvents on its device): that changes the lowest reachable peak, not
-the trace, so a spec forecast both ways is traced once. Traces run one at a time on a worker thread
+forecast (vanilla peak, lowest reachable scheduled peak). Both are also keyed by the events the plan may
+use (`PlanScope`: activation swaps only, a job's planEvents on its device; recompute, its
+scheduling.recompute): that changes the lowest reachable peak, not the trace, so a spec forecast in
+several scopes is traced once (the traced workloads are kept by spec). Traces run one at a time on a worker thread
 (tracing is CPU-bound and the operator shares its cores); concurrent requests for the same key wait
 for the one trace in flight. Stored profiles (a job's live workload, uploaded after its first run)
 are workloads by name, kept in memory and, when a directory is configured, on disk.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tensile.operator.heap import freeze_long_lived
-from tensile.operator.model import WorkloadSpec
+from tensile.operator.model import PlanScope, WorkloadSpec
 from tensile.workload import Workload
 
 log = logging.getLogger("tensile.operator.forecast")
@@ -42,7 +43,7 @@ class JobForecast:
     min_peak_bytes: int  # lowest scheduled peak any plan reaches alone (swaps as far as they go)
     predicted_iteration_seconds: float
     source: str  # "traced" or "profile"
-    activations_only: bool  # planned with activation swaps only, as the job's hook will plan
+    scope: PlanScope  # the events it was planned with, as the job's hook will plan
 
     def to_status(self) -> dict:
         return {
@@ -51,11 +52,12 @@ class JobForecast:
             "minPeakBytes": self.min_peak_bytes,
             "predictedIterationSeconds": round(self.predicted_iteration_seconds, 6),
             "source": self.source,
-            "activationsOnly": self.activations_only,
+            "activationsOnly": self.scope.activations_only,
+            "recompute": self.scope.recompute,
         }
 
 
-def _standalone(workload: Workload, source: str, bandwidth: float, activations_only: bool) -> JobForecast:
+def _standalone(workload: Workload, source: str, bandwidth: float, scope: PlanScope) -> JobForecast:
     from tensile.latency.predict import assign_latencies
     from tensile.peak import analyze_vanilla
     from tensile.planner import plan_job
@@ -64,7 +66,7 @@ def _standalone(workload: Workload, source: str, bandwidth: float, activations_o
         warnings.simplefilter("ignore")
         assign_latencies(workload, "cuda" if workload.device == "cuda" else "cpu")
     vanilla = analyze_vanilla(workload).peak_bytes
-    planned = plan_job(workload, bandwidth, activations_only=activations_only)
+    planned = plan_job(workload, bandwidth, **scope.planner_options())
     return JobForecast(
         signature=workload.signature,
         workload=workload,
@@ -72,7 +74,7 @@ def _standalone(workload: Workload, source: str, bandwidth: float, activations_o
         min_peak_bytes=min(vanilla, planned.scheduled_peak_bytes),
         predicted_iteration_seconds=sum(op.latency for op in workload.ops),
         source=source,
-        activations_only=activations_only,
+        scope=scope,
     )
 
 
@@ -123,73 +125,72 @@ class Forecaster:
         self.bandwidth = bandwidth
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensile-forecast")
         self._lock = threading.Lock()
-        self._by_key: dict[tuple, concurrent.futures.Future[JobForecast]] = {}  # (spec key, activations only)
-        self._by_signature: dict[tuple[str, bool], JobForecast] = {}  # (signature, activations only)
+        self._by_key: dict[tuple, concurrent.futures.Future[JobForecast]] = {}  # (spec key, scope)
+        self._by_signature: dict[tuple[str, PlanScope], JobForecast] = {}
+        self._traced: dict[tuple, Workload] = {}  # spec key -> its traced workload, whatever the scope
         self.traces = 0  # how many traces really ran (tests and benchmarks read it)
 
-    def cached(self, spec: WorkloadSpec, activations_only: bool) -> JobForecast | None:
-        future = self._by_key.get((spec.key, activations_only))
+    def cached(self, spec: WorkloadSpec, scope: PlanScope) -> JobForecast | None:
+        future = self._by_key.get((spec.key, scope))
         if future is not None and future.done() and not future.cancelled() and future.exception() is None:
             return future.result()
         return None
 
-    def by_signature(self, signature: str, activations_only: bool) -> JobForecast | None:
-        return self._by_signature.get((signature, activations_only))
+    def by_signature(self, signature: str, scope: PlanScope) -> JobForecast | None:
+        return self._by_signature.get((signature, scope))
 
-    def _compute(self, spec: WorkloadSpec, activations_only: bool) -> JobForecast:
+    def _compute(self, spec: WorkloadSpec, scope: PlanScope) -> JobForecast:
         try:
-            other = self.cached(spec, not activations_only)  # traced already, planned the other way
-            if other is not None:
-                workload = other.workload
-            else:
-                workload = _trace(spec)
+            workload = self._traced.get(spec.key)  # traced already, for another scope
+            if workload is None:
+                workload = self._traced[spec.key] = _trace(spec)
                 self.traces += 1
-            found = self._by_signature.get((workload.signature, activations_only))
+            found = self._by_signature.get((workload.signature, scope))
             if found is not None:
                 return found
-            forecast = _standalone(workload, "traced", self.bandwidth, activations_only)
+            forecast = _standalone(workload, "traced", self.bandwidth, scope)
         except Exception as exc:  # noqa: BLE001 - any failure becomes the job's condition
             log.warning("forecast of %s failed: %s", spec, exc)
             raise ForecastError(f"{type(exc).__name__}: {exc}") from exc
-        self._by_signature[(forecast.signature, activations_only)] = forecast
+        self._by_signature[(forecast.signature, scope)] = forecast
         freeze_long_lived()
         return forecast
 
-    def submit(self, spec: WorkloadSpec, activations_only: bool) -> concurrent.futures.Future[JobForecast]:
-        key = (spec.key, activations_only)
+    def submit(self, spec: WorkloadSpec, scope: PlanScope) -> concurrent.futures.Future[JobForecast]:
+        key = (spec.key, scope)
         with self._lock:
             future = self._by_key.get(key)
             if future is None or (future.done() and (future.cancelled() or future.exception() is not None)):
-                future = self._executor.submit(self._compute, spec, activations_only)
+                future = self._executor.submit(self._compute, spec, scope)
                 self._by_key[key] = future
             return future
 
-    async def forecast(self, spec: WorkloadSpec, activations_only: bool) -> JobForecast | None:
-        """The spec's forecast, planned with activation swaps only or with every event (model.JobSpec's
-        `activations_only`); None when the workload is a profile not stored yet (admit by budget)."""
+    async def forecast(self, spec: WorkloadSpec, scope: PlanScope) -> JobForecast | None:
+        """The spec's forecast, planned with the events of `scope` (model.JobSpec's); None when the
+        workload is a profile not stored yet (admit by budget)."""
         if spec.model is None:
-            return await self.from_profile(spec.profile or "", activations_only)
+            return await self.from_profile(spec.profile or "", scope)
         # shielded: a cancelled waiter (an operator stopping) must not cancel the shared trace
-        return await asyncio.shield(asyncio.wrap_future(self.submit(spec, activations_only)))
+        return await asyncio.shield(asyncio.wrap_future(self.submit(spec, scope)))
 
-    async def from_profile(self, name: str, activations_only: bool) -> JobForecast | None:
+    async def from_profile(self, name: str, scope: PlanScope) -> JobForecast | None:
         workload = self.profiles.get(name)
         if workload is None:
             return None
-        found = self._by_signature.get((workload.signature, activations_only))
+        found = self._by_signature.get((workload.signature, scope))
         if found is None:
             loop = asyncio.get_running_loop()
-            found = await loop.run_in_executor(self._executor, _standalone, workload, "profile", self.bandwidth, activations_only)
-            self._by_signature[(found.signature, activations_only)] = found
+            found = await loop.run_in_executor(self._executor, _standalone, workload, "profile", self.bandwidth, scope)
+            self._by_signature[(found.signature, scope)] = found
             freeze_long_lived()
         return found
 
-    def ready(self, spec: WorkloadSpec, activations_only: bool) -> bool:
-        """Whether `forecast(spec, activations_only)` answers at once (no trace or plan to wait for)."""
+    def ready(self, spec: WorkloadSpec, scope: PlanScope) -> bool:
+        """Whether `forecast(spec, scope)` answers at once (no trace or plan to wait for)."""
         if spec.model is not None:
-            return self.cached(spec, activations_only) is not None
+            return self.cached(spec, scope) is not None
         workload = self.profiles.get(spec.profile or "")
-        return workload is None or (workload.signature, activations_only) in self._by_signature
+        return workload is None or (workload.signature, scope) in self._by_signature
 
     def store_profile(self, name: str, workload: Workload) -> None:
         self.profiles.put(name, workload)

@@ -106,6 +106,19 @@ class GpuSelector:
 
 
 @dataclass(frozen=True)
+class PlanScope:
+    """Which events a job's plans may use: its forecast, the joint plans of placement, its agent and its
+    hook all plan with the same, or admission counts on a peak the job's plans do not reach."""
+
+    activations_only: bool = False  # activation swaps only (planEvents on the job's device)
+    recompute: bool = True  # spec.scheduling.recompute
+
+    def planner_options(self) -> dict:
+        """The core planner's JobSpec / plan_job arguments."""
+        return {"activations_only": self.activations_only, "recompute": self.recompute and not self.activations_only}
+
+
+@dataclass(frozen=True)
 class JobSpec:
     workload: WorkloadSpec
     memory_budget: int | None = None
@@ -121,6 +134,10 @@ class JobSpec:
         rule on the device the job declares (planned with every event, the peak admitted is one the
         hook does not reach)."""
         return native_plan_events(self.plan_events, self.workload.device)
+
+    @property
+    def scope(self) -> PlanScope:
+        return PlanScope(self.activations_only, self.recompute)
 
 
 def _int(value: object, field_name: str, problems: list[SpecProblem], minimum: int = 1) -> int:

@@ -6,8 +6,8 @@ the candidate under the GPU's capacity, reaches a sum within it. Two shortcuts a
 the vanilla peaks already fit, no job needs a plan change; if even each job's lowest reachable peak
 alone does not fit, no joint plan can (co-located jobs share the copy channels, they never swap
 more than alone). Each job is planned with the events its hook will use (its forecast's
-`activations_only`). Joint plans are cached by the multiset of (workload signature, activations only,
-max swap rate) and the budget.
+`scope`: activation swaps only, recompute). Joint plans are cached by the multiset of (workload signature,
+scope, max swap rate) and the budget.
 """
 
 from __future__ import annotations
@@ -121,8 +121,7 @@ class JointPlanner:
             specs = []
             for k, i in enumerate(order):
                 _, forecast, rate = entries[i]
-                specs.append(JobSpec(f"j{k}", forecast.workload, min(1.0, rate or 1.0), recompute=not forecast.activations_only,
-                                     activations_only=forecast.activations_only))
+                specs.append(JobSpec(f"j{k}", forecast.workload, min(1.0, rate or 1.0), **forecast.scope.planner_options()))
             result = plan_gpu(specs, bandwidth, budget_bytes=max(budget, 0))
             hit = (result.fits, tuple(result.plans[f"j{k}"].forecast.scheduled_peak_bytes for k in range(len(order))))
             self.runs += 1
@@ -134,10 +133,10 @@ class JointPlanner:
         return fits, {entries[i][0]: peaks[k] for k, i in enumerate(order)}
 
 
-def _planned_as(entry: tuple[str, JobForecast, float | None]) -> tuple[str, bool, float]:
+def _planned_as(entry: tuple[str, JobForecast, float | None]) -> tuple[str, bool, bool, float]:
     """What a job's plan depends on besides its neighbours: jobs equal in it share cached joint plans."""
     _, forecast, rate = entry
-    return forecast.signature, forecast.activations_only, rate or 1.0
+    return forecast.signature, forecast.scope.activations_only, forecast.scope.recompute, rate or 1.0
 
 
 class Ledger:

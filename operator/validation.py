@@ -39,10 +39,10 @@ async def check(spec: dict, annotations: dict | None, gpus: list[Gpu], forecaste
         problems.append(model.SpecProblem("spec.gpuSelector", f"matches no GPU of any TensileNode; the cluster has: {known}"))
     if problems or job.memory_budget is None or workload.model is None:
         return problems
-    forecast = forecaster.cached(workload, job.activations_only)
+    forecast = forecaster.cached(workload, job.scope)
     if forecast is None:
         try:
-            forecast = await asyncio.wait_for(asyncio.shield(forecaster.forecast(workload, job.activations_only)), wait)
+            forecast = await asyncio.wait_for(asyncio.shield(forecaster.forecast(workload, job.scope)), wait)
         except (TimeoutError, ForecastError):
             return problems  # the operator checks again once the forecast is done
     if forecast is not None and job.memory_budget < forecast.min_peak_bytes:

@@ -19,7 +19,7 @@ from operator_harness import (GIB, cluster, fake_kubelet, jitter, phase, pod_env
 from tensile.errors import TensileUserError
 from tensile.operator.forecasting import Forecaster
 from tensile.operator.metrics import OperatorMetrics, metrics_port
-from tensile.operator.model import SpecError, parse_spec
+from tensile.operator.model import PlanScope, SpecError, parse_spec
 from tensile.operator.placement import Booking, JointPlanner, Ledger, gpus_from_tensilenode
 from tensile.operator.rbac import RULES, cluster_role
 from tensile.plan import PLAN_EVENTS
@@ -314,21 +314,39 @@ def test_a_cuda_jobs_forecast_and_placement_plan_activation_swaps_only(forecaste
     and the joint plans admission uses must plan so too, or it admits a peak the hook never reaches."""
     spec = parse_spec(trainingjob("x", "vgg16", 1)["spec"])
     traces = forecaster.traces
-    native = run(forecaster.forecast(spec.workload, spec.activations_only))
-    every = run(forecaster.forecast(spec.workload, False))
+    native = run(forecaster.forecast(spec.workload, spec.scope))
+    every = run(forecaster.forecast(spec.workload, PlanScope(activations_only=False)))
     assert forecaster.traces - traces <= 1  # one trace, planned both ways
-    assert native.activations_only and not every.activations_only and native.workload is every.workload
+    assert native.scope.activations_only and not every.scope.activations_only and native.workload is every.workload
     assert native.min_peak_bytes > every.min_peak_bytes
     alone = plan_job(native.workload, forecaster.bandwidth, activations_only=True)
     assert native.min_peak_bytes == min(native.vanilla_peak_bytes, alone.scheduled_peak_bytes)
     assert native.to_status()["activationsOnly"] is True and every.to_status()["activationsOnly"] is False
-    assert forecaster.by_signature(native.signature, True) is native and forecaster.by_signature(native.signature, False) is every
-    assert forecaster.ready(spec.workload, True) and forecaster.ready(spec.workload, False)
+    assert forecaster.by_signature(native.signature, native.scope) is native
+    assert forecaster.by_signature(native.signature, every.scope) is every
+    assert forecaster.ready(spec.workload, native.scope) and forecaster.ready(spec.workload, every.scope)
     planner = JointPlanner()
     _, peaks_native = planner.plan([("default/x", native, None)], 0, forecaster.bandwidth)
     _, peaks_every = planner.plan([("default/x", every, None)], 0, forecaster.bandwidth)
     assert planner.runs == 2  # not one cached joint plan for both
     assert peaks_native["default/x"] == alone.scheduled_peak_bytes > peaks_every["default/x"]
+
+
+def test_a_job_that_may_not_recompute_is_forecast_and_placed_without_recomputes(forecaster):
+    """spec.scheduling.recompute: false reaches the job's agent and hook (TENSILE_RECOMPUTE): admission's
+    forecast and joint plans must not count on recomputes for it either."""
+    spec = parse_spec(trainingjob("x", "vgg16", 1, scheduling={"recompute": False, "planEvents": "all"})["spec"])
+    assert spec.scope == PlanScope(activations_only=False, recompute=False)
+    kept = run(forecaster.forecast(spec.workload, spec.scope))
+    free = run(forecaster.forecast(spec.workload, PlanScope()))
+    alone = plan_job(kept.workload, forecaster.bandwidth, recompute=False)
+    assert kept.min_peak_bytes == min(kept.vanilla_peak_bytes, alone.scheduled_peak_bytes) > free.min_peak_bytes
+    assert not any(e.kind == "recompute" for e in alone.plans["job"].events)
+    assert kept.to_status()["recompute"] is False and free.to_status()["recompute"] is True
+    planner = JointPlanner()
+    planner.plan([("default/x", kept, None)], 0, forecaster.bandwidth)
+    planner.plan([("default/x", free, None)], 0, forecaster.bandwidth)
+    assert planner.runs == 2  # not one cached joint plan for both
 
 
 def test_external_capacity_is_what_no_booking_holds():
