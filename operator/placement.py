@@ -6,8 +6,8 @@ the candidate under the GPU's capacity, reaches a sum within it. Two shortcuts a
 the vanilla peaks already fit, no job needs a plan change; if even each job's lowest reachable peak
 alone does not fit, no joint plan can (co-located jobs share the copy channels, they never swap
 more than alone). Each job is planned with the events its hook will use (its forecast's
-`scope`: activation swaps only, recompute). Joint plans are cached by the multiset of (workload signature,
-scope, max swap rate) and the budget.
+`scope`: activation swaps only, recompute) and within its own budget. Joint plans are cached by the
+multiset of (workload signature, scope, max swap rate, own budget) and the GPU's budget.
 """
 
 from __future__ import annotations
@@ -108,7 +108,10 @@ class JointPlanner:
         self._lock = threading.Lock()
         self.runs = 0
 
-    def plan(self, entries: list[tuple[str, JobForecast, float | None]], budget: int, bandwidth: float) -> tuple[bool, dict[str, int]]:
+    def plan(self, entries: list[tuple[str, JobForecast, float | None, int | None]], budget: int,
+             bandwidth: float) -> tuple[bool, dict[str, int]]:
+        """Entries: (job, forecast, max swap rate, its own budget): each job is planned to stay within its
+        budget, as the agent plans it, so the room it leaves goes to its neighbours."""
         order = sorted(range(len(entries)), key=lambda i: (*_planned_as(entries[i]), entries[i][0]))
         key = (tuple(_planned_as(entries[i]) for i in order), budget, bandwidth)
         with self._lock:
@@ -120,8 +123,9 @@ class JointPlanner:
 
             specs = []
             for k, i in enumerate(order):
-                _, forecast, rate = entries[i]
-                specs.append(JobSpec(f"j{k}", forecast.workload, min(1.0, rate or 1.0), **forecast.scope.planner_options()))
+                _, forecast, rate, job_budget = entries[i]
+                specs.append(JobSpec(f"j{k}", forecast.workload, min(1.0, rate or 1.0), budget_bytes=job_budget,
+                                     **forecast.scope.planner_options()))
             result = plan_gpu(specs, bandwidth, budget_bytes=max(budget, 0))
             hit = (result.fits, tuple(result.plans[f"j{k}"].forecast.scheduled_peak_bytes for k in range(len(order))))
             self.runs += 1
@@ -133,10 +137,10 @@ class JointPlanner:
         return fits, {entries[i][0]: peaks[k] for k, i in enumerate(order)}
 
 
-def _planned_as(entry: tuple[str, JobForecast, float | None]) -> tuple[str, bool, bool, float]:
+def _planned_as(entry: tuple[str, JobForecast, float | None, int | None]) -> tuple[str, bool, bool, float, int]:
     """What a job's plan depends on besides its neighbours: jobs equal in it share cached joint plans."""
-    _, forecast, rate = entry
-    return forecast.signature, forecast.scope.activations_only, forecast.scope.recompute, rate or 1.0
+    _, forecast, rate, budget = entry
+    return forecast.signature, forecast.scope.activations_only, forecast.scope.recompute, rate or 1.0, budget or 0
 
 
 class Ledger:
@@ -191,7 +195,7 @@ def evaluate(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) ->
         short = lowest - budget
         return Decision(None, reason=f"{gpu.node}/{gpu.uuid}: {short / MIB:,.0f} MiB short even at every job's lowest reachable peak",
                         shortfall_bytes=short)
-    fits, peaks = planner.plan([(j, f, r) for j, f, r, _ in planned], budget, gpu.bandwidth)
+    fits, peaks = planner.plan(planned, budget, gpu.bandwidth)
     budgets = {j: b for j, _, _, b in planned}
     peaks = {j: _reserve(p, budgets[j]) for j, p in peaks.items()}
     total = sum(peaks.values())

@@ -228,7 +228,7 @@ class RegisterRequest:
         if self.token is not None and (not isinstance(self.token, str) or not _TOKEN.match(self.token)):
             raise ContractError("token", "must be 16-128 characters of [A-Za-z0-9._~+/=-]")
         data = {"memory_budget_bytes": self.memory_budget_bytes, "max_swap_rate": self.max_swap_rate,
-                "recompute": self.recompute, "last_plan_version": self.last_plan_version, "external": self.external}
+                "last_plan_version": self.last_plan_version}
         _opt_int(data, "memory_budget_bytes", 1)
         _swap_rate(data)
         _int(data, "last_plan_version")

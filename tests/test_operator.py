@@ -326,10 +326,24 @@ def test_a_cuda_jobs_forecast_and_placement_plan_activation_swaps_only(forecaste
     assert forecaster.by_signature(native.signature, every.scope) is every
     assert forecaster.ready(spec.workload, native.scope) and forecaster.ready(spec.workload, every.scope)
     planner = JointPlanner()
-    _, peaks_native = planner.plan([("default/x", native, None)], 0, forecaster.bandwidth)
-    _, peaks_every = planner.plan([("default/x", every, None)], 0, forecaster.bandwidth)
+    _, peaks_native = planner.plan([("default/x", native, None, None)], 0, forecaster.bandwidth)
+    _, peaks_every = planner.plan([("default/x", every, None, None)], 0, forecaster.bandwidth)
     assert planner.runs == 2  # not one cached joint plan for both
     assert peaks_native["default/x"] == alone.scheduled_peak_bytes > peaks_every["default/x"]
+
+
+def test_joint_plans_keep_each_job_within_its_own_budget(forecaster):
+    """A job's own budget is what its agent plans it to (and its guard holds it to): the joint plan of its
+    GPU keeps it there too, so the room it leaves is its neighbours'."""
+    spec = parse_spec(trainingjob("x", "vgg16", 1)["spec"])
+    forecast = run(forecaster.forecast(spec.workload, PlanScope()))  # every event kind: the most room to plan in
+    roomy = forecast.vanilla_peak_bytes  # the GPU alone asks for nothing beyond the planner's own choice
+    planner = JointPlanner()
+    _, free = planner.plan([("default/x", forecast, None, None)], roomy, forecaster.bandwidth)
+    assert free["default/x"] > forecast.min_peak_bytes
+    own = (free["default/x"] + forecast.min_peak_bytes) // 2
+    _, kept = planner.plan([("default/x", forecast, None, own)], roomy, forecaster.bandwidth)
+    assert kept["default/x"] <= own < free["default/x"]
 
 
 def test_a_job_that_may_not_recompute_is_forecast_and_placed_without_recomputes(forecaster):
@@ -344,8 +358,8 @@ def test_a_job_that_may_not_recompute_is_forecast_and_placed_without_recomputes(
     assert not any(e.kind == "recompute" for e in alone.plans["job"].events)
     assert kept.to_status()["recompute"] is False and free.to_status()["recompute"] is True
     planner = JointPlanner()
-    planner.plan([("default/x", kept, None)], 0, forecaster.bandwidth)
-    planner.plan([("default/x", free, None)], 0, forecaster.bandwidth)
+    planner.plan([("default/x", kept, None, None)], 0, forecaster.bandwidth)
+    planner.plan([("default/x", free, None, None)], 0, forecaster.bandwidth)
     assert planner.runs == 2  # not one cached joint plan for both
 
 
