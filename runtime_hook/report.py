@@ -91,6 +91,27 @@ class HookReport:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class RunTotals:
+    """A report file's whole run: its listed iterations and the ones it totals (`omitted`) together."""
+
+    iterations: int
+    planned: int  # iterations under a plan
+    peak_bytes: int
+    stall_seconds: float
+
+    @classmethod
+    def of(cls, data: dict) -> RunTotals:
+        listed = data["iterations"]
+        omitted = data.get("omitted") or {"count": 0, "modes": {}, "totals": {"peak_bytes": 0, "stall_seconds": 0.0}}
+        return cls(
+            iterations=len(listed) + omitted["count"],
+            planned=sum(1 for it in listed if it["mode"] == "planned") + omitted["modes"].get("planned", 0),
+            peak_bytes=max([it["peak_bytes"] for it in listed] + [omitted["totals"]["peak_bytes"]]),
+            stall_seconds=sum(it["stall_seconds"] for it in listed) + omitted["totals"]["stall_seconds"],
+        )
+
+
 class ReportWriter:
     """Keeps the --report file current without costing the training a growing share of each step:
     every iteration is serialised once, and the file is rewritten at most every `interval` seconds,

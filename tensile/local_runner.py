@@ -172,11 +172,13 @@ class LocalRunner:
         if code != 0:
             run.message = f"exit code {code}; see {run.log}"
         if run.report and run.report.exists():
+            from tensile.runtime_hook.report import RunTotals
+
             data = json.loads(run.report.read_text())
-            peaks = [it["peak_bytes"] for it in data["iterations"]]
-            run.observed_peak = max(peaks, default=run.observed_peak)
-            run.iterations = len(data["iterations"])
-            run.stall_seconds = sum(it["stall_seconds"] for it in data["iterations"])
+            totals = RunTotals.of(data)
+            run.observed_peak = totals.peak_bytes if totals.iterations else run.observed_peak
+            run.iterations = totals.iterations
+            run.stall_seconds = totals.stall_seconds
             run.vanilla_peak = run.vanilla_peak or data.get("vanilla_peak_bytes")
             run.scheduled_peak = run.scheduled_peak or data.get("scheduled_peak_bytes")
 

@@ -174,3 +174,18 @@ def test_a_long_runs_report_lists_its_first_and_last_iterations_and_totals_the_r
     assert omitted.totals.seconds == 500 and omitted.totals.events["swap_out"] == 1000 and omitted.modes == {"planned": 500}
     assert omitted.totals.peak_bytes == KEPT_ITERATIONS + 499
     assert json.loads((tmp_path / "report.json").read_text()) == report.to_dict()
+
+
+def test_a_reports_run_totals_count_the_omitted_iterations_too():
+    """`tensile run`'s summary and `tensile local`'s table read the report file: a long run's totals include
+    the iterations it no longer lists."""
+    from tensile.runtime_hook.report import KEPT_ITERATIONS, HookReport, IterationStats, RunTotals
+
+    report = HookReport("job", "cpu")
+    total = 2 * KEPT_ITERATIONS + 10
+    for i in range(total):
+        report.add(IterationStats(i, "planned" if i else "recording", peak_bytes=5 if i == KEPT_ITERATIONS + 3 else 1,
+                                  stall_seconds=0.5))
+    totals = RunTotals.of(report.to_dict())
+    assert totals == RunTotals(iterations=total, planned=total - 1, peak_bytes=5, stall_seconds=0.5 * total)
+    assert RunTotals.of(HookReport("job", "cpu").to_dict()).iterations == 0

@@ -15,6 +15,7 @@ from rich.console import Console
 import tensile.runtime_hook
 from tensile.errors import TensileUserError
 from tensile.plan import PLAN_EVENTS
+from tensile.runtime_hook.report import RunTotals
 from tensile.runtime_hook.settings import parse_budget
 from tensile.workload_io import load_workload
 
@@ -85,11 +86,10 @@ def run(args: argparse.Namespace) -> int:
     returncode = subprocess.call(command, env=hook_environment(args))
     if Path(report).exists():
         data = json.loads(Path(report).read_text())
-        planned = sum(1 for it in data["iterations"] if it["mode"] == "planned")
-        peaks = [it["peak_bytes"] for it in data["iterations"]]
+        totals = RunTotals.of(data)
         console.print(
-            f"tensile: {len(data['iterations'])} iterations, {planned} under plan "
-            f"(source: {data['plan_source'] or 'none'}), peak {max(peaks, default=0) / 2**20:,.1f} MiB; report: {report}"
+            f"tensile: {totals.iterations} iterations, {totals.planned} under plan "
+            f"(source: {data['plan_source'] or 'none'}), peak {totals.peak_bytes / 2**20:,.1f} MiB; report: {report}"
         )
         if data.get("stood_down"):
             console.print(f"[yellow]tensile: the hook stood down: {data['stood_down']}[/]")
