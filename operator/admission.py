@@ -535,8 +535,13 @@ class Admission:
         gpu = next((g for g in self.gpus if g.uuid == booking.gpu), None)
         forwarded = await self.agent.update_knobs(gpu.agent if gpu else None, key, self.token(body), knobs)
         note = "forwarded to the node agent" if forwarded else "recorded; no agent reachable to forward to"
-        await self.set_status(meta["namespace"], meta["name"], {"knobs": knobs},
-                              condition("KnobsApplied", forwarded, "Forwarded" if forwarded else "NoAgent", note))
+        conditions = [condition("KnobsApplied", forwarded, "Forwarded" if forwarded else "NoAgent", note)]
+        if spec.plan_events != booking.plan_events:  # the pod's TENSILE_PLAN_EVENTS is set when it is created
+            conditions.append(condition(
+                "PlanEventsApplied", False, "FixedAtAdmission",
+                f"planEvents is now {spec.plan_events}, but the pod runs with {booking.plan_events} (its hook and its "
+                "forecast were set up with it when it was placed): delete and create the TrainingJob again to change it"))
+        await self.set_status(meta["namespace"], meta["name"], {"knobs": knobs}, *conditions)
 
 
 def pod_holder(pod: dict) -> str:

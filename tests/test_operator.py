@@ -73,6 +73,12 @@ def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster)
                 await c.wait(lambda: op.app.agent.sent, 10, "knobs forwarded")
                 assert op.app.agent.sent[-1][:2] == ("http://127.0.0.1:9", "default/one")
                 assert op.app.agent.sent[-1][2]["maxSwapRate"] == 0.25
+                # the events its plans use are fixed with its pod: a change says so rather than going unnoticed
+                await c.annotate("one", {"tensile.dev/plan-events": "all"})
+                await c.wait(lambda: any(x["type"] == "PlanEventsApplied" for x in c.job("one")["status"].get("conditions", [])),
+                             10, "the plan-events change answered")
+                applied = {x["type"]: x for x in c.job("one")["status"]["conditions"]}["PlanEventsApplied"]
+                assert applied["status"] == "False" and "runs with auto" in applied["message"], applied
                 await c.set_pod_status(pod, {"phase": "Running"})
                 await c.wait(lambda: phase(c.job("one")) == "Running", 10, "running")
                 await c.set_pod_status(pod, {"phase": "Succeeded", "containerStatuses": [
