@@ -68,20 +68,25 @@ def full_plan(device: torch.device):  # type: ignore[no-untyped-def]
     return local_planner(HookSettings(job="bench"), device)
 
 
+def timed_step(model: torch.nn.Module, batch: tuple, loss_fn, optimizer: torch.optim.Optimizer,  # type: ignore[no-untyped-def]
+               device: torch.device) -> float:
+    """Seconds of one training step, from a device with nothing queued to the step's last kernel."""
+    synchronize(device.type)
+    started = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    loss_fn(model, batch).backward()
+    optimizer.step()
+    synchronize(device.type)
+    return time.perf_counter() - started
+
+
 def timed_iterations(parts: tuple, steps: int, planner=None, budget: float | None = None,  # type: ignore[no-untyped-def]
                      device: torch.device = torch.device("cpu")) -> tuple[list[float], HookReport | None]:
     executor = activate(HookSettings(job="bench", memory_budget=budget), planner=planner, device=device) if planner else None
     try:
         model, batch, loss_fn, make_optimizer = parts
         optimizer = make_optimizer(model.parameters())
-        times = []
-        for _ in range(steps):
-            started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model, batch).backward()
-            optimizer.step()
-            synchronize(device.type)
-            times.append(time.perf_counter() - started)
+        times = [timed_step(model, batch, loss_fn, optimizer, device) for _ in range(steps)]
         return times, (executor.report if executor else None)
     finally:
         if executor is not None:

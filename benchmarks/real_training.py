@@ -29,23 +29,22 @@ import json
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from hook_overhead import empty_plan
+from hook_overhead import empty_plan, timed_step
 from paper_tables import MODELS as PAPER_MODELS
 from paper_tables import PAPER_TABLE_III
 from tensile.latency.calibrate import local_device
-from tensile.latency.measure import synchronize
+from tensile.plan import PLAN_EVENTS
 from tensile.runtime_hook import activate, deactivate
 from tensile.runtime_hook.executor import Planner
 from tensile.runtime_hook.plan_source import host_link_bandwidth, local_planner
 from tensile.runtime_hook.report import HookReport
-from tensile.runtime_hook.settings import PLAN_EVENTS, HookSettings
+from tensile.runtime_hook.settings import HookSettings
 from tensile.zoo import build_zoo_parts
 
 TARGET_EOR = 1.15
@@ -68,15 +67,9 @@ def run(model_name: str, batch_size: int, steps: int, device: torch.device, sett
         optimizer = make_optimizer(model.parameters())
         seconds, peaks = [], []
         for _ in range(steps):
-            synchronize(device.type)
-            if device.type == "cuda":
+            if device.type == "cuda":  # the allocator's figures change as ops are queued, not as they run
                 torch.cuda.reset_peak_memory_stats(device)
-            started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model, batch).backward()
-            optimizer.step()
-            synchronize(device.type)
-            seconds.append(time.perf_counter() - started)
+            seconds.append(timed_step(model, batch, loss_fn, optimizer, device))
             peaks.append(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
         report: HookReport | None = executor.report if executor else None
     finally:

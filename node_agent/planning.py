@@ -301,8 +301,8 @@ class PlanningService:
                 for op, seconds in zip(workload.ops, latencies):
                     op.latency = seconds
             # a job whose hook keeps to its native path gets only the activation swaps that path carries
-            specs.append(JobSpec(job.key, workload, job.max_swap_rate or 1.0, job.recompute and not job.activations_only,
-                                 job.memory_budget_bytes, job.activations_only))
+            specs.append(JobSpec(job.key, workload, job.max_swap_rate or 1.0, job.recompute, job.memory_budget_bytes,
+                                 job.activations_only))
         started = time.perf_counter()
         error = None
         try:

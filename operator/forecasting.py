@@ -66,7 +66,7 @@ def _standalone(workload: Workload, source: str, bandwidth: float, scope: PlanSc
         warnings.simplefilter("ignore")
         assign_latencies(workload, "cuda" if workload.device == "cuda" else "cpu")
     vanilla = analyze_vanilla(workload).peak_bytes
-    planned = plan_job(workload, bandwidth, **scope.planner_options())
+    planned = plan_job(workload, bandwidth, activations_only=scope.activations_only, recompute=scope.recompute)
     return JobForecast(
         signature=workload.signature,
         workload=workload,

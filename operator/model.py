@@ -113,10 +113,6 @@ class PlanScope:
     activations_only: bool = False  # activation swaps only (planEvents on the job's device)
     recompute: bool = True  # spec.scheduling.recompute
 
-    def planner_options(self) -> dict:
-        """The core planner's JobSpec / plan_job arguments."""
-        return {"activations_only": self.activations_only, "recompute": self.recompute and not self.activations_only}
-
 
 @dataclass(frozen=True)
 class JobSpec:

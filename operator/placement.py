@@ -124,8 +124,8 @@ class JointPlanner:
             specs = []
             for k, i in enumerate(order):
                 _, forecast, rate, job_budget = entries[i]
-                specs.append(JobSpec(f"j{k}", forecast.workload, min(1.0, rate or 1.0), budget_bytes=job_budget,
-                                     **forecast.scope.planner_options()))
+                specs.append(JobSpec(f"j{k}", forecast.workload, min(1.0, rate or 1.0), forecast.scope.recompute, job_budget,
+                                     forecast.scope.activations_only))
             result = plan_gpu(specs, bandwidth, budget_bytes=max(budget, 0))
             hit = (result.fits, tuple(result.plans[f"j{k}"].forecast.scheduled_peak_bytes for k in range(len(order))))
             self.runs += 1

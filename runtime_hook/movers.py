@@ -75,46 +75,36 @@ class CudaMover(CpuMover):
 
     def swap_out(self, slot: Slot, storage: torch.UntypedStorage) -> None:
         self._collect_returned()
-        compute = torch.cuda.current_stream(self.device)
         slot.host = self.pool.get(slot.nbytes)
-        ready = torch.cuda.Event()
-        ready.record(compute)
-        self.d2h.wait_event(ready)
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))  # the copy reads what compute wrote
         with torch.cuda.stream(self.d2h):
             slot.host.untyped_storage().copy_(storage, non_blocking=True)
-        # the freed block is reused only once the copy stream's work queued so far has run (the
-        # caching allocator's stream uses): compute goes on while the copy reads it
-        torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage).record_stream(self.d2h)
+        self._used_by(storage, self.d2h)  # compute goes on while the copy reads the freed block
         storage.resize_(0)
-        copied = torch.cuda.Event()
-        copied.record(self.d2h)
-        slot.pending = copied  # a swap-in copies the host buffer back only after this
+        slot.pending = self.d2h.record_event()  # a swap-in copies the host buffer back only after this
 
     def swap_in(self, slot: Slot, storage: torch.UntypedStorage) -> None:
-        compute = torch.cuda.current_stream(self.device)
         storage.resize_(slot.nbytes)  # allocated on the compute stream, which last freed it
-        allocated = torch.cuda.Event()
-        allocated.record(compute)
-        self.h2d.wait_event(allocated)
+        self.h2d.wait_stream(torch.cuda.current_stream(self.device))
         if slot.pending is not None:
             self.h2d.wait_event(slot.pending)
         assert slot.host is not None
         with torch.cuda.stream(self.h2d):
             storage.copy_(slot.host.untyped_storage(), non_blocking=True)
-        # should the tensor die unread, its block is not handed out while the copy still writes it
-        torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage).record_stream(self.h2d)
-        arrived = torch.cuda.Event()
-        arrived.record(self.h2d)
-        slot.pending = arrived
-        self.returning.append((arrived, slot.host))
+        self._used_by(storage, self.h2d)  # should the tensor die unread, the copy may still be writing its block
+        slot.pending = self.h2d.record_event()
+        self.returning.append((slot.pending, slot.host))
         slot.host = None
+
+    def _used_by(self, storage: torch.UntypedStorage, stream: torch.cuda.Stream) -> None:
+        """The caching allocator hands the storage's block out again only once `stream`'s work queued so
+        far has run (`record_stream` takes a tensor: a 0-element one on the storage)."""
+        torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage).record_stream(stream)
 
     def drop_host(self, slot: Slot) -> None:
         """Return the buffer once no copy reads it any more."""
         if slot.host is not None:
-            done = torch.cuda.Event()
-            done.record(self.d2h)
-            self.returning.append((done, slot.host))
+            self.returning.append((self.d2h.record_event(), slot.host))
             slot.host = None
 
     def _collect_returned(self) -> None:

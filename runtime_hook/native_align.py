@@ -14,7 +14,7 @@ are made (a *root*). A tensor that cannot be aligned is named, with why.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,21 @@ if TYPE_CHECKING:
     from tensile.runtime_hook.executor import ActivePlan, PlanExecutor
 
 MAX_WALK = 4096  # autograd nodes visited from one root: a bound that a model keeping to the plan never reaches
+
+
+def nodes_behind(root: Any, low: int) -> Iterator[tuple[Any, tuple[int, ...]]]:
+    """The autograd nodes behind `root` (through `next_functions`, the root first) whose sequence numbers
+    run from `low` up to the root's, each once with the index path that reaches it, at most MAX_WALK."""
+    sequence = root._sequence_nr()
+    stack: list[tuple[Any, tuple[int, ...]]] = [(root, ())]
+    seen = {sequence}
+    while stack and len(seen) < MAX_WALK:
+        node, path = stack.pop()
+        yield node, path
+        for position, (following, _) in enumerate(node.next_functions):
+            if following is not None and low <= (number := following._sequence_nr()) <= sequence and number not in seen:
+                seen.add(number)
+                stack.append((following, (*path, position)))
 
 
 @dataclass
@@ -306,17 +321,6 @@ class SwapLearner:
         block's main path, seen from its shortcut's exit) is newer than some roots it is not behind."""
         known = self.reach.get((index, sequence))
         if known is None:
-            root = self.boundaries[index].root_node
-            stack, seen = [root], {root._sequence_nr()}
-            known = False
-            while stack and len(seen) < MAX_WALK:
-                node = stack.pop()
-                if node._sequence_nr() == sequence:
-                    known = True
-                    break
-                for following, _ in node.next_functions:
-                    if following is not None and sequence <= (number := following._sequence_nr()) and number not in seen:
-                        seen.add(number)
-                        stack.append(following)
-            self.reach[index, sequence] = known
+            behind = nodes_behind(self.boundaries[index].root_node, sequence)
+            known = self.reach[index, sequence] = any(node._sequence_nr() == sequence for node, _ in behind)
         return known

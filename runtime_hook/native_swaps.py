@@ -24,7 +24,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import _disable_current_modes
 
-from tensile.runtime_hook.native_align import MAX_WALK, Action, Alignment, NodeHook, SwapLearner
+from tensile.runtime_hook.native_align import Action, Alignment, NodeHook, SwapLearner, nodes_behind
 from tensile.runtime_hook.settings import native_plans
 from tensile.runtime_hook.storages import Slot
 
@@ -223,21 +223,14 @@ class SwapCarrier:
               low_delta: int) -> tuple[list[tuple[Any, NodeHook]], list[tuple[tuple[int, ...], NodeHook]]]:
         """One walk back from the root to all the wanted nodes (by sequence number relative to the
         root, built at learning time): the nodes, and the index paths that lead to them."""
-        low = sequence + low_delta
-        stack: list[tuple[Any, tuple[int, ...]]] = [(root, ())]
-        seen, nodes, paths = {sequence}, [], []
-        while stack and len(nodes) < len(wanted) and len(seen) < MAX_WALK:
-            node, path = stack.pop()
+        nodes, paths = [], []
+        for node, path in nodes_behind(root, sequence + low_delta):
             hook = wanted.get(node._sequence_nr() - sequence)
             if hook is not None:
                 nodes.append((node, hook))
                 paths.append((path, hook))
                 if len(nodes) == len(wanted):
                     break
-            for position, (following, _) in enumerate(node.next_functions):
-                if following is not None and low <= (number := following._sequence_nr()) <= sequence and number not in seen:
-                    seen.add(number)
-                    stack.append((following, (*path, position)))
         if len(nodes) < len(wanted):
             raise _Diverged(f"{len(wanted) - len(nodes)} autograd nodes not found from boundary {self.index - 1}")
         return nodes, paths

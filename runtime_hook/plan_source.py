@@ -64,18 +64,12 @@ def host_link_bandwidth(device: torch.device) -> float:
 
 
 def measure_host_link(device: torch.device, nbytes: int = 64 * 1024**2, repeats: int = 3) -> float:
+    from tensile.latency.measure import median_time
+
     on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
     on_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    rates = []
-    for source, target in ((on_device, on_host), (on_host, on_device)):
-        target.copy_(source, non_blocking=True)  # warm-up
-        timings = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            target.copy_(source, non_blocking=True)
-            end.record()
-            end.synchronize()
-            timings.append(start.elapsed_time(end) / 1e3)
-        rates.append(nbytes / sorted(timings)[len(timings) // 2])
-    return min(rates)
+
+    def rate(source: torch.Tensor, target: torch.Tensor) -> float:
+        return nbytes / median_time(lambda: target.copy_(source, non_blocking=True), "cuda", repeats)
+
+    return min(rate(on_device, on_host), rate(on_host, on_device))

@@ -44,9 +44,13 @@ class JobSpec:
     max_swap_rate: float = 1.0  # share of all the GPU's swaps this job may hold (1.0: no limit)
     recompute: bool = True
     budget_bytes: int | None = None
-    # swap only tensors made within the iteration (parameters, optimizer state and the batch stay):
-    # with recompute off, the plans the hook's native path carries without seeing every op
+    # swap only tensors made within the iteration (parameters, optimizer state and the batch stay) and
+    # recompute nothing: the plans the hook's native path carries without seeing every op
     activations_only: bool = False
+
+    @property
+    def may_recompute(self) -> bool:
+        return self.recompute and not self.activations_only
 
 
 @dataclass(slots=True)
@@ -430,7 +434,7 @@ def plan_gpu(
             elif placed and len(gains) > max(stop_after_rounds, 3) and sum(gains[-3:]) < stop_gain:
                 swaps_spent = True
             continue
-        choices = [(c, s) for s in candidates if s.spec.recompute and (c := s.best_recompute()) is not None]
+        choices = [(c, s) for s in candidates if s.spec.may_recompute and (c := s.best_recompute()) is not None]
         if not choices:
             break
         choice, state = max(choices, key=lambda cs: cs[0].msps)
@@ -463,8 +467,8 @@ def plan_gpu(
 def plan_job(workload: Workload, bandwidth: float, budget_bytes: int | None = None, name: str = "job",
              activations_only: bool = False, recompute: bool = True, **options) -> GpuPlan:
     """One job alone on its GPU (what `tensile forecast` and the hook's in-process planner need)."""
-    spec = JobSpec(name, workload, recompute=recompute and not activations_only, activations_only=activations_only)
-    return plan_gpu([spec], bandwidth, budget_bytes, **options)
+    return plan_gpu([JobSpec(name, workload, recompute=recompute, activations_only=activations_only)], bandwidth, budget_bytes,
+                    **options)
 
 
 def resolve_budget(text: str, vanilla_peak_bytes: int) -> int:

@@ -33,13 +33,14 @@ def _native_ops_load() -> bool:
     """Whether torchvision's own C++ ops load here (they do on a CUDA machine, not with the CPU torch)."""
     spec = importlib.util.find_spec("torchvision")
     folders = (spec.submodule_search_locations or []) if spec else []
-    for library in (path for folder in folders for path in Path(folder).glob("_C*.so")):
-        try:
-            torch.ops.load_library(str(library))  # torchvision's import loads the same file: no second registration
-            return True
-        except OSError:
-            return False
-    return False
+    library = next((path for folder in folders for path in Path(folder).glob("_C*.so")), None)
+    if library is None:
+        return False
+    try:
+        torch.ops.load_library(str(library))  # torchvision's import loads the same file: no second registration
+    except OSError:
+        return False
+    return True
 
 
 def _torchvision():  # type: ignore[no-untyped-def]

@@ -286,7 +286,8 @@ def measure_step(step: TrainingStep, device_type: str, timed: int = 3, plain: in
                       phases, load_average(), "cpu" if uses_cpu_clock(device_type) else "wall")
 
 
-def _median_time(fn: Any, device_type: str, repeats: int) -> float:
+def median_time(fn: Any, device_type: str, repeats: int) -> float:
+    """Seconds `fn` takes on the device after a warm-up (CUDA: between events), robust over `repeats`."""
     fn()
     synchronize(device_type)
     clock = host_clock(device_type)
@@ -313,17 +314,17 @@ def measure_roofline(device_type: str, quick: bool = False) -> Roofline:
     a = torch.randn(n, n, device=device_type)
     b = torch.randn(n, n, device=device_type)
     repeats = 3 if quick else 7
-    flops = 2.0 * n**3 / _median_time(lambda: torch.mm(a, b), device_type, repeats)
+    flops = 2.0 * n**3 / median_time(lambda: torch.mm(a, b), device_type, repeats)
     elements = (4 if quick else 16) * 1024**2 if device_type == "cpu" else 256 * 1024**2
     src = torch.randn(elements, device=device_type)
     dst = torch.empty_like(src)
-    bandwidth = 2.0 * src.numel() * 4 / _median_time(lambda: dst.copy_(src), device_type, repeats)
+    bandwidth = 2.0 * src.numel() * 4 / median_time(lambda: dst.copy_(src), device_type, repeats)
     x = torch.ones(1, device=device_type)
-    tiny = _median_time(lambda: torch.add(x, x), device_type, 50 if quick else 200)
+    tiny = median_time(lambda: torch.add(x, x), device_type, 50 if quick else 200)
     fault = 0.0
     if device_type == "cpu":
         big = torch.empty(max(FRESH_ALLOCATION_BYTES // 2, src.numel()))  # above the mmap threshold
-        extra = (_median_time(lambda: torch.empty_like(big).fill_(1.0), device_type, repeats)
-                 - _median_time(lambda: big.fill_(1.0), device_type, repeats))
+        extra = (median_time(lambda: torch.empty_like(big).fill_(1.0), device_type, repeats)
+                 - median_time(lambda: big.fill_(1.0), device_type, repeats))
         fault = big.numel() * 4 / extra if extra > 0 else 0.0
     return Roofline(flops, bandwidth, tiny, fault_bytes_per_second=fault)
