@@ -143,9 +143,13 @@ def _int(value: object, field_name: str, problems: list[SpecProblem], minimum: i
     return value
 
 
-def switch(value: object) -> bool:
-    """A yes/no knob from the spec (a boolean) or an annotation (text: false, 0, no and off mean no)."""
-    return value.lower() not in ("false", "0", "no", "off") if isinstance(value, str) else bool(value)
+def switch(value: object) -> bool | None:
+    """A yes/no knob from the spec (a boolean) or an annotation (text: true/false, yes/no, on/off, 1/0);
+    None for anything else, which parse_spec refuses rather than guess (a typo must not flip a knob)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    return True if text in ("true", "1", "yes", "on") else False if text in ("false", "0", "no", "off") else None
 
 
 def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
@@ -179,9 +183,12 @@ def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
         problems.append(SpecProblem("spec.workload", "name a model (spec.workload.model, e.g. resnet50) or a stored profile (spec.workload.profile)"))
     knobs = dict(spec.get("scheduling") or {})
     budget_raw = spec.get("memoryBudget")
+    # where each knob was read: a problem names the annotation the user set, not the spec field it overrides
+    fields = {"memoryBudget": "spec.memoryBudget", **{k: f"spec.scheduling.{k}" for k in ("maxSwapRate", "planEvents", "recompute")}}
     for key, target in ANNOTATIONS.items():
         value = (annotations or {}).get(ANNOTATION_PREFIX + key)
         if value is not None:
+            fields[target] = f"metadata.annotations.{ANNOTATION_PREFIX}{key}"
             if target == "memoryBudget":
                 budget_raw = value
             else:
@@ -189,7 +196,7 @@ def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
     budget = None
     if budget_raw is not None:
         try:
-            budget = parse_quantity(budget_raw, "spec.memoryBudget")
+            budget = parse_quantity(budget_raw, fields["memoryBudget"])
         except SpecError as exc:
             problems.extend(exc.problems)
     rate = knobs.get("maxSwapRate")
@@ -199,12 +206,15 @@ def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
             if rate <= 0:
                 raise ValueError
         except (TypeError, ValueError):
-            problems.append(SpecProblem("spec.scheduling.maxSwapRate", f"must be a positive number (was {rate!r}); the planner caps swap traffic by it"))
+            problems.append(SpecProblem(fields["maxSwapRate"], f"must be a positive number (was {rate!r}); the planner caps swap traffic by it"))
             rate = None
     recompute = switch(knobs.get("recompute", True))
+    if recompute is None:
+        problems.append(SpecProblem(fields["recompute"], f"'{knobs['recompute']}' is not a yes/no value; write true or false"))
+        recompute = True
     plan_events = knobs.get("planEvents", "auto")
     if plan_events not in PLAN_EVENTS:
-        problems.append(SpecProblem("spec.scheduling.planEvents", f"'{plan_events}' is not one of {', '.join(PLAN_EVENTS)} "
+        problems.append(SpecProblem(fields["planEvents"], f"'{plan_events}' is not one of {', '.join(PLAN_EVENTS)} "
                                     "(auto: activation swaps only on CUDA, every event on the CPU)"))
     raw_sel = dict(spec.get("gpuSelector") or {})
     min_memory = 0

@@ -17,11 +17,9 @@ import jsonschema
 import yaml
 
 from tensile.errors import TensileUserError
-from tensile.operator.model import switch
-from tensile.plan import PLAN_EVENTS
+from tensile.operator.model import SpecError, parse_spec
 
 CRD = Path(__file__).resolve().parents[1] / "crds" / "trainingjobs.tensile.dev.yaml"
-_QUANTITY_UNITS = {"Ki": "KiB", "Mi": "MiB", "Gi": "GiB", "Ti": "TiB"}
 
 
 @dataclass(frozen=True)
@@ -66,20 +64,6 @@ def _validator() -> jsonschema.Draft4Validator:
     return jsonschema.Draft4Validator(strict_schema(version["schema"]["openAPIV3Schema"]))
 
 
-def parse_quantity(value: object, where: str) -> int:
-    """Bytes from an int or a Kubernetes quantity (6Gi, 512Mi, 2e9)."""
-    from tensile.node_agent.gpus import parse_bytes
-
-    text = str(value)
-    for suffix, unit in _QUANTITY_UNITS.items():
-        if text.endswith(suffix):
-            text = text[: -len(suffix)] + unit
-    try:
-        return parse_bytes(text)
-    except TensileUserError:
-        raise TensileUserError(f"{where}: '{value}' is not a memory size; write bytes or a quantity like 6Gi") from None
-
-
 def load_job(path: str | Path) -> LocalJob:
     path = Path(path)
     try:
@@ -109,28 +93,21 @@ def load_job(path: str | Path) -> LocalJob:
     if not containers or not containers[0].get("command"):
         raise TensileUserError(f"{path}: spec.template.spec.containers[0].command: the local runner runs this command; give one")
     command, problem = local_command([*containers[0]["command"], *containers[0].get("args", [])])
-    budget = parse_quantity(spec["memoryBudget"], f"{path}: spec.memoryBudget") if "memoryBudget" in spec else None
-    if workload.get("profile") and budget is None:
+    try:  # the knobs as the operator reads them: the same annotations override the same fields
+        knobs = parse_spec(spec, (doc.get("metadata") or {}).get("annotations"))
+    except SpecError as exc:
+        first, *more = exc.problems
+        raise TensileUserError(f"{path}: {first}" + (f" (and {len(more)} more)" if more else "")) from None
+    if workload.get("profile") and knobs.memory_budget is None:
         raise TensileUserError(f"{path}: spec.memoryBudget: a job with workload.profile needs a memory budget "
                                "(nothing to trace locally); add e.g. memoryBudget: 1Gi")
-    annotations = (doc.get("metadata") or {}).get("annotations") or {}
-    rate = (spec.get("scheduling") or {}).get("maxSwapRate")
-    if "tensile.dev/max-swap-rate" in annotations:
-        try:
-            rate = float(annotations["tensile.dev/max-swap-rate"])
-        except ValueError:
-            raise TensileUserError(f"{path}: metadata.annotations.tensile.dev/max-swap-rate: not a number") from None
-    plan_events = annotations.get("tensile.dev/plan-events", (spec.get("scheduling") or {}).get("planEvents", "auto"))
-    if plan_events not in PLAN_EVENTS:
-        raise TensileUserError(f"{path}: metadata.annotations.tensile.dev/plan-events: '{plan_events}' is not one of "
-                               f"{', '.join(PLAN_EVENTS)}")
-    recompute = switch(annotations.get("tensile.dev/recompute", (spec.get("scheduling") or {}).get("recompute", True)))
     shape = workload.get("inputShape")
     return LocalJob(name=name, path=path, model=workload.get("model"), profile=workload.get("profile"),
                     batch_size=workload.get("batchSize", 16), input_shape=tuple(shape) if shape else None,
                     optimizer=workload.get("optimizer"), dtype=workload.get("dtype", "float32"),
-                    micro_batches=workload.get("microBatches", 1), memory_budget=budget, max_swap_rate=rate,
-                    command=command, problem=problem, plan_events=plan_events, recompute=recompute)
+                    micro_batches=workload.get("microBatches", 1), memory_budget=knobs.memory_budget,
+                    max_swap_rate=knobs.max_swap_rate, command=command, problem=problem, plan_events=knobs.plan_events,
+                    recompute=knobs.recompute)
 
 
 def local_command(command: list[str]) -> tuple[list[str], str | None]:

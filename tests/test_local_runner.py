@@ -87,7 +87,14 @@ def test_two_jobs_share_a_gpu_too_small_for_both_one_waits_queued(tmp_path, monk
     (lambda t: t + "  memoryBudget: lots\n", "spec.memoryBudget"),
     (lambda t: t.replace("  workload:", "  workload: [", 1), "not valid YAML"),
     (lambda t: t.replace("  template:", "  scheduling:\n    planEvents: swaps\n  template:"), "spec.scheduling.planEvents"),
-    (lambda t: t.replace("metadata:\n", "metadata:\n  annotations:\n    tensile.dev/plan-events: swaps\n"), "tensile.dev/plan-events"),
+    (lambda t: t.replace("metadata:\n", "metadata:\n  annotations:\n    tensile.dev/plan-events: swaps\n"),
+     "metadata.annotations.tensile.dev/plan-events"),
+    (lambda t: t.replace("metadata:\n", "metadata:\n  annotations:\n    tensile.dev/max-swap-rate: fast\n"),
+     "metadata.annotations.tensile.dev/max-swap-rate"),
+    (lambda t: t.replace("metadata:\n", "metadata:\n  annotations:\n    tensile.dev/memory-budget: lots\n"),
+     "metadata.annotations.tensile.dev/memory-budget"),
+    (lambda t: t.replace("metadata:\n", "metadata:\n  annotations:\n    tensile.dev/recompute: flase\n"),
+     "metadata.annotations.tensile.dev/recompute"),
 ])
 def test_a_bad_job_file_is_refused_naming_the_file_and_field(tmp_path, edit, field):
     path = tmp_path / "bad.yaml"
@@ -133,3 +140,14 @@ def test_a_jobs_plan_events_and_recompute_reach_its_forecast_and_its_hook(tmp_pa
     assert "TENSILE_RECOMPUTE" not in hook_environment(hook_args(JobRun(plain), "http://127.0.0.1:1"))
     path.write_text(annotated.replace("metadata:\n  annotations:\n", "metadata:\n  annotations:\n    tensile.dev/recompute: \"off\"\n"))
     assert hook_environment(hook_args(JobRun(load_job(path)), "http://127.0.0.1:1"))["TENSILE_RECOMPUTE"] == "false"
+
+
+def test_a_jobs_annotations_override_its_budget_and_swap_rate_as_in_the_cluster(tmp_path):
+    """The operator's annotations (tensile.dev/memory-budget, max-swap-rate) tune a local job the same way."""
+    path = _write(tmp_path, "tuned")
+    plain = load_job(path)
+    path.write_text(path.read_text().replace(
+        "metadata:\n", "metadata:\n  annotations:\n    tensile.dev/memory-budget: 3Mi\n    tensile.dev/max-swap-rate: \"0.5\"\n"))
+    tuned = load_job(path)
+    assert tuned.memory_budget == 3 * 2**20 != plain.memory_budget
+    assert tuned.max_swap_rate == 0.5 != plain.max_swap_rate

@@ -307,12 +307,23 @@ def test_plan_events_come_from_the_spec_or_its_annotation():
     assert not parse_spec(every).activations_only
     overridden = parse_spec(every, {"tensile.dev/plan-events": "native"})
     assert overridden.plan_events == "native" and overridden.activations_only
-    for bad_spec, annotations in ((spec | {"scheduling": {"planEvents": "swaps"}}, None), (every, {"tensile.dev/plan-events": "Native"})):
+    for bad_spec, annotations, field in ((spec | {"scheduling": {"planEvents": "swaps"}}, None, "spec.scheduling.planEvents"),
+                                         (every, {"tensile.dev/plan-events": "Native"}, "metadata.annotations.tensile.dev/plan-events")):
         with pytest.raises(SpecError) as info:
             parse_spec(bad_spec, annotations)
         (problem,) = info.value.problems
-        assert problem.field == "spec.scheduling.planEvents"
+        assert problem.field == field  # the annotation the user set, not the spec field it overrides
         assert all(choice in problem.message for choice in PLAN_EVENTS), problem.message
+
+
+def test_a_recompute_annotation_is_a_yes_or_no_never_a_guess():
+    spec = trainingjob("x")["spec"]
+    assert not parse_spec(spec, {"tensile.dev/recompute": " Off "}).recompute
+    assert parse_spec(spec | {"scheduling": {"recompute": False}}, {"tensile.dev/recompute": "yes"}).recompute
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec, {"tensile.dev/recompute": "flase"})  # a typo must not leave recomputes on unnoticed
+    (problem,) = info.value.problems
+    assert problem.field == "metadata.annotations.tensile.dev/recompute" and "'flase'" in problem.message
 
 
 def test_a_cuda_jobs_forecast_and_placement_plan_activation_swaps_only(forecaster):
