@@ -5,7 +5,9 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from tensile.local_runner import JobRun
 
@@ -17,18 +19,21 @@ def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / MIB:,.1f}"
 
 
-def job_table(runs: list[JobRun], title: str) -> Table:
+def job_view(runs: list[JobRun], title: str) -> Group:
+    """The jobs' table, then each job's note on a line of its own: a note is a sentence (why a job waits,
+    failed, or was admitted by its budget), which a table column at a terminal's 80 characters would cut
+    into a few letters a line."""
     table = Table(title=title)
     table.caption = "peaks in MiB: forecast vanilla and scheduled, observed by the hook"
-    for column in ("job", "phase", "vanilla", "sched.", "observed", "iter", "stalls s", "note"):
-        table.add_column(column, justify="left" if column in ("job", "phase", "note") else "right",
-                         no_wrap=column != "note")
+    for column in ("job", "phase", "vanilla", "sched.", "observed", "iter", "stalls s"):
+        table.add_column(column, justify="left" if column in ("job", "phase") else "right", no_wrap=True)
     for run in runs:
         style = PHASE_STYLE.get(run.phase, "")
         table.add_row(run.name, f"[{style}]{run.phase}[/]" if style else run.phase, _mib(run.vanilla_peak),
                       _mib(run.scheduled_peak), _mib(run.observed_peak), str(run.iterations),
-                      f"{run.stall_seconds:.3f}", run.message)
-    return table
+                      f"{run.stall_seconds:.3f}")
+    notes = [Text.assemble((f"{run.name}: ", "bold"), run.message) for run in runs if run.message]
+    return Group(table, *notes)
 
 
 def plot_peaks(runs: list[JobRun], path: str | Path, title: str) -> Path:

@@ -3,6 +3,7 @@ GPU by their forecast scheduled peaks, with the node agent in-process."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from tensile.forecast import trace_workload
 from tensile.local_agent import LocalAgent
 from tensile.local_jobs import load_job, load_jobs
 from tensile.local_runner import LocalRunner
-from tensile.local_view import plot_peaks
+from tensile.local_view import job_view, plot_peaks
 
 JOB = """apiVersion: tensile.dev/v1alpha1
 kind: TrainingJob
@@ -102,6 +103,23 @@ def test_a_bad_job_file_is_refused_naming_the_file_and_field(tmp_path, edit, fie
     with pytest.raises(TensileUserError) as error:
         load_job(path)
     assert str(path) in str(error.value) and field in str(error.value)
+
+
+def test_the_live_view_shows_each_jobs_note_whole_on_an_80_column_terminal(tmp_path):
+    """A note is a sentence; as a table column at 80 characters it was cut into a few letters a line."""
+    from rich.console import Console
+
+    from tensile.local_runner import JobRun
+
+    waiting = JobRun(load_job(_write(tmp_path, "waiting")), phase="Queued",
+                     message="waits for 12.0 MiB on [small]: 3.0 MiB free")
+    running = JobRun(load_job(_write(tmp_path, "running")), phase="Running", vanilla_peak=8 * 2**20)
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(job_view([waiting, running], "test"))
+    lines = console.export_text().splitlines()
+    assert "waiting: waits for 12.0 MiB on [small]: 3.0 MiB free" in lines  # whole, markup-like text kept
+    assert not any(line.startswith("running:") for line in lines)  # no note, no line
+    assert any("Running" in line and "8.0" in line for line in lines)
 
 
 def test_the_command_line_refuses_a_bad_file_before_starting_anything(tmp_path):

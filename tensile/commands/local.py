@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tensile.local_agent import LocalAgent
     from tensile.local_runner import POLL_SECONDS, LocalRunner
-    from tensile.local_view import job_table, plot_peaks
+    from tensile.local_view import job_view, plot_peaks
 
     if not 0 <= args.port < 65536:
         raise TensileUserError(f"--port must be 0-65535 (was {args.port})")
@@ -54,12 +54,14 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"agent {agent.url} (/v1/jobs, /metrics); reports and logs in {reports}", highlight=False)
     runner = LocalRunner(jobs, agent, reports, "cuda" if cuda else "cpu", "a6000" if cuda else "cpu")
     try:
-        with Live(job_table(runner.runs, title), console=console, refresh_per_second=4) as live:
-            runner.forecast_all(lambda: live.update(job_table(runner.runs, title)))
+        with Live(job_view(runner.runs, title), console=console, refresh_per_second=4) as live:
+            runner.forecast_all(lambda: live.update(job_view(runner.runs, title)))
             while runner.step():
-                live.update(job_table(runner.runs, title))
+                live.update(job_view(runner.runs, title))
                 time.sleep(POLL_SECONDS)
-            live.update(job_table(runner.runs, title))
+            live.update(job_view(runner.runs, title))
+        if not console.is_terminal:  # piped or logged: Live's last render ends without a newline
+            console.line()
         if args.plot:
             console.print(f"plot: {plot_peaks(runner.runs, args.plot, title)}", highlight=False)
         if args.linger:
