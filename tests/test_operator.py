@@ -316,6 +316,15 @@ def test_plan_events_come_from_the_spec_or_its_annotation():
         assert all(choice in problem.message for choice in PLAN_EVENTS), problem.message
 
 
+def test_a_memory_budget_under_one_byte_is_refused_not_read_as_zero():
+    spec = trainingjob("x")["spec"]
+    assert parse_spec(spec | {"memoryBudget": "1.5Gi"}).memory_budget == 3 * 2**29
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec, {"tensile.dev/memory-budget": "0.6"})  # a fraction, as tensile run takes it
+    (problem,) = info.value.problems
+    assert problem.field == "metadata.annotations.tensile.dev/memory-budget" and "under one byte" in problem.message
+
+
 def test_a_recompute_annotation_is_a_yes_or_no_never_a_guess():
     spec = trainingjob("x")["spec"]
     assert not parse_spec(spec, {"tensile.dev/recompute": " Off "}).recompute
