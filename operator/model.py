@@ -59,9 +59,9 @@ def parse_quantity(value: object, field_name: str) -> int:
         number = float(match.group(1)) * _UNITS[match.group(2)]
     if number <= 0:
         raise SpecError([SpecProblem(field_name, f"must be positive (was {value}); write bytes or a quantity like 6Gi")])
-    if number < 1:  # 0.6 is no budget of 0 bytes: the user meant a fraction, which only `tensile run` takes
+    if number < 1:  # 0.6 is no budget of 0 bytes: the user meant a fraction, which only the CLI's --memory-budget takes
         raise SpecError([SpecProblem(field_name, f"'{value}' is under one byte: write bytes or a quantity like 6Gi "
-                                     "(a fraction of the vanilla peak is `tensile run --memory-budget`'s, not a TrainingJob's)")])
+                                     "(a fraction of the vanilla peak is for the CLI's --memory-budget, not a TrainingJob)")])
     return int(number)
 
 
