@@ -259,8 +259,7 @@ class Admission:
         if not placement or status.get("phase") in model.FINISHED:
             return None
         fstatus = status.get("forecast") or {}
-        scope = model.PlanScope(bool(fstatus.get("activationsOnly")), fstatus.get("recompute", True) is not False)
-        forecast = self.forecaster.by_signature(fstatus.get("signature", ""), scope)
+        forecast = self.forecaster.by_signature(fstatus.get("signature", ""), model.PlanScope.from_status(fstatus))
         spec = body.get("spec") or {}
         try:  # the knobs as admission and knob changes read them: the spec with its annotations applied
             parsed = model.parse_spec(spec, (body.get("metadata") or {}).get("annotations"))

@@ -52,8 +52,7 @@ class JobForecast:
             "minPeakBytes": self.min_peak_bytes,
             "predictedIterationSeconds": round(self.predicted_iteration_seconds, 6),
             "source": self.source,
-            "activationsOnly": self.scope.activations_only,
-            "recompute": self.scope.recompute,
+            **self.scope.to_status(),
         }
 
 

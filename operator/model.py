@@ -116,6 +116,14 @@ class PlanScope:
     activations_only: bool = False  # activation swaps only (planEvents on the job's device)
     recompute: bool = True  # spec.scheduling.recompute
 
+    def to_status(self) -> dict:
+        """The scope in a job's status.forecast (what a restarted operator books the job with)."""
+        return {"activationsOnly": self.activations_only, "recompute": self.recompute}
+
+    @classmethod
+    def from_status(cls, forecast_status: dict) -> PlanScope:
+        return cls(bool(forecast_status.get("activationsOnly")), forecast_status.get("recompute", True) is not False)
+
 
 @dataclass(frozen=True)
 class JobSpec:

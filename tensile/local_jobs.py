@@ -98,14 +98,14 @@ def load_job(path: str | Path) -> LocalJob:
     except SpecError as exc:
         first, *more = exc.problems
         raise TensileUserError(f"{path}: {first}" + (f" (and {len(more)} more)" if more else "")) from None
-    if workload.get("profile") and knobs.memory_budget is None:
+    parsed = knobs.workload
+    if parsed.profile and knobs.memory_budget is None:
         raise TensileUserError(f"{path}: spec.memoryBudget: a job with workload.profile needs a memory budget "
                                "(nothing to trace locally); add e.g. memoryBudget: 1Gi")
-    shape = workload.get("inputShape")
-    return LocalJob(name=name, path=path, model=workload.get("model"), profile=workload.get("profile"),
-                    batch_size=workload.get("batchSize", 16), input_shape=tuple(shape) if shape else None,
-                    optimizer=workload.get("optimizer"), dtype=workload.get("dtype", "float32"),
-                    micro_batches=workload.get("microBatches", 1), memory_budget=knobs.memory_budget,
+    # the optimizer as written, not parse_spec's default: none given means a user model's own make_optimizer
+    return LocalJob(name=name, path=path, model=parsed.model, profile=parsed.profile, batch_size=parsed.batch_size,
+                    input_shape=parsed.input_shape, optimizer=workload.get("optimizer"), dtype=parsed.dtype,
+                    micro_batches=parsed.micro_batches, memory_budget=knobs.memory_budget,
                     max_swap_rate=knobs.max_swap_rate, command=command, problem=problem, plan_events=knobs.plan_events,
                     recompute=knobs.recompute)
 
