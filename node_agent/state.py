@@ -13,11 +13,12 @@ import json
 import secrets
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 
 from tensile.agent_contract import FAILED, NEEDS_WORKLOAD, PLANNED, PLANNING, JobRef
 from tensile.latency import LatencyEWMA
+from tensile.lru import Lru
 from tensile.plan import Plan
 from tensile.workload import Workload
 
@@ -168,8 +169,7 @@ class AgentState:
         self.jobs: dict[str, Job] = {}
         self.rounds: dict[str, GpuRound] = {uuid: GpuRound() for uuid in inventory.gpus}
         self.replans: Counter[tuple[str, str]] = Counter()  # (gpu, reason) -> rounds
-        self.workloads: OrderedDict[str, Workload] = OrderedDict()  # by signature, for signature-only registration
-        self._workload_cache = workload_cache
+        self.workloads: Lru[str, Workload] = Lru(workload_cache)  # by signature, for signature-only registration
         self._incarnations = 0
         self.changed = threading.Event()  # set on every change the cluster publisher should see
 
@@ -187,10 +187,7 @@ class AgentState:
 
     def remember_workload(self, workload: Workload) -> None:
         with self.lock:
-            self.workloads[workload.signature] = workload
-            self.workloads.move_to_end(workload.signature)
-            while len(self.workloads) > self._workload_cache:
-                self.workloads.popitem(last=False)
+            self.workloads.put(workload.signature, workload)
 
     def known_workload(self, signature: str) -> Workload | None:
         with self.lock:

@@ -9,6 +9,12 @@ several scopes is traced once (the traced workloads are kept by spec). Traces ru
 (tracing is CPU-bound and the operator shares its cores); concurrent requests for the same key wait
 for the one trace in flight. Stored profiles (a job's live workload, uploaded after its first run)
 are workloads by name, kept in memory and, when a directory is configured, on disk.
+
+The caches keep the CACHED_WORKLOADS most recently used entries each: a traced workload is 2.5 MB
+(ResNet-50) to 23 MB (BERT-base) in memory, so an operator that kept every distinct spec a cluster ever
+ran (a batch-size sweep makes one per job) would grow into its pod's memory limit. A spec evicted and
+seen again is traced again; a placed job's booking holds its own forecast, so nothing admitted depends
+on the cache.
 """
 
 from __future__ import annotations
@@ -21,12 +27,14 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from tensile.lru import Lru
 from tensile.operator.heap import freeze_long_lived
 from tensile.operator.model import PlanScope, WorkloadSpec
 from tensile.workload import Workload
 
 log = logging.getLogger("tensile.operator.forecast")
 DEFAULT_BANDWIDTH = 25e9  # bytes/s per direction, DESIGN §4 default when a GPU publishes none
+CACHED_WORKLOADS = 32  # entries per cache (see the module's docstring)
 
 
 class ForecastError(Exception):
@@ -119,14 +127,15 @@ class ProfileStore:
 class Forecaster:
     """Single-flight, cached forecasts; safe to share between operator runs in one process."""
 
-    def __init__(self, profiles: ProfileStore | None = None, bandwidth: float = DEFAULT_BANDWIDTH):
+    def __init__(self, profiles: ProfileStore | None = None, bandwidth: float = DEFAULT_BANDWIDTH,
+                 capacity: int = CACHED_WORKLOADS):
         self.profiles = profiles or ProfileStore()
         self.bandwidth = bandwidth
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensile-forecast")
         self._lock = threading.Lock()
-        self._by_key: dict[tuple, concurrent.futures.Future[JobForecast]] = {}  # (spec key, scope)
-        self._by_signature: dict[tuple[str, PlanScope], JobForecast] = {}
-        self._traced: dict[tuple, Workload] = {}  # spec key -> its traced workload, whatever the scope
+        self._by_key: Lru[tuple, concurrent.futures.Future[JobForecast]] = Lru(capacity)  # (spec key, scope)
+        self._by_signature: Lru[tuple[str, PlanScope], JobForecast] = Lru(capacity)
+        self._traced: Lru[tuple, Workload] = Lru(capacity)  # spec key -> its traced workload, whatever the scope
         self.traces = 0  # how many traces really ran (tests and benchmarks read it)
 
     def cached(self, spec: WorkloadSpec, scope: PlanScope) -> JobForecast | None:
@@ -142,7 +151,8 @@ class Forecaster:
         try:
             workload = self._traced.get(spec.key)  # traced already, for another scope
             if workload is None:
-                workload = self._traced[spec.key] = _trace(spec)
+                workload = _trace(spec)
+                self._traced.put(spec.key, workload)
                 self.traces += 1
             found = self._by_signature.get((workload.signature, scope))
             if found is not None:
@@ -151,7 +161,7 @@ class Forecaster:
         except Exception as exc:  # noqa: BLE001 - any failure becomes the job's condition
             log.warning("forecast of %s failed: %s", spec, exc)
             raise ForecastError(f"{type(exc).__name__}: {exc}") from exc
-        self._by_signature[(forecast.signature, scope)] = forecast
+        self._by_signature.put((forecast.signature, scope), forecast)
         freeze_long_lived()
         return forecast
 
@@ -161,7 +171,7 @@ class Forecaster:
             future = self._by_key.get(key)
             if future is None or (future.done() and (future.cancelled() or future.exception() is not None)):
                 future = self._executor.submit(self._compute, spec, scope)
-                self._by_key[key] = future
+                self._by_key.put(key, future)
             return future
 
     async def forecast(self, spec: WorkloadSpec, scope: PlanScope) -> JobForecast | None:
@@ -180,7 +190,7 @@ class Forecaster:
         if found is None:
             loop = asyncio.get_running_loop()
             found = await loop.run_in_executor(self._executor, _standalone, workload, "profile", self.bandwidth, scope)
-            self._by_signature[(found.signature, scope)] = found
+            self._by_signature.put((found.signature, scope), found)
             freeze_long_lived()
         return found
 

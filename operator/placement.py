@@ -13,9 +13,9 @@ multiset of (workload signature, scope, max swap rate, own budget) and the GPU's
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from tensile.lru import Lru
 from tensile.operator.forecasting import DEFAULT_BANDWIDTH, JobForecast
 from tensile.operator.model import GpuSelector
 
@@ -103,8 +103,7 @@ class JointPlanner:
     """plan the jobs of one GPU together (tensile.planner.plan_gpu), with an LRU cache."""
 
     def __init__(self, size: int = 512):
-        self._cache: OrderedDict[tuple, tuple[bool, tuple[int, ...]]] = OrderedDict()
-        self._size = size
+        self._cache: Lru[tuple, tuple[bool, tuple[int, ...]]] = Lru(size)
         self._lock = threading.Lock()
         self.runs = 0
 
@@ -116,8 +115,6 @@ class JointPlanner:
         key = (tuple(_planned_as(entries[i]) for i in order), budget, bandwidth)
         with self._lock:
             hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
         if hit is None:
             from tensile.planner import JobSpec, plan_gpu
 
@@ -130,9 +127,7 @@ class JointPlanner:
             hit = (result.fits, tuple(result.plans[f"j{k}"].forecast.scheduled_peak_bytes for k in range(len(order))))
             self.runs += 1
             with self._lock:
-                self._cache[key] = hit
-                while len(self._cache) > self._size:
-                    self._cache.popitem(last=False)
+                self._cache.put(key, hit)
         fits, peaks = hit
         return fits, {entries[i][0]: peaks[k] for k, i in enumerate(order)}
 
