@@ -77,6 +77,8 @@ class CudaMover(CpuMover):
         self._collect_returned()
         slot.host = self.pool.get(slot.nbytes)
         self.d2h.wait_stream(torch.cuda.current_stream(self.device))  # the copy reads what compute wrote
+        if slot.pending is not None:  # and what a swap-in still in flight writes: evicted before any op read it
+            self.d2h.wait_event(slot.pending)
         with torch.cuda.stream(self.d2h):
             slot.host.untyped_storage().copy_(storage, non_blocking=True)
         self._used_by(storage, self.d2h)  # compute goes on while the copy reads the freed block
