@@ -619,7 +619,8 @@ class PlanExecutor(TorchDispatchMode):
                 self._keep_recipe(key, func, args, kwargs, out, rng)
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """Run the op; on CUDA an out-of-memory error evicts passively and retries.
+        """Run the op; on CUDA an out-of-memory error evicts passively (never the op's own inputs, which
+        the retry reads) and retries.
 
         The op's own errors are the user's: they pass through untouched, not as a hook failure."""
         for attempt in range(3):
@@ -629,7 +630,8 @@ class PlanExecutor(TorchDispatchMode):
                 if attempt == 2:
                     raise _OpFailed(exc) from None
                 self._say("out of memory: evicting passively and retrying the op")
-                self._evict(self.registry.device_bytes // 2, protected=set())
+                own = {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
+                self._evict(self.registry.device_bytes // 2, protected=own)
             except Exception as exc:
                 raise _OpFailed(exc) from None
         raise AssertionError("unreachable")

@@ -189,3 +189,31 @@ def test_a_reports_run_totals_count_the_omitted_iterations_too():
     totals = RunTotals.of(report.to_dict())
     assert totals == RunTotals(iterations=total, planned=total - 1, peak_bytes=5, stall_seconds=0.5 * total)
     assert RunTotals.of(HookReport("job", "cpu").to_dict()).iterations == 0
+
+
+def test_an_op_retried_after_out_of_memory_keeps_its_own_inputs():
+    """On CUDA an out-of-memory error evicts passively and retries the op: the eviction must take other
+    tensors, never the op's inputs, which the retry reads (a storage resized to 0 bytes, read by a kernel)."""
+    from tensile.runtime_hook import activate, deactivate
+
+    executor = activate(HookSettings(job="job"), planner=lambda workload, budget: None, device=torch.device("cpu"))
+    try:
+        older = [torch.ones(2**18) for _ in range(2)]  # 1 MB each, least recently used
+        own = torch.arange(2**20, dtype=torch.float32)  # 4 MB: the op's input, more than half the bytes
+        slots = [executor.registry.watch(t.untyped_storage()) for t in (*older, own)]
+        attempts = []
+
+        def op_out_of_memory_once(x: torch.Tensor) -> torch.Tensor:
+            attempts.append(x.untyped_storage().nbytes())
+            if len(attempts) == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return x * 2
+
+        out = executor._run(op_out_of_memory_once, (own,), {})
+        assert attempts == [own.nbytes, own.nbytes] and slots[2].resident
+        assert torch.equal(out, torch.arange(2**20, dtype=torch.float32) * 2)
+        assert not slots[0].resident and not slots[1].resident  # room was made from the others
+        assert any("out of memory" in m for m in executor.report.messages)
+    finally:
+        deactivate()
+    assert torch.equal(older[0], torch.ones(2**18))  # brought back
