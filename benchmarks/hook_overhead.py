@@ -175,8 +175,8 @@ def main() -> None:
     # the ResNet-50 ratios compare runs made one after the other: only meaningful on a quiet machine
     load = {"before": load_before, "after": os.getloadavg()[0], "cores": os.cpu_count()}
     console.print(f"load average (1 min): {load['before']:.2f} before, {load['after']:.2f} after, {load['cores']} cores")
-    out.write_text(json.dumps({"device": f"cpu ({platform.machine()})" if device_type == "cpu" else device_name, "torch": torch.__version__,
-                                   "load_average_1min": load, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"device": device_name, "device_key": device_key, "machine": platform.machine(),
+                               "torch": torch.__version__, "load_average_1min": load, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
