@@ -10,11 +10,11 @@ several scopes is traced once (the traced workloads are kept by spec). Traces ru
 for the one trace in flight. Stored profiles (a job's live workload, uploaded after its first run)
 are workloads by name, kept in memory and, when a directory is configured, on disk.
 
-The caches keep the CACHED_WORKLOADS most recently used entries each: a traced workload is 2.5 MB
-(ResNet-50) to 23 MB (BERT-base) in memory, so an operator that kept every distinct spec a cluster ever
-ran (a batch-size sweep makes one per job) would grow into its pod's memory limit. A spec evicted and
-seen again is traced again; a placed job's booking holds its own forecast, so nothing admitted depends
-on the cache.
+The caches keep the CACHED_WORKLOADS most recently used entries each: a forecast holds 0.6 MB (VGG-16)
+to 23 MB (BERT-base, GPT-2) of memory at batch 16 (tracemalloc, after a collection), so an operator that
+kept every distinct spec a cluster ever ran (a batch-size sweep makes one per job) would grow into its
+pod's memory limit. A spec evicted and seen again is traced again; a placed job's booking holds its own
+forecast, so nothing admitted depends on the cache.
 """
 
 from __future__ import annotations
