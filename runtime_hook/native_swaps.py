@@ -269,7 +269,9 @@ class SwapCarrier:
                 executor._ensure_slot_resident(slot)
 
     def restore(self) -> None:
-        """Every tensor this iteration swapped out back now (its copies are transfer time)."""
+        """Every tensor this iteration swapped out back now (its copies are transfer time). On CUDA the
+        compute stream then waits for the copies: after a divergence the rest of the iteration reads
+        them with no node hook left to wait for each."""
         absent = [slot for slot in self.slots if slot is not None and not slot.resident]
         if not absent:
             return
@@ -280,6 +282,7 @@ class SwapCarrier:
                     self.executor._fetch(slot)
                 except Exception as exc:  # noqa: BLE001 - bring the others back, then say
                     failed = failed or exc
+            self.executor.mover.settle()
         if failed is not None:
             raise failed
 
