@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -104,7 +105,9 @@ class ProfileStore:
 
     def __init__(self, directory: str | Path | None = None):
         self.directory = Path(directory) if directory else None
-        self._profiles: dict[str, Workload] = {}
+        # with a directory the files are the store and memory keeps the most recently used; without
+        # one, memory is the only copy and keeps them all
+        self._profiles: Lru[str, Workload] = Lru(CACHED_WORKLOADS if self.directory else sys.maxsize)
 
     def get(self, name: str) -> Workload | None:
         if name not in self._profiles and self.directory is not None:
@@ -112,11 +115,11 @@ class ProfileStore:
             if path.exists():
                 from tensile.workload_io import load_workload
 
-                self._profiles[name] = load_workload(str(path))
+                self._profiles.put(name, load_workload(str(path)))
         return self._profiles.get(name)
 
     def put(self, name: str, workload: Workload) -> None:
-        self._profiles[name] = workload
+        self._profiles.put(name, workload)
         if self.directory is not None:
             from tensile.workload_io import save_workload
 

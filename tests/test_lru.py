@@ -43,3 +43,25 @@ def test_the_operators_forecast_caches_stay_bounded_and_an_evicted_spec_is_trace
         assert forecaster.ready(small, scope) and not forecaster.ready(large, scope)
     finally:
         forecaster.close()
+
+
+def test_stored_profiles_keep_the_recent_ones_in_memory_and_the_rest_on_disk(tmp_path):
+    """With a directory the files are the store: memory holds the most recently used, an evicted profile
+    is read back from its file. Without one, memory is the only copy and keeps every profile."""
+    import tracing_models
+    from tensile.operator.forecasting import CACHED_WORKLOADS, ProfileStore
+    from tensile.tracer import TrainingStep, trace_step
+
+    model, batch, loss_fn, make_optimizer = tracing_models.views(2)
+    workload = trace_step(TrainingStep(model, batch, loss_fn, [make_optimizer(model.parameters())]),
+                          model_name="views", batch_size=2, target_device="cpu")
+    on_disk, in_memory = ProfileStore(tmp_path), ProfileStore()
+    names = [f"profile-{i}" for i in range(CACHED_WORKLOADS + 3)]
+    for name in names:
+        on_disk.put(name, workload)
+        in_memory.put(name, workload)
+    assert len(on_disk._profiles) == CACHED_WORKLOADS and names[0] not in on_disk._profiles
+    assert len(list(tmp_path.glob("*.json.gz"))) == len(names)
+    back = on_disk.get(names[0])  # evicted from memory: read from its file
+    assert back is not None and back is not workload and back.signature == workload.signature
+    assert all(in_memory.get(name) is workload for name in names)
