@@ -516,10 +516,14 @@ class PlanExecutor(TorchDispatchMode):
         except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
             self._stand_down(exc)
             self.stats.hook_seconds += time.perf_counter() - started  # its restores' copies were subtracted
+            if any(t.numel() and not t.untyped_storage().nbytes() for t in _tensors((args, kwargs))):
+                raise exc  # an input the stand-down could not bring back (out of memory): never run on 0 bytes
             return func(*args, **kwargs)
 
     def _dispatch_observed(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """A native iteration under observation: its storages are watched for the CPU peak, nothing else."""
+        """A native iteration under observation: its storages are watched for the CPU peak, nothing else
+        (inputs are checked only because an out-of-memory retry in `_run` may have evicted some)."""
+        self._ensure_resident(_tensors((args, kwargs)))
         out = self._run(func, args, kwargs)
         device_type = self.device.type
         slots = self.registry.slots
@@ -684,7 +688,12 @@ class PlanExecutor(TorchDispatchMode):
         for key in keys:
             slot = slots.get(key)
             if slot is not None:
-                self._ensure_slot_resident(slot)
+                try:
+                    self._ensure_slot_resident(slot)
+                except torch.OutOfMemoryError:  # no room to bring it back: make some, as _run does for an op
+                    self._say("out of memory bringing a tensor back: evicting passively and retrying")
+                    self._evict(slot.nbytes, protected=set(keys))
+                    self._ensure_slot_resident(slot)
                 self.registry.touch(slot)
 
     def _ensure_slot_resident(self, slot: Slot) -> None:

@@ -68,12 +68,15 @@ class CudaMover(CpuMover):
 
     def __init__(self, device: torch.device) -> None:
         self.pool = HostBufferPool(pinned=True)
-        self.device = device
+        # indexed, so that a storage's device compares equal ("cuda" alone is not "cuda:0")
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
         self.returning: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # buffers still read by a copy
 
     def swap_out(self, slot: Slot, storage: torch.UntypedStorage) -> None:
+        if storage.device != self.device:  # its copy would run on its own device's stream, not ordered by ours
+            raise RuntimeError(f"a storage on {storage.device} is not moved by the mover of {self.device}")
         self._collect_returned()
         slot.host = self.pool.get(slot.nbytes)
         self.d2h.wait_stream(torch.cuda.current_stream(self.device))  # the copy reads what compute wrote

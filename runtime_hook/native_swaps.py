@@ -167,7 +167,7 @@ class SwapCarrier:
         slots = self.slots
         for swap, path, nbytes in action.take:
             tensor = _at(values, path)
-            # no device check: a storage on another device than the executor's still swaps correctly
+            # no device check here: the mover refuses a storage on another device, which then stays
             if not isinstance(tensor, torch.Tensor) or (storage := tensor.untyped_storage()).nbytes() != nbytes:
                 raise _Diverged(f"the tensor at boundary {self.index - 1} is not the learnt one")
             slots[swap] = self._slot(storage, nbytes)

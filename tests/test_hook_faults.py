@@ -217,3 +217,66 @@ def test_an_op_retried_after_out_of_memory_keeps_its_own_inputs():
     finally:
         deactivate()
     assert torch.equal(older[0], torch.ones(2**18))  # brought back
+
+
+def test_no_room_to_bring_an_input_back_evicts_others_and_retries():
+    """The check before use can run out of memory bringing an input back (a tight budget, a shared GPU):
+    it makes room from other tensors and retries, as an op's own out-of-memory retry does; without that
+    the hook stood down and the op ran on a storage still at 0 bytes."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from tensile.runtime_hook import activate, deactivate
+
+    executor = activate(HookSettings(job="job"), planner=lambda workload, budget: None, device=torch.device("cpu"))
+    try:
+        other = torch.ones(2**18)  # 1 MB, least recently used
+        own = torch.arange(2**20, dtype=torch.float32)  # the op's input, swapped out
+        other_slot, own_slot = (executor.registry.watch(t.untyped_storage()) for t in (other, own))
+        with _disable_current_modes():  # as inside the hook's dispatch, where its own copies pass no mode
+            assert executor._swap_out(own_slot)
+        swap_in, failures = executor.mover.swap_in, []
+
+        def out_of_memory_once(slot, storage):  # type: ignore[no-untyped-def]
+            if not failures:
+                failures.append(slot.key)
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            swap_in(slot, storage)
+
+        executor.mover.swap_in = out_of_memory_once
+        with _disable_current_modes():
+            executor._ensure_keys_resident([own_slot.key])
+        assert failures == [own_slot.key] and own_slot.resident and not other_slot.resident
+        assert torch.equal(own, torch.arange(2**20, dtype=torch.float32)) and executor.report.stood_down is None
+        assert any("out of memory bringing a tensor back" in m for m in executor.report.messages)
+    finally:
+        deactivate()
+    assert torch.equal(other, torch.ones(2**18))
+
+
+def test_an_input_the_hook_cannot_bring_back_raises_instead_of_running_on_a_freed_storage():
+    """When even the stand-down cannot bring an input back (out of memory, nothing else to evict), the op
+    must not run on a storage at 0 bytes (on CUDA an illegal memory access that kills the process): the
+    user's code gets the out-of-memory error, as it would without Tensile, and the tensor comes back later."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from tensile.runtime_hook import activate, deactivate
+
+    executor = activate(HookSettings(job="job"), planner=lambda workload, budget: None, device=torch.device("cpu"))
+    own = torch.arange(2**20, dtype=torch.float32)
+    try:
+        slot = executor.registry.watch(own.untyped_storage())
+        with _disable_current_modes():
+            assert executor._swap_out(slot)
+        swap_in = executor.mover.swap_in
+
+        def out_of_memory(slot, storage):  # type: ignore[no-untyped-def]
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+        executor.mover.swap_in = out_of_memory
+        with pytest.raises(torch.OutOfMemoryError):
+            own * 2
+        assert executor.report.stood_down and "OutOfMemoryError" in executor.report.stood_down
+        executor.mover.swap_in = swap_in
+    finally:
+        deactivate()
+    assert torch.equal(own, torch.arange(2**20, dtype=torch.float32))  # brought back once there was room
