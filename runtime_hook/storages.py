@@ -65,6 +65,8 @@ class StorageRegistry:
             self.device_bytes -= slot.nbytes
         self.lru.pop(key, None)
         if slot.host is not None and self.release_host is not None:
+            # straight back to the pool, no event: on CUDA the copy that last wrote this buffer (the
+            # swap-out) and the next one to use it (another swap-out) both run on the d2h stream, in order
             self.release_host(slot.host)
         slot.host = slot.recipe = None
         if self.on_free is not None:
