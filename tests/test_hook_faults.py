@@ -191,92 +191,98 @@ def test_a_reports_run_totals_count_the_omitted_iterations_too():
     assert RunTotals.of(HookReport("job", "cpu").to_dict()).iterations == 0
 
 
-def test_an_op_retried_after_out_of_memory_keeps_its_own_inputs():
-    """On CUDA an out-of-memory error evicts passively and retries the op: the eviction must take other
-    tensors, never the op's inputs, which the retry reads (a storage resized to 0 bytes, read by a kernel)."""
+@pytest.fixture
+def planless():  # type: ignore[no-untyped-def]
+    """The hook on the CPU device with no plan to apply: its registry, mover and guard driven by hand."""
     from tensile.runtime_hook import activate, deactivate
 
-    executor = activate(HookSettings(job="job"), planner=lambda workload, budget: None, device=torch.device("cpu"))
-    try:
-        older = [torch.ones(2**18) for _ in range(2)]  # 1 MB each, least recently used
-        own = torch.arange(2**20, dtype=torch.float32)  # 4 MB: the op's input, more than half the bytes
-        slots = [executor.registry.watch(t.untyped_storage()) for t in (*older, own)]
-        attempts = []
+    yield activate(HookSettings(job="job"), planner=lambda workload, budget: None, device=torch.device("cpu"))
+    deactivate()
 
-        def op_out_of_memory_once(x: torch.Tensor) -> torch.Tensor:
-            attempts.append(x.untyped_storage().nbytes())
-            if len(attempts) == 1:
-                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-            return x * 2
 
-        out = executor._run(op_out_of_memory_once, (own,), {})
-        assert attempts == [own.nbytes, own.nbytes] and slots[2].resident
-        assert torch.equal(out, torch.arange(2**20, dtype=torch.float32) * 2)
-        assert not slots[0].resident and not slots[1].resident  # room was made from the others
-        assert any("out of memory" in m for m in executor.report.messages)
-    finally:
-        deactivate()
+def swapped_out(executor, tensor: torch.Tensor):  # type: ignore[no-untyped-def]
+    """The tensor's storage watched and swapped out, as inside the hook's dispatch (where its own copies
+    pass no mode)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    slot = executor.registry.watch(tensor.untyped_storage())
+    with _disable_current_modes():
+        assert executor._swap_out(slot)
+    return slot
+
+
+def test_an_op_retried_after_out_of_memory_keeps_its_own_inputs(planless):
+    """On CUDA an out-of-memory error evicts passively and retries the op: the eviction must take other
+    tensors, never the op's inputs, which the retry reads (a storage resized to 0 bytes, read by a kernel)."""
+    from tensile.runtime_hook import deactivate
+
+    older = [torch.ones(2**18) for _ in range(2)]  # 1 MB each, least recently used
+    own = torch.arange(2**20, dtype=torch.float32)  # 4 MB: the op's input, more than half the bytes
+    slots = [planless.registry.watch(t.untyped_storage()) for t in (*older, own)]
+    attempts = []
+
+    def op_out_of_memory_once(x: torch.Tensor) -> torch.Tensor:
+        attempts.append(x.untyped_storage().nbytes())
+        if len(attempts) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return x * 2
+
+    out = planless._run(op_out_of_memory_once, (own,), {})
+    assert attempts == [own.nbytes, own.nbytes] and slots[2].resident
+    assert torch.equal(out, torch.arange(2**20, dtype=torch.float32) * 2)
+    assert not slots[0].resident and not slots[1].resident  # room was made from the others
+    assert any("out of memory" in m for m in planless.report.messages)
+    deactivate()
     assert torch.equal(older[0], torch.ones(2**18))  # brought back
 
 
-def test_no_room_to_bring_an_input_back_evicts_others_and_retries():
+def test_no_room_to_bring_an_input_back_evicts_others_and_retries(planless):
     """The check before use can run out of memory bringing an input back (a tight budget, a shared GPU):
     it makes room from other tensors and retries, as an op's own out-of-memory retry does; without that
     the hook stood down and the op ran on a storage still at 0 bytes."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from tensile.runtime_hook import activate, deactivate
+    from tensile.runtime_hook import deactivate
 
-    executor = activate(HookSettings(job="job"), planner=lambda workload, budget: None, device=torch.device("cpu"))
-    try:
-        other = torch.ones(2**18)  # 1 MB, least recently used
-        own = torch.arange(2**20, dtype=torch.float32)  # the op's input, swapped out
-        other_slot, own_slot = (executor.registry.watch(t.untyped_storage()) for t in (other, own))
-        with _disable_current_modes():  # as inside the hook's dispatch, where its own copies pass no mode
-            assert executor._swap_out(own_slot)
-        swap_in, failures = executor.mover.swap_in, []
+    other = torch.ones(2**18)  # 1 MB, least recently used
+    other_slot = planless.registry.watch(other.untyped_storage())
+    own = torch.arange(2**20, dtype=torch.float32)  # the op's input, swapped out
+    own_slot = swapped_out(planless, own)
+    swap_in, failures = planless.mover.swap_in, []
 
-        def out_of_memory_once(slot, storage):  # type: ignore[no-untyped-def]
-            if not failures:
-                failures.append(slot.key)
-                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-            swap_in(slot, storage)
+    def out_of_memory_once(slot, storage):  # type: ignore[no-untyped-def]
+        if not failures:
+            failures.append(slot.key)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        swap_in(slot, storage)
 
-        executor.mover.swap_in = out_of_memory_once
-        with _disable_current_modes():
-            executor._ensure_keys_resident([own_slot.key])
-        assert failures == [own_slot.key] and own_slot.resident and not other_slot.resident
-        assert torch.equal(own, torch.arange(2**20, dtype=torch.float32)) and executor.report.stood_down is None
-        assert any("out of memory bringing a tensor back" in m for m in executor.report.messages)
-    finally:
-        deactivate()
+    planless.mover.swap_in = out_of_memory_once
+    with _disable_current_modes():
+        planless._ensure_keys_resident([own_slot.key])
+    assert failures == [own_slot.key] and own_slot.resident and not other_slot.resident
+    assert torch.equal(own, torch.arange(2**20, dtype=torch.float32)) and planless.report.stood_down is None
+    assert any("out of memory bringing a tensor back" in m for m in planless.report.messages)
+    deactivate()
     assert torch.equal(other, torch.ones(2**18))
 
 
-def test_an_input_the_hook_cannot_bring_back_raises_instead_of_running_on_a_freed_storage():
+def test_an_input_the_hook_cannot_bring_back_raises_instead_of_running_on_a_freed_storage(planless):
     """When even the stand-down cannot bring an input back (out of memory, nothing else to evict), the op
     must not run on a storage at 0 bytes (on CUDA an illegal memory access that kills the process): the
     user's code gets the out-of-memory error, as it would without Tensile, and the tensor comes back later."""
-    from torch.utils._python_dispatch import _disable_current_modes
+    from tensile.runtime_hook import deactivate
 
-    from tensile.runtime_hook import activate, deactivate
-
-    executor = activate(HookSettings(job="job"), planner=lambda workload, budget: None, device=torch.device("cpu"))
     own = torch.arange(2**20, dtype=torch.float32)
-    try:
-        slot = executor.registry.watch(own.untyped_storage())
-        with _disable_current_modes():
-            assert executor._swap_out(slot)
-        swap_in = executor.mover.swap_in
+    swapped_out(planless, own)
+    swap_in = planless.mover.swap_in
 
-        def out_of_memory(slot, storage):  # type: ignore[no-untyped-def]
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    def out_of_memory(slot, storage):  # type: ignore[no-untyped-def]
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-        executor.mover.swap_in = out_of_memory
-        with pytest.raises(torch.OutOfMemoryError):
-            own * 2
-        assert executor.report.stood_down and "OutOfMemoryError" in executor.report.stood_down
-        executor.mover.swap_in = swap_in
-    finally:
-        deactivate()
+    planless.mover.swap_in = out_of_memory
+    with pytest.raises(torch.OutOfMemoryError):
+        own * 2
+    assert planless.report.stood_down and "OutOfMemoryError" in planless.report.stood_down
+    planless.mover.swap_in = swap_in
+    deactivate()
     assert torch.equal(own, torch.arange(2**20, dtype=torch.float32))  # brought back once there was room
