@@ -379,3 +379,38 @@ def test_tensor_paths_find_what_tensors_in_finds_and_lead_back_to_it():
         for key in path:
             value = value[key]
         assert value is tensor
+
+
+def test_a_node_whose_input_cannot_come_back_raises_instead_of_reading_a_freed_storage():
+    """Out of memory bringing a swapped activation back in a native backward, even in the stand-down:
+    the node must not run on a storage at 0 bytes (a segmentation fault on the CPU device, an illegal
+    memory access on CUDA). `backward()` raises the out-of-memory error, as it would without Tensile,
+    and the tensors come back once there is room."""
+    executor = activate(HookSettings(job="job"), planner=feature_swaps, device=torch.device("cpu"))
+    try:
+        torch.manual_seed(1234)
+        model, batch, loss_fn, make_optimizer = blocks(4)
+        optimizer = make_optimizer(model.parameters())
+        for _ in range(4):  # 0-1 recorded, 2 aligned, 3 native
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model, batch).backward()
+            optimizer.step()
+        swap_in = executor.mover.swap_in
+
+        def out_of_memory(slot, storage):  # type: ignore[no-untyped-def]
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+        executor.mover.swap_in = out_of_memory
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        with pytest.raises(torch.OutOfMemoryError):
+            loss.backward()
+        assert executor.report.stood_down and "OutOfMemoryError" in executor.report.stood_down
+        assert executor.report.iterations[3].path == "native"
+        executor.mover.swap_in = swap_in
+    finally:
+        deactivate()
+    optimizer.zero_grad(set_to_none=True)
+    loss_fn(model, batch).backward()  # the model goes on training without Tensile
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
