@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from tensile.latency.measure import CudaOpTimer
 from tensile.peak import analyze_vanilla
 from tensile.plan import Event, Plan
+from tensile.runtime_hook.compiled import COMPILE_SKIPPED, dynamo_frames
 from tensile.runtime_hook.movers import CpuMover, CudaMover
 from tensile.runtime_hook.native_map import NativeMap, map_plan
 from tensile.runtime_hook.native_swaps import NativeSwaps
@@ -236,6 +237,7 @@ class PlanExecutor(TorchDispatchMode):
         # On the CPU device a native iteration's peak is only known when observed by the dispatch
         # mode (every op's outputs watched, nothing else done): tests and audits turn this on.
         self.observe_native = False
+        self.dynamo_frames: int | None = dynamo_frames()  # compiled code seen before the hook: none of its doing
         if plan is not None and plan_workload is not None:
             self._offer(plan, plan_workload, "file")
 
@@ -307,6 +309,9 @@ class PlanExecutor(TorchDispatchMode):
         """Choose the next iteration's path here, outside any op and outside the user's forward:
         the dispatch mode can be left or pushed, and the native swaps' hooks put on, safely."""
         diverged = self.swaps.at_step()
+        if self.dynamo_frames is not None and dynamo_frames() > self.dynamo_frames:
+            self.dynamo_frames = None  # said once
+            self._say(COMPILE_SKIPPED)
         if self.disabled:
             self._leave_mode()
             return
