@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -15,6 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from tensile.plan import Plan
 from tensile.runtime_hook.executor import IterationListener, PlanExecutor, Planner
+from tensile.runtime_hook.outside_reads import guard_outside_reads
 from tensile.runtime_hook.settings import HookSettings
 
 log = logging.getLogger("tensile.hook")
@@ -22,18 +24,13 @@ _active: PlanExecutor | None = None
 _undo: list[Callable[[], None]] = []
 
 
-def _patch_state_dict(executor: PlanExecutor) -> None:
-    """state_dict() and torch.save read storages outside the dispatcher: bring everything back first."""
-    for owner in (torch.nn.Module, torch.optim.Optimizer):
-        original = owner.state_dict
+def _forked_child() -> None:
+    """A process forked from a hooked one (a DataLoader worker) trains nothing of its own."""
+    if _active is not None:
+        _active.leave_in_forked_child()
 
-        def state_dict(self, *args, __original=original, **kwargs):  # type: ignore[no-untyped-def]
-            if not executor.disabled:
-                executor.restore_all()
-            return __original(self, *args, **kwargs)
 
-        owner.state_dict = state_dict  # type: ignore[method-assign]
-        _undo.append(lambda owner=owner, original=original: setattr(owner, "state_dict", original))
+os.register_at_fork(after_in_child=_forked_child)
 
 
 def activate(
@@ -54,7 +51,7 @@ def activate(
     pre = register_optimizer_step_pre_hook(executor.step_pre_hook)
     post = register_optimizer_step_post_hook(executor.step_post_hook)
     _undo.extend([pre.remove, post.remove])
-    _patch_state_dict(executor)
+    _undo.extend(guard_outside_reads(executor))
     executor.__enter__()
     atexit.register(executor.finish)
     _active = executor

@@ -778,7 +778,7 @@ class PlanExecutor(TorchDispatchMode):
         if slot is None:
             return  # already freed by PyTorch, or never seen: nothing to do
         if event.kind in ("swap_out", "release"):
-            if not slot.resident or slot.nbytes == 0:
+            if not slot.resident or slot.nbytes == 0 or slot.pinned:
                 return
             recipe = self.recipes.get(slot.key) if event.kind == "release" else None
             if recipe is not None:
@@ -798,7 +798,7 @@ class PlanExecutor(TorchDispatchMode):
 
     def _swap_out(self, slot: Slot) -> bool:
         storage = slot.storage()
-        if storage is None:
+        if storage is None or slot.pinned:
             return False
         try:
             self._transfer(self.mover.swap_out, slot, storage)
@@ -880,6 +880,40 @@ class PlanExecutor(TorchDispatchMode):
                     log.exception("tensile: could not restore a tensor")
         self.mover.settle()
         self.active = self.ready = None
+
+    def keep_resident(self, storage: torch.UntypedStorage) -> None:
+        """A storage about to be read outside the dispatcher for good (shared with another process, aliased
+        by a numpy array): back now, and never swapped again (a resize would free what the other side reads)."""
+        started = time.perf_counter()
+        key = id(storage)
+        if any(slot is not None and slot.key == key for slot in self.swaps.slots()):
+            self.swaps.restore()  # a native iteration's own swap: back with the others, as at a divergence
+        slot = self.registry.slots.get(key)
+        if slot is not None:
+            if not slot.resident:
+                with _disable_current_modes():
+                    self._fetch(slot)
+                self.mover.settle()
+            slot.pinned = True
+        self.stats.hook_seconds += time.perf_counter() - started
+
+    def leave_in_forked_child(self) -> None:
+        """A forked process (a DataLoader worker) inherits this executor, its mode on the stack and what it
+        had swapped out, but trains nothing: on the CPU device what is absent comes back (the worker may read
+        a dataset the guard evicted; on CUDA the child cannot touch the device), then the hook is off there.
+        It never writes the job's report or reports to the agent."""
+        self.report_writer = None
+        self.listener = None
+        if self.device.type == "cpu" and not self.disabled:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # OpenMP's threads did not survive the fork: a parallel copy would hang
+            try:
+                self._restore_absent()
+            except Exception:  # noqa: BLE001 - the child must start regardless
+                log.exception("tensile: could not restore a tensor in a forked process")
+            finally:
+                torch.set_num_threads(threads)
+        self.disabled = True
 
     def restore_all(self) -> None:
         """Before anything reads storages outside the dispatcher (state_dict, torch.save); called

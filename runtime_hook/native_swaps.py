@@ -396,6 +396,10 @@ class NativeSwaps:
             except Exception:  # noqa: BLE001 - standing down must not raise into the user's code
                 log.exception("tensile: could not restore a tensor")
 
+    def slots(self) -> list[Slot | None]:
+        """The slots of what this native iteration swaps (outside the registry)."""
+        return self.carrying.slots if self.carrying is not None else []
+
     def restore(self) -> None:
         """Every tensor the native iteration swapped out back now (before a read outside the
         dispatcher, or when the hook stands down)."""
