@@ -18,10 +18,11 @@ module and node hooks (`native_swaps.py`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -237,6 +238,7 @@ class PlanExecutor(TorchDispatchMode):
         # On the CPU device a native iteration's peak is only known when observed by the dispatch
         # mode (every op's outputs watched, nothing else done): tests and audits turn this on.
         self.observe_native = False
+        self.outside_reads = 0  # reads outside the dispatcher under way (`reading_outside`)
         self.dynamo_frames: int | None = dynamo_frames()  # compiled code seen before the hook: none of its doing
         if plan is not None and plan_workload is not None:
             self._offer(plan, plan_workload, "file")
@@ -509,6 +511,8 @@ class PlanExecutor(TorchDispatchMode):
         started = time.perf_counter()
         try:
             leaves = _tensors((args, kwargs))
+            if self.outside_reads:
+                return self._dispatch_observed(func, args, kwargs, leaves)
             if self.step_done and self._starts_iteration(func, leaves):
                 self._begin_iteration()
             if self.path == "native":
@@ -881,9 +885,19 @@ class PlanExecutor(TorchDispatchMode):
         self.mover.settle()
         self.active = self.ready = None
 
-    def keep_resident(self, storage: torch.UntypedStorage) -> None:
-        """A storage about to be read outside the dispatcher for good (shared with another process, aliased
-        by a numpy array): back now, and never swapped again (a resize would free what the other side reads)."""
+    @contextlib.contextmanager
+    def reading_outside(self) -> Iterator[None]:
+        """A read outside the dispatcher runs (torch.save, a deepcopy, pickling for another process): the
+        ops it makes are only watched (`_dispatch_observed`), nothing is evicted or fired, no iteration starts."""
+        self.outside_reads += 1
+        try:
+            yield
+        finally:
+            self.outside_reads -= 1
+
+    def bring_back(self, storage: torch.UntypedStorage, pin: bool) -> None:
+        """A storage about to be read outside the dispatcher: back now; pinned when it stays read so (shared
+        with another process, aliased by a numpy array): a resize would free what the other side reads."""
         started = time.perf_counter()
         key = id(storage)
         if any(slot is not None and slot.key == key for slot in self.swaps.slots()):
@@ -894,7 +908,7 @@ class PlanExecutor(TorchDispatchMode):
                 with _disable_current_modes():
                     self._fetch(slot)
                 self.mover.settle()
-            slot.pinned = True
+            slot.pinned = slot.pinned or pin
         self.stats.hook_seconds += time.perf_counter() - started
 
     def leave_in_forked_child(self) -> None:

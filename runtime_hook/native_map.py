@@ -36,7 +36,7 @@ class NativeMap:
     unmapped: list[str]
     swaps: list[tuple[Event, Event | None]] = field(default_factory=list)  # (swap-out, swap-in) to align
     carrier: Any = None  # the SwapCarrier once aligned: needed before a plan with swaps goes native
-    aborted: int = 0  # native iterations that left the learnt module calls
+    aborted: int = 0  # native iterations in a row that left the learnt module calls
 
 
 def map_plan(plan: Plan, workload: Workload, freed_soon: set[int]) -> NativeMap:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from tensile.runtime_hook.executor import ActivePlan, PlanExecutor
     from tensile.runtime_hook.native_map import NativeMap
 
-MAX_ABORTS = 2  # native iterations of a plan that leave the learnt module calls before it stays on the dispatch path
+MAX_ABORTS = 2  # native iterations of a plan in a row that leave the learnt module calls before it stays on the dispatch path
 
 
 class _Diverged(Exception):
@@ -331,6 +331,8 @@ class NativeSwaps:
                     executor._say(f"{native.aborted} native iterations left the learnt module calls: "
                                   "the plan's iterations run on the dispatch path")
                     executor.active.native = None
+            elif carrying is not None and native is not None:
+                native.aborted = 0  # in a row: a short last batch each epoch costs one iteration each time
         learner, self.learner = self.learner, None
         if learner is not None:
             learner.remove()

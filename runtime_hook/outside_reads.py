@@ -4,8 +4,11 @@
 0 bytes, silently); sharing a storage with another process hands its memory over (a DataLoader whose
 workers are spawned pickles the dataset so: a storage the budget guard had evicted reached the workers
 empty and training went on with NaNs); on the CPU device `Tensor.numpy()` aliases a storage's memory (an
-evicted one read as garbage). Saving brings everything back first; a storage shared or aliased is
-brought back and pinned, since resizing it later would free memory the other side still reads.
+evicted one read as garbage); `copy.deepcopy` of a plain tensor (a model's buffer, for an EMA copy) clones
+its storage directly. Saving brings everything back first, a copy its own storage; a storage shared or
+aliased is brought back and pinned, since resizing it later would free memory the other side still reads.
+While such a read runs, the ops it makes itself (pickling a Parameter detaches it) are only watched: the
+budget guard must not evict what is being read, and they start no iteration.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import torch
 
 if TYPE_CHECKING:
     from tensile.runtime_hook.executor import PlanExecutor
-
 
 
 def _storage_of(value: Any) -> torch.UntypedStorage | None:
@@ -37,27 +39,36 @@ def guard_outside_reads(executor: PlanExecutor) -> list[Callable[[], None]]:
     def restoring(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def read_everything(*args: Any, **kwargs: Any) -> Any:
-            if not executor.disabled:
-                executor.restore_all()
-            return original(*args, **kwargs)
+            if executor.disabled:
+                return original(*args, **kwargs)
+            executor.restore_all()
+            with executor.reading_outside():
+                return original(*args, **kwargs)
 
         return read_everything
 
-    def pinning(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def read_for_good(value: Any, *args: Any, **kwargs: Any) -> Any:
-            if not executor.disabled and (storage := _storage_of(value)) is not None:
-                executor.keep_resident(storage)
-            return original(value, *args, **kwargs)
+    def bringing_back(pin: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def read_one(value: Any, *args: Any, **kwargs: Any) -> Any:
+                if executor.disabled or (storage := _storage_of(value)) is None:
+                    return original(value, *args, **kwargs)
+                executor.bring_back(storage, pin)
+                with executor.reading_outside():
+                    return original(value, *args, **kwargs)
 
-        return read_for_good
+            return read_one
 
+        return wrap
+
+    pinning, copying = bringing_back(pin=True), bringing_back(pin=False)
     patches: list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]] = [
         (torch.nn.Module, "state_dict", restoring),
         (torch.optim.Optimizer, "state_dict", restoring),
         (torch, "save", restoring),
         (torch.serialization, "save", restoring),
         (torch.UntypedStorage, "share_memory_", pinning),
+        (torch.Tensor, "__deepcopy__", copying),  # a plain tensor's copy clones its storage directly
     ]
     if executor.device.type == "cpu":  # on CUDA numpy() needs a .cpu() first, which the dispatcher sees
         patches.append((torch.Tensor, "numpy", pinning))

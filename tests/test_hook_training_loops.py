@@ -292,8 +292,6 @@ def test_the_last_batch_of_an_epoch_is_smaller(path: str) -> None:
         assert native_fell_back(report), paths_and_modes(report)
 
 
-@pytest.mark.xfail(strict=True, reason="performance: MAX_ABORTS counts native fallbacks over the whole run, so the "
-                   "second epoch's short batch keeps the plan on the dispatch path for the rest of training")
 def test_the_native_path_comes_back_after_every_epochs_short_batch() -> None:
     """Every epoch ends with a short batch: each costs one native iteration, not the native path."""
     _, report = run_hooked(sized_loop(EPOCHS), "native")
@@ -399,10 +397,7 @@ def resume_whole_objects(checkpoint_: dict) -> Results:
     return final(checkpoint_["model"], checkpoint_["optimizer"])
 
 
-@pytest.mark.parametrize("path", xfail_on("budget", "torch.save brings every tensor back first, then pickling a "
-                                          "Parameter runs `.data` (aten.detach) through the dispatch mode, whose budget "
-                                          "guard evicts storages before they are written: the checkpoint holds 0 bytes "
-                                          "for them and torch.load fails"))
+@pytest.mark.parametrize("path", PATHS)
 def test_checkpoints_of_the_whole_model_and_optimizer(path: str) -> None:
     """torch.save of the objects, not of state_dict(): pickling reads each storage's bytes with no op
     the hook sees (the optimizer's state first: plain tensors the plan swapped out after the step). In a
@@ -460,9 +455,6 @@ def test_an_ema_copy_made_and_remade_mid_training(update: str, path: str) -> Non
     check(ema_loop(update), path, at_least=1 if update == "AveragedModel" else 2)
 
 
-@pytest.mark.xfail(strict=True, reason="copy.deepcopy() of a model whose buffer the budget guard evicted: "
-                   "Tensor.__deepcopy__ clones the storage with UntypedStorage.clone(), which reads nbytes() (0) "
-                   "outside the dispatcher, and set_() then grows the copy over uninitialised memory")
 def test_an_ema_copy_made_under_a_memory_budget() -> None:
     """The buffer (read once per forward) is the least recently used tensor when the step ends."""
     check_in_child("ema_loop('foreach')", "budget")
