@@ -4,7 +4,7 @@ iteration under the plan, for the native path (`native_swaps.py` carries them).
 Every module call's entry and exit is a *boundary*, numbered in call order (a ReLU module called
 three times is three calls). Each swapped plan tensor (bound to its storage by the executor in that
 iteration) is found among a boundary's inputs or outputs, or else among the tensors an autograd
-node saved (`_saved_*`, such as max pooling's indices, which no module returns); its swap-out moves
+node saved (`_raw_saved_*`, read without unpacking it; such as max pooling's indices, which no module returns); its swap-out moves
 to the first boundary after the plan's trigger and its last forward use (later is always safe); the
 autograd nodes that read it in backward, and the one whose ops follow the plan's swap-in trigger,
 are known by their sequence numbers relative to the newest node at the first boundary after they
@@ -59,12 +59,22 @@ class Boundary:
     root_node: Any = None  # that node, for the walks that check an anchor reaches a node (learning only)
 
 
+def saved_tensor(node: Any, raw_name: str) -> torch.Tensor | None:
+    """A tensor the node saved, read without unpacking it: where saved-tensor hooks packed it (activation
+    checkpointing, `save_on_cpu`) it is None, since unpacking runs the user's hook (a checkpoint's nested
+    recomputation updated batch norm's running statistics once more)."""
+    raw = getattr(node, raw_name, None)
+    if not isinstance(raw, torch._C._autograd.SavedTensor) or raw.unpack_hook is not None:
+        return None
+    return raw.data
+
+
 @dataclass
 class NodeHook:
     """A node to pre-hook, by its sequence number relative to its boundary's root."""
 
     delta: int
-    take: list[tuple[int, str, int]] = field(default_factory=list)  # (swap, saved attribute, nbytes): taken when found
+    take: list[tuple[int, str, int]] = field(default_factory=list)  # (swap, `_raw_saved_` attribute, nbytes): taken when found
     fetch: list[int] = field(default_factory=list)  # swaps whose (planned) swap-in runs before this node
     check: list[int] = field(default_factory=list)  # swaps it reads: fetched if still absent (a stall)
 
@@ -169,9 +179,9 @@ class SwapLearner:
         """Which of the node's saved tensors the storage is (autograd keeps many a tensor, such as
         max pooling's indices, that no module returns)."""
         for name in dir(node):
-            if name.startswith("_saved_"):
-                value = getattr(node, name, None)
-                if isinstance(value, torch.Tensor) and id(value.untyped_storage()) == key:
+            if name.startswith("_raw_saved_"):
+                value = saved_tensor(node, name)
+                if value is not None and id(value.untyped_storage()) == key:
                     self.saved[tensor] = (sequence, name, self.executor.registry.slots[key].nbytes)
                     return
 

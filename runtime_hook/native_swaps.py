@@ -24,7 +24,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import _disable_current_modes
 
-from tensile.runtime_hook.native_align import Action, Alignment, NodeHook, SwapLearner, nodes_behind
+from tensile.runtime_hook.native_align import Action, Alignment, NodeHook, SwapLearner, nodes_behind, saved_tensor
 from tensile.runtime_hook.settings import native_plans
 from tensile.runtime_hook.storages import Slot
 
@@ -213,8 +213,8 @@ class SwapCarrier:
         slots = self.slots
         for node, hook in nodes:
             for swap, name, nbytes in hook.take:
-                saved = getattr(node, name, None)
-                if not isinstance(saved, torch.Tensor) or (storage := saved.untyped_storage()).nbytes() != nbytes:
+                saved = saved_tensor(node, name)
+                if saved is None or (storage := saved.untyped_storage()).nbytes() != nbytes:
                     raise _Diverged(f"the tensor {name} saved at boundary {self.index - 1} is not the learnt one")
                 slots[swap] = self._slot(storage, nbytes)
             node.register_prehook(self.callbacks[id(hook)])

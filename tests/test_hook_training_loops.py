@@ -556,9 +556,7 @@ def checkpointed_loop() -> Results:
     return {"losses": losses, "state": final(model, optimizer)}
 
 
-@pytest.mark.parametrize("path", xfail_on("native", "the swap learner reads the autograd node's `_saved_*` attributes, "
-                                          "which runs checkpoint's unpack hook: a nested recomputation updates batch "
-                                          "norm's running statistics once more"))
+@pytest.mark.parametrize("path", PATHS)
 def test_non_reentrant_activation_checkpointing_inside_the_forward(path: str) -> None:
     """The block's forward runs again inside backward (module calls and ops under an autograd node,
     batch norm's running statistics updated twice, as without Tensile); its input is what the
