@@ -888,7 +888,14 @@ class PlanExecutor(TorchDispatchMode):
     @contextlib.contextmanager
     def reading_outside(self) -> Iterator[None]:
         """A read outside the dispatcher runs (torch.save, a deepcopy, pickling for another process): the
-        ops it makes are only watched (`_dispatch_observed`), nothing is evicted or fired, no iteration starts."""
+        ops it makes are only watched (`_dispatch_observed`), nothing is evicted or fired. On the dispatch path
+        after a step it starts the next iteration, as its first detach of a parameter did before its ops were
+        only watched: code after the last step (a final state_dict) is no part of the last iteration."""
+        if self.in_mode and self.step_done and self.in_step == 0 and torch.is_grad_enabled():
+            try:
+                self._begin_iteration()
+            except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
+                self._stand_down(exc)
         self.outside_reads += 1
         try:
             yield

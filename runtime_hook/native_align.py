@@ -122,6 +122,7 @@ class SwapLearner:
         self.wanted: set[int] | None = None  # the plan tensors the plan swaps
         self.failed: str | None = None  # what went wrong while learning: nothing is aligned then
         self.reach: dict[tuple[int, int], bool] = {}  # (boundary, node sequence number) -> behind its root
+        self.unexecuted: dict[int, set[int]] = {}  # id(storage) -> nodes that saved it but did not run (align)
         self.handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
 
     def remove(self) -> None:
@@ -198,6 +199,7 @@ class SwapLearner:
                     accesses[tensor].append(op.index)
         unmapped = []
         placed_swaps = []
+        self.unexecuted = self._unexecuted_readers({key for out, _ in swaps if (key := keys.get(out.tensor)) is not None})
         for swap, (out, back) in enumerate(swaps):
             placed = self._place(plan, out, back, accesses[out.tensor], keys.get(out.tensor))
             if isinstance(placed, str):
@@ -265,6 +267,32 @@ class SwapLearner:
         alignment = Alignment(expected, {renumber[i]: a for i, a in actions.items()}, len(swaps), exits)
         return alignment, unmapped
 
+    def _unexecuted_readers(self, keys: set[int]) -> dict[int, set[int]]:
+        """Per storage: the nodes the forward made that saved it but the learning backward never ran (an
+        auxiliary loss some iterations add): in those iterations they read it, so they check it too. Their
+        saved tensors are still there: backward frees only those of the nodes it runs."""
+        ran = set(self.nodes.values())
+        stack = [b.root_node for b in self.boundaries if b.root_node is not None]
+        seen = {node._sequence_nr() for node in stack}
+        found: dict[int, set[int]] = defaultdict(set)
+        while stack:
+            node = stack.pop()
+            sequence = node._sequence_nr()
+            if sequence not in ran:
+                for name in dir(node):
+                    if name.startswith("_raw_saved_"):
+                        try:
+                            value = saved_tensor(node, name)
+                        except RuntimeError:  # freed by a backward that ran it without an op we saw
+                            continue
+                        if value is not None and (key := id(value.untyped_storage())) in keys:
+                            found[key].add(sequence)
+            for following, _ in node.next_functions:
+                if following is not None and (number := following._sequence_nr()) not in seen:
+                    seen.add(number)
+                    stack.append(following)
+        return found
+
     def _top_level_exits(self) -> list[int]:
         """The boundaries where a top-level module call returns: every node its forward made exists
         there, and a backward through them cannot start before it returns."""
@@ -310,7 +338,7 @@ class SwapLearner:
             taken = (name, node, nbytes)
         else:
             return "not a module input or output before its swap-out, nor a tensor autograd saved"
-        checks = sorted({self.nodes[a] for a in later})
+        checks = sorted({self.nodes[a] for a in later} | self.unexecuted.get(key, set()))
         fetch = None
         if back is not None and later:  # the first node after the trigger that a module call's root reaches
             newest = max((b.root[1] for b in boundaries if b.root is not None), default=-1)

@@ -666,9 +666,7 @@ def auxiliary_loop() -> Results:
     return {"state": final(model, optimizer)}
 
 
-@pytest.mark.parametrize("path", xfail_on("native", "the native iteration hooks only the autograd nodes that read a "
-                                          "swapped tensor in the learning iteration: the auxiliary conv's node reads "
-                                          "the stem's output unhooked, at 0 bytes, and backward() raises"))
+@pytest.mark.parametrize("path", PATHS)
 def test_an_auxiliary_loss_added_every_few_steps(path: str) -> None:
     """Same module calls, another backward: a node the learnt backward never ran reads a tensor the
     plan swaps (in a child process on the native path: a read of a freed storage can crash it)."""

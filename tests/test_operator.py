@@ -84,7 +84,7 @@ def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster)
                 await c.set_pod_status(pod, {"phase": "Succeeded", "containerStatuses": [
                     {"name": "train", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}]})
                 await c.wait(lambda: phase(c.job("one")) == "Succeeded", 10, "succeeded")
-                assert not op.app.ledger.bookings
+                await c.wait(lambda: not op.app.ledger.bookings, 10, "the GPU released")  # after the end is written
                 await c.delete("one")
                 await c.wait(lambda: c.job("one") is None and not c.pods(), 10, "job and pod gone")
                 # every call the operator made is in the RBAC list it ships
