@@ -6,7 +6,8 @@ three times is three calls). Each swapped plan tensor (bound to its storage by t
 iteration) is found among a boundary's inputs or outputs, or else among the tensors an autograd
 node saved (`_raw_saved_*`, read without unpacking it; such as max pooling's indices, which no module returns); its swap-out moves
 to the first boundary after the plan's trigger and its last forward use (later is always safe); the
-autograd nodes that read it in backward, and the one whose ops follow the plan's swap-in trigger,
+autograd nodes that read it in backward (and those that saved it but never ran in that backward), and
+the one whose ops follow the plan's swap-in trigger,
 are known by their sequence numbers relative to the newest node at the first boundary after they
 are made (a *root*). A tensor that cannot be aligned is named, with why.
 """
