@@ -123,6 +123,7 @@ class SwapLearner:
         self.wanted: set[int] | None = None  # the plan tensors the plan swaps
         self.failed: str | None = None  # what went wrong while learning: nothing is aligned then
         self.reach: dict[tuple[int, int], bool] = {}  # (boundary, node sequence number) -> behind its root
+        self.user_hooked: set[int] = set()  # id(storage) of what a module's own forward (pre-)hooks saw
         self.unexecuted: dict[int, set[int]] = {}  # id(storage) -> nodes that saved it but did not run (align)
         self.handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
 
@@ -152,6 +153,8 @@ class SwapLearner:
         found = tensor_paths(values)
         tensors = [tensor for _, tensor in found]
         keys = [id(t.untyped_storage()) for t in tensors]
+        if module._forward_pre_hooks if pre else module._forward_hooks:  # the user's: it may keep what it sees
+            self.user_hooked.update(keys)
         slots = executor.registry.slots
         nbytes = [slots[k].nbytes if k in slots else t.untyped_storage().nbytes() for k, t in zip(keys, tensors)]
         seqs = [(t.grad_fn._sequence_nr(), i) for i, t in enumerate(tensors) if t.grad_fn is not None]
@@ -319,6 +322,8 @@ class SwapLearner:
         ops, boundaries = plan.workload.ops, self.boundaries
         if key is None:
             return "not bound to a storage in the learning iteration"
+        if key in self.user_hooked:  # logging a kept activation every few steps reads it where no hook can check
+            return "a forward hook of the user's module sees it and may keep it"
         forward = [a for a in accesses if ops[a].phase != "backward"]
         after = max([out.trigger, *forward]) + 1
         swapped = next((i for i, b in enumerate(boundaries) if b.op >= after), None)

@@ -119,11 +119,6 @@ def pooled_swaps(workload: Workload, budget: int | None = None) -> Plan:
 PATHS = ("dispatch", "native", "budget")
 
 
-def xfail_on(path: str, reason: str, paths: Sequence[str] = PATHS) -> list[Any]:
-    """`paths` as parameters, the one that reproduces a bug marked as a strict expected failure."""
-    return [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=reason)) if p == path else p for p in paths]
-
-
 def run_hooked(loop: Loop, path: str) -> tuple[Results, HookReport]:
     if path == "budget":
         planner, budget = local_planner(HookSettings(job="job"), torch.device("cpu")), 0.6
@@ -199,8 +194,12 @@ def check_in_child(loop: str, path: str) -> None:
     """`check(loop, path)` in a child process (`loop`: an expression in this module): a read of a
     swapped-out storage can crash the process (a segmentation fault), and one that reads freed memory
     is only reproducible from a fresh process's allocator state."""
-    code = (f"import torch, test_hook_training_loops as t; torch.use_deterministic_algorithms(True); "
-            f"t.check(eval({loop!r}, vars(t)), {path!r})")
+    run_in_child(f"t.check(eval({loop!r}, vars(t)), {path!r})")
+
+
+def run_in_child(call: str) -> None:
+    """`call` (an expression on this module as `t`) in a fresh process, deterministic algorithms on."""
+    code = f"import torch, test_hook_training_loops as t; torch.use_deterministic_algorithms(True); {call}"
     child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
                            timeout=120)
     assert child.returncode == 0, f"exit status {child.returncode}: {child.stderr[-1500:]}"
@@ -533,13 +532,26 @@ def activation_logging_loop() -> Results:
     return {"logged": logged, "state": final(model, optimizer)}
 
 
-@pytest.mark.parametrize("path", xfail_on("native", "the native path swaps the stem's output out at a module boundary "
-                                          "and sees no op: the loop's read runs on a 0-byte storage (SIGSEGV)",
-                                          ("dispatch", "native")))
-def test_an_activation_read_between_forward_and_backward_every_few_steps(path: str) -> None:
+def test_an_activation_read_between_forward_and_backward_every_few_steps_on_the_dispatch_path() -> None:
     """The read is code between forward and backward that the recorded iteration did not run, on a
-    tensor the plan swaps."""
-    check_in_child("activation_logging_loop", path)
+    tensor the plan swaps: the dispatch path checks it before use."""
+    check_in_child("activation_logging_loop", "dispatch")
+
+
+def kept_activation_stays_on_the_device() -> None:
+    """The native path cannot see the read (no module call, no autograd node: before, it ran on the
+    swapped-out storage, a segmentation fault): a tensor a user's forward hook sees is not swapped
+    natively, and the report says why; the plan runs where it can check it."""
+    plain = activation_logging_loop()
+    hooked, report = run_hooked(activation_logging_loop, "native")
+    assert_same(plain, hooked)
+    assert report.stood_down is None
+    assert any("a forward hook of the user's module sees it" in m for m in report.messages), report.messages
+    assert any(it.mode == "planned" and moved(it) for it in report.iterations)
+
+
+def test_an_activation_a_forward_hook_keeps_is_not_swapped_natively() -> None:
+    run_in_child("t.kept_activation_stays_on_the_device()")
 
 
 # -- 7. activation checkpointing ----------------------------------------------------------------------
