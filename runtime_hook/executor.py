@@ -400,7 +400,7 @@ class PlanExecutor(TorchDispatchMode):
         """On the native path: the first module forward after the step(s) starts the next iteration;
         the hook then goes until the next step (which puts it back), so the iteration's module calls
         keep PyTorch's fast path."""
-        if self.step_done and self.in_step == 0 and torch.is_grad_enabled() and torch._C._current_autograd_node() is None:
+        if self._start_due():
             started = time.perf_counter()
             try:
                 self._unhook_modules()
@@ -669,13 +669,11 @@ class PlanExecutor(TorchDispatchMode):
         they belong to. (A parameter copied out with `detach()` does start one: after the last step
         that ends the plan's iteration cleanly, and a detach inside a forward is rare.)
         """
-        return (
-            self.in_step == 0
-            and func not in INSPECTION_OPS
-            and torch.is_grad_enabled()
-            and torch._C._current_autograd_node() is None
-            and any(v.requires_grad and v.is_leaf for v in leaves)
-        )
+        return func not in INSPECTION_OPS and self._start_due() and any(v.requires_grad and v.is_leaf for v in leaves)
+
+    def _start_due(self) -> bool:
+        """After the step(s), outside any step and backward, with grad enabled: a training forward may start."""
+        return self.step_done and self.in_step == 0 and torch.is_grad_enabled() and torch._C._current_autograd_node() is None
 
     def _phase(self) -> str:
         if self.in_step:
@@ -886,12 +884,13 @@ class PlanExecutor(TorchDispatchMode):
         self.active = self.ready = None
 
     @contextlib.contextmanager
-    def reading_outside(self) -> Iterator[None]:
+    def reading_outside(self, saving: bool = False) -> Iterator[None]:
         """A read outside the dispatcher runs (torch.save, a deepcopy, pickling for another process): the
-        ops it makes are only watched (`_dispatch_observed`), nothing is evicted or fired. On the dispatch path
-        after a step it starts the next iteration, as its first detach of a parameter did before its ops were
-        only watched: code after the last step (a final state_dict) is no part of the last iteration."""
-        if self.in_mode and self.step_done and self.in_step == 0 and torch.is_grad_enabled():
+        ops it makes are only watched (`_dispatch_observed`), nothing is evicted or fired. Saving, on the
+        dispatch path after a step, starts the next iteration, as its first detach of a parameter did before
+        its ops were only watched: code after the last step (a final state_dict) is no part of the last
+        iteration. (A deepcopy, a share or a numpy() never started one: they stay out of it.)"""
+        if saving and self.in_mode and self._start_due():
             try:
                 self._begin_iteration()
             except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training

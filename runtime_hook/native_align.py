@@ -70,6 +70,18 @@ def saved_tensor(node: Any, raw_name: str) -> torch.Tensor | None:
     return raw.data
 
 
+def saved_storages(node: Any) -> Iterator[tuple[str, int]]:
+    """(`_raw_saved_` attribute, id(storage)) of each tensor the node saved and still holds (`saved_tensor`)."""
+    for name in dir(node):
+        if name.startswith("_raw_saved_"):
+            try:
+                value = saved_tensor(node, name)
+            except RuntimeError:  # freed: a backward ran the node
+                continue
+            if value is not None:
+                yield name, id(value.untyped_storage())
+
+
 @dataclass
 class NodeHook:
     """A node to pre-hook, by its sequence number relative to its boundary's root."""
@@ -183,12 +195,10 @@ class SwapLearner:
     def _find_saved(self, node: Any, sequence: int, tensor: int, key: int) -> None:
         """Which of the node's saved tensors the storage is (autograd keeps many a tensor, such as
         max pooling's indices, that no module returns)."""
-        for name in dir(node):
-            if name.startswith("_raw_saved_"):
-                value = saved_tensor(node, name)
-                if value is not None and id(value.untyped_storage()) == key:
-                    self.saved[tensor] = (sequence, name, self.executor.registry.slots[key].nbytes)
-                    return
+        for name, saved in saved_storages(node):
+            if saved == key:
+                self.saved[tensor] = (sequence, name, self.executor.registry.slots[key].nbytes)
+                return
 
     def align(self, plan: ActivePlan, swaps: list[tuple[Event, Event | None]], keys: dict[int, int]) -> tuple[Alignment | None, list[str]]:
         """The plan's swaps on this iteration's boundaries and nodes (those that align), and why the
@@ -276,21 +286,16 @@ class SwapLearner:
         auxiliary loss some iterations add): in those iterations they read it, so they check it too. Their
         saved tensors are still there: backward frees only those of the nodes it runs."""
         ran = set(self.nodes.values())
-        stack = [b.root_node for b in self.boundaries if b.root_node is not None]
-        seen = {node._sequence_nr() for node in stack}
+        roots = {b.root_node._sequence_nr(): b.root_node for b in self.boundaries if b.root_node is not None}
+        stack, seen = list(roots.values()), set(roots)
         found: dict[int, set[int]] = defaultdict(set)
         while stack:
             node = stack.pop()
             sequence = node._sequence_nr()
             if sequence not in ran:
-                for name in dir(node):
-                    if name.startswith("_raw_saved_"):
-                        try:
-                            value = saved_tensor(node, name)
-                        except RuntimeError:  # freed by a backward that ran it without an op we saw
-                            continue
-                        if value is not None and (key := id(value.untyped_storage())) in keys:
-                            found[key].add(sequence)
+                for _, key in saved_storages(node):
+                    if key in keys:
+                        found[key].add(sequence)
             for following, _ in node.next_functions:
                 if following is not None and (number := following._sequence_nr()) not in seen:
                     seen.add(number)

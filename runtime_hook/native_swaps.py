@@ -243,12 +243,11 @@ class SwapCarrier:
             self._outside_modes(self._fetch_for, hook, self.slots)
         except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
             executor._stand_down(exc)
-            executor.stats.hook_seconds += perf_counter() - started
             slots = self.slots
             if any((slot := slots[swap]) is not None and not slot.resident for swap in hook.check):
                 raise exc  # a tensor the node reads could not come back (out of memory): never run on 0 bytes
-            return
-        executor.stats.hook_seconds += perf_counter() - started
+        finally:
+            executor.stats.hook_seconds += perf_counter() - started
 
     def _outside_modes(self, work: Any, *args: Any) -> None:
         """Run `work` where its copies do not pass through the dispatch mode (on the stack only when a

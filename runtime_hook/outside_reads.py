@@ -42,7 +42,7 @@ def guard_outside_reads(executor: PlanExecutor) -> list[Callable[[], None]]:
             if executor.disabled:
                 return original(*args, **kwargs)
             executor.restore_all()
-            with executor.reading_outside():
+            with executor.reading_outside(saving=True):
                 return original(*args, **kwargs)
 
         return read_everything

@@ -44,7 +44,7 @@ def test_dataloader_workers_leave_the_training_to_the_trainer(tmp_path, start_me
     hooked, report = _train(tmp_path, start_method, hooked=True)
     assert_identical(plain, hooked)
     assert len(report["iterations"]) == 8 and report["stood_down"] is None
-    assert sum(it["swap_out_bytes"] + it["passive_evictions"] for it in report["iterations"]) > 0
+    assert any(it["swap_out_bytes"] or it["passive_evictions"] for it in report["iterations"])  # the plan moved tensors
 
 
 def test_a_forked_child_gets_what_was_swapped_out_and_runs_without_the_hook(planless):

@@ -265,12 +265,18 @@ def test_a_validation_pass_that_forgot_no_grad(path: str) -> None:
 
 # -- 2. batch sizes ---------------------------------------------------------------------------------
 
-def sized_loop(sizes: Sequence[int]) -> Loop:
+def losses_loop(sizes: Sequence[int], make: Callable[[], Net] = net,
+                before_step: Callable[[Net, int], None] | None = None) -> Loop:
+    """The plain loop over batches of these sizes, its losses kept: `make` builds the model,
+    `before_step` changes it before each step."""
+
     def loop() -> Results:
-        model = net()
+        model = make()
         optimizer = sgd(model)
         losses = []
-        for batch in batches(sizes):
+        for step, batch in enumerate(batches(sizes)):
+            if before_step is not None:
+                before_step(model, step)
             optimizer.zero_grad(set_to_none=True)
             loss, _ = forward_backward(model, batch)
             optimizer.step()
@@ -286,14 +292,14 @@ EPOCHS = [8, 8, 8, 5] * 4  # 4 epochs of 4 batches, the last of 5 examples inste
 @pytest.mark.parametrize("path", PATHS)
 def test_the_last_batch_of_an_epoch_is_smaller(path: str) -> None:
     """The same ops on other shapes for one step in four."""
-    report = check(sized_loop(EPOCHS), path)
+    report = check(losses_loop(EPOCHS), path)
     if path == "native":  # the first short batch that runs native leaves the learnt sizes and falls back
         assert native_fell_back(report), paths_and_modes(report)
 
 
 def test_the_native_path_comes_back_after_every_epochs_short_batch() -> None:
     """Every epoch ends with a short batch: each costs one native iteration, not the native path."""
-    _, report = run_hooked(sized_loop(EPOCHS), "native")
+    _, report = run_hooked(losses_loop(EPOCHS), "native")
     last_epoch = report.iterations[12:15]
     assert all(it.path == "native" or it.iteration == 12 for it in last_epoch), paths_and_modes(report)
 
@@ -302,7 +308,7 @@ def test_the_native_path_comes_back_after_every_epochs_short_batch() -> None:
 def test_the_batch_size_changes_every_step(path: str) -> None:
     """A batch size of its own at every step (dynamic batching): the dispatch path applies the plan
     to whatever shapes come, the native path can only fall back."""
-    loop = sized_loop([6, 7, 8, 4, 8, 5, 6, 8, 7, 4])
+    loop = losses_loop([6, 7, 8, 4, 8, 5, 6, 8, 7, 4])
     plain = loop()
     hooked, report = run_hooked(loop, path)
     assert_same(plain, hooked)
@@ -556,16 +562,7 @@ def test_an_activation_a_forward_hook_keeps_is_not_swapped_natively() -> None:
 
 # -- 7. activation checkpointing ----------------------------------------------------------------------
 
-def checkpointed_loop() -> Results:
-    model = net(checkpointed=True)
-    optimizer = sgd(model)
-    losses = []
-    for batch in batches([4] * STEPS):
-        optimizer.zero_grad(set_to_none=True)
-        loss, _ = forward_backward(model, batch)
-        optimizer.step()
-        losses.append(loss.detach())
-    return {"losses": losses, "state": final(model, optimizer)}
+checkpointed_loop = losses_loop([4] * STEPS, make=lambda: net(checkpointed=True))
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -622,18 +619,12 @@ def test_two_models_with_two_optimizers(path: str) -> None:
     assert native_fell_back(report), paths_and_modes(report)
 
 
-def branching_loop() -> Results:
+def detour_every_third_step(model: Net, step: int) -> None:
     """The forward runs an extra module at every third step (a python `if` on the step)."""
-    model = net()
-    optimizer = sgd(model)
-    losses = []
-    for step, batch in enumerate(batches([4] * 10)):
-        model.detour = step % 3 == 0
-        optimizer.zero_grad(set_to_none=True)
-        loss, _ = forward_backward(model, batch)
-        optimizer.step()
-        losses.append(loss.detach())
-    return {"losses": losses, "state": final(model, optimizer)}
+    model.detour = step % 3 == 0
+
+
+branching_loop = losses_loop([4] * 10, before_step=detour_every_third_step)
 
 
 @pytest.mark.parametrize("path", PATHS)
