@@ -23,6 +23,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from tensile.plan import Event
+from tensile.runtime_hook.held import held_storages
 from tensile.runtime_hook.storages import tensor_paths
 
 if TYPE_CHECKING:
@@ -137,6 +138,7 @@ class SwapLearner:
         self.reach: dict[tuple[int, int], bool] = {}  # (boundary, node sequence number) -> behind its root
         self.user_hooked: set[int] = set()  # id(storage) of what a module's own forward (pre-)hooks saw
         self.unexecuted: dict[int, set[int]] = {}  # id(storage) -> nodes that saved it but did not run (align)
+        self.held: set[int] = set()  # id(storage) of the swapped ones the script holds when backward starts
         self.handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
 
     def remove(self) -> None:
@@ -182,10 +184,14 @@ class SwapLearner:
         if executor.iteration != self.iteration or node is None or self.failed is not None:
             return
         try:
-            self.nodes[index] = sequence = node._sequence_nr()
             if self.wanted is None:
                 native = executor._mapped(executor.active)
                 self.wanted = {out.tensor for out, _ in native.swaps} if native is not None else set()
+            if not self.nodes:  # backward starts: what the script holds now, it may read before backward
+                slots = executor.registry.slots
+                self.held = held_storages([storage for tensor in self.wanted if (slot := slots.get(executor.keys.get(tensor, -1)))
+                                           is not None and (storage := slot.storage()) is not None])
+            self.nodes[index] = sequence = node._sequence_nr()
             for tensor in self.wanted.intersection(executor.active.workload.ops[index].inputs):
                 if tensor not in self.saved:  # the plan says this op reads it: it was bound in this iteration
                     self._find_saved(node, sequence, tensor, executor.keys[tensor])
@@ -329,6 +335,8 @@ class SwapLearner:
             return "not bound to a storage in the learning iteration"
         if key in self.user_hooked:  # logging a kept activation every few steps reads it where no hook can check
             return "a forward hook of the user's module sees it and may keep it"
+        if key in self.held:  # a value the model returns, an attribute: the script may read it before backward
+            return "the script holds it when backward starts (a returned value, an attribute) and may read it there"
         forward = [a for a in accesses if ops[a].phase != "backward"]
         after = max([out.trigger, *forward]) + 1
         swapped = next((i for i, b in enumerate(boundaries) if b.op >= after), None)

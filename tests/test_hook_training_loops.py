@@ -55,7 +55,10 @@ class Net(nn.Module):
         self.detour = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.stem(x)
+        return self.rest(self.stem(x))
+
+    def rest(self, y: torch.Tensor) -> torch.Tensor:
+        """Everything after the stem."""
         z = checkpoint(self.block, y, use_reentrant=False) if self.checkpointed else self.block(y)
         z = z + y
         if self.detour:
@@ -119,12 +122,15 @@ def pooled_swaps(workload: Workload, budget: int | None = None) -> Plan:
 PATHS = ("dispatch", "native", "budget")
 
 
-def run_hooked(loop: Loop, path: str) -> tuple[Results, HookReport]:
+def run_hooked(loop: Loop, path: str, plan_events: str = "auto") -> tuple[Results, HookReport]:
+    """`plan_events="native"`: swaps that do not align stay on the device and the others run natively,
+    as on CUDA by default (on the CPU device such a plan runs on the dispatch path)."""
     if path == "budget":
         planner, budget = local_planner(HookSettings(job="job"), torch.device("cpu")), 0.6
     else:
         planner, budget = (aggressive_plan if path == "dispatch" else pooled_swaps), None
-    executor = activate(HookSettings(job="job", memory_budget=budget), planner=planner, device=torch.device("cpu"))
+    executor = activate(HookSettings(job="job", memory_budget=budget, plan_events=plan_events), planner=planner,
+                        device=torch.device("cpu"))
     try:
         return loop(), executor.report
     finally:
@@ -558,6 +564,65 @@ def kept_activation_stays_on_the_device() -> None:
 
 def test_an_activation_a_forward_hook_keeps_is_not_swapped_natively() -> None:
     run_in_child("t.kept_activation_stays_on_the_device()")
+
+
+class KeepingNet(Net):
+    """Net whose forward lets the script hold the stem's output: as a module attribute, a view of it
+    as one, or returned beside the logits."""
+
+    def __init__(self, keep: str) -> None:
+        super().__init__()
+        self.keep = keep
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = self.stem(x)
+        if self.keep != "returned":
+            self.features = y if self.keep == "attribute" else y.flatten(1)
+        logits = self.rest(y)
+        return (logits, y) if self.keep == "returned" else logits
+
+
+def kept_reference_loop(keep: str) -> Loop:
+    """Every third step (not step 2, where the plan's swaps are aligned) the loop reads the features
+    the model let it hold, between forward and backward."""
+
+    def loop() -> Results:
+        torch.manual_seed(1234)
+        model = KeepingNet(keep)
+        optimizer = sgd(model)
+        logged = []
+        for step, batch in enumerate(batches([4] * STEPS)):
+            optimizer.zero_grad(set_to_none=True)
+            if keep == "returned":  # unpacked at once: only this frame's locals hold the features
+                logits, features = model(batch[0])
+            else:
+                logits, features = model(batch[0]), model.features
+            loss = F.cross_entropy(logits, batch[1])
+            if step % 3 == 0:
+                logged.append(features.detach().abs().mean().item())
+            loss.backward()
+            optimizer.step()
+        return {"logged": logged, "state": final(model, optimizer)}
+
+    return loop
+
+
+def held_activation_stays_on_the_device(keep: str) -> None:
+    """Before, the native path swapped the held features out and the read ran on 0 bytes (a
+    segmentation fault): held when backward starts, they stay on the device, the report says why,
+    and the native path carries the plan's other swaps."""
+    loop = kept_reference_loop(keep)
+    plain = loop()
+    hooked, report = run_hooked(loop, "native", plan_events="native")
+    assert_same(plain, hooked)
+    assert report.stood_down is None
+    assert any("the script holds it when backward starts" in m for m in report.messages), report.messages
+    assert_planned(report, "native")
+
+
+@pytest.mark.parametrize("keep", ["attribute", "view", "returned"])
+def test_an_activation_the_script_holds_is_not_swapped_natively(keep: str) -> None:
+    run_in_child(f"t.held_activation_stays_on_the_device({keep!r})")
 
 
 # -- 7. activation checkpointing ----------------------------------------------------------------------
