@@ -219,6 +219,8 @@ class JobState:
             gap = gap_at(slot, p, self.n, cyclic)
             if gap is None or (root, gap[0]) in self.used_gaps or (root, gap[0], gap[2]) in self.failed:
                 continue
+            if self.spec.activations_only and self.workload.ops[gap[0]].phase != "forward":
+                continue  # the native path swaps out at module calls, after a forward use: not a gradient's
             if self._pinned_in_gap(root, gap):  # a planned replay reads it there: it must stay
                 continue
             yield root, gap

@@ -329,13 +329,22 @@ def test_each_job_keeps_its_own_budget_when_the_gpu_has_room():
 @pytest.mark.parametrize("seed", range(4))
 def test_activations_only_plans_move_no_persistent_tensor_and_recompute_nothing(seed):
     """What the hook's native path carries (its default on CUDA): parameters, optimizer state and the
-    batch stay on the device, nothing is replayed; the peak still drops."""
+    batch stay on the device, nothing is replayed, a swap-out follows a forward use (the native path
+    swaps out at module calls: a gradient made in backward and read by the optimizer stays, as the
+    hook would leave it, so the forecast is what the job gets); the peak still drops."""
     workload = random_workload(seed, layers=16)
     full = plan_job(workload, BANDWIDTH, name="a")
     native = plan_job(workload, BANDWIDTH, name="a", activations_only=True)
     moved = {e.tensor for e in native.plans["a"].events if e.kind in ("swap_out", "swap_in")}
     persistent = {t.id for t in workload.tensors.values() if t.created_by < 0 or t.reuses is not None}
-    assert moved and not moved & persistent
+    assert not moved & persistent
+    for event in native.plans["a"].events:
+        if event.kind == "swap_out":
+            uses = [op.index for op in workload.ops if event.tensor in op.inputs + op.outputs and op.index <= event.trigger]
+            assert workload.ops[max(uses)].phase == "forward", event
     assert not any(e.kind == "recompute" or e.next_iteration for e in native.plans["a"].events)
-    assert native.scheduled_peak_bytes < native.vanilla_peak_bytes
+    if moved:
+        assert native.scheduled_peak_bytes < native.vanilla_peak_bytes
+    else:  # seed 3: at its peak (in backward) only gradients and persistent tensors could move
+        assert native.scheduled_peak_bytes == native.vanilla_peak_bytes  # its releases are PyTorch's own frees
     assert full.scheduled_peak_bytes <= native.scheduled_peak_bytes
