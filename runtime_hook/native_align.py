@@ -206,31 +206,32 @@ class SwapLearner:
                 self.saved[tensor] = (sequence, name, self.executor.registry.slots[key].nbytes)
                 return
 
-    def align(self, plan: ActivePlan, swaps: list[tuple[Event, Event | None]], keys: dict[int, int]) -> tuple[Alignment | None, list[str]]:
+    def align(self, plan: ActivePlan, swaps: list[tuple[Event, Event | None]],
+              keys: dict[int, int]) -> tuple[Alignment | None, dict[int, str]]:
         """The plan's swaps on this iteration's boundaries and nodes (those that align), and why the
-        others cannot be; no alignment at all when learning failed."""
+        others cannot be, by plan tensor; no alignment at all when learning failed (`failed` says why)."""
         if self.failed is not None:
-            return None, [f"learning failed ({self.failed})"]
+            return None, {}
         wanted = {out.tensor for out, _ in swaps}
         accesses: dict[int, list[int]] = defaultdict(list)
         for op in plan.workload.ops:
             for tensor in op.inputs:
                 if tensor in wanted:
                     accesses[tensor].append(op.index)
-        unmapped = []
+        unmapped: dict[int, str] = {}  # plan tensor -> why its swap does not align
         placed_swaps = []
         self.unexecuted = self._unexecuted_readers({key for out, _ in swaps if (key := keys.get(out.tensor)) is not None})
         for swap, (out, back) in enumerate(swaps):
             placed = self._place(plan, out, back, accesses[out.tensor], keys.get(out.tensor))
             if isinstance(placed, str):
-                unmapped.append(f"swap of tensor {out.tensor}: {placed}")
+                unmapped[out.tensor] = placed
                 continue
             taken, swapped, fetch, checks = placed
             take_anchor = None
             if isinstance(taken[0], str):  # a saved tensor: taken from its node when the node is found
                 take_anchor = self._anchor(taken[1])
                 if take_anchor is None:
-                    unmapped.append(f"swap of tensor {out.tensor}: the node saving it is made after the last module call")
+                    unmapped[out.tensor] = "the node saving it is made after the last module call"
                     continue
                 swapped = max(swapped, take_anchor)  # taken before it goes out
             placed_swaps.append((swap, out, taken, take_anchor, swapped, fetch, checks))
@@ -247,7 +248,7 @@ class SwapLearner:
             ordered = sorted(acting)
             anchors = [a if (a := self._anchor(s, ordered)) is not None else self._anchor(s) for s, _ in targets]
             if any(a is None for a, (_, why) in zip(anchors, targets) if why != "fetch"):
-                unmapped.append(f"swap of tensor {out.tensor}: a node reading it is made after the last module call")
+                unmapped[out.tensor] = "a node reading it is made after the last module call"
                 continue
             if take_anchor is not None:
                 hook = eager[take_anchor].setdefault(taken[1], NodeHook(taken[1] - self.boundaries[take_anchor].root[1]))

@@ -343,18 +343,26 @@ class NativeSwaps:
 
     def _align(self, learner: SwapLearner, active: ActivePlan) -> None:
         """Swaps that do not align keep the plan on the dispatch path (exact), unless the settings prefer
-        native plans (CUDA by default): then they stay on the device and the native path carries the rest."""
+        native plans (CUDA by default): then they stay on the device and the native path carries the rest,
+        if the job's memory budget still holds with all their bytes left on the device (the plan's scheduled
+        peak counted them as freed; the native path's peak is not measured on the CPU device)."""
         alignment, unmapped = learner.align(active, active.native.swaps, self.executor.keys)
         executor = self.executor
-        examples = f"e.g. {'; '.join(unmapped[:3])}"
+        why = [f"learning failed ({learner.failed})"] if alignment is None else [
+            f"swap of tensor {tensor}: {reason}" for tensor, reason in unmapped.items()]
+        said = f"{len(why)} swaps of plan version {active.plan.version} do not align with module calls (e.g. {'; '.join(why[:3])})"
         if alignment is None or (unmapped and not native_plans(executor.settings, executor.device.type)):
-            executor._say(f"{len(unmapped)} swaps of plan version {active.plan.version} do not align with module "
-                          f"calls ({examples}): its iterations run on the dispatch path")
+            executor._say(f"{said}: its iterations run on the dispatch path")
             active.native = None
             return
         if unmapped:
-            executor._say(f"{len(unmapped)} swaps of plan version {active.plan.version} do not align with module calls "
-                          f"({examples}): they stay on the device; the native path carries the other "
+            kept = sum(active.workload.tensors[tensor].size for tensor in unmapped)
+            if executor.budget is not None and (executor.report.scheduled_peak_bytes or 0) + kept > executor.budget:
+                executor._say(f"{said}: the {kept} bytes they would leave on the device could take the job over its "
+                              "memory budget, so its iterations run on the dispatch path, guarded")
+                active.native = None
+                return
+            executor._say(f"{said}: they stay on the device; the native path carries the other "
                           f"{len(active.native.swaps) - len(unmapped)}")
         active.native.carrier = SwapCarrier(executor, alignment)
 

@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 import tracing_models
-from tensile.plan import Event, Plan
+from tensile.devices import PRESETS
+from tensile.peak import analyze_plan, analyze_vanilla
+from tensile.plan import Event, Forecast, Plan
 from tensile.runtime_hook import activate, deactivate
 from tensile.runtime_hook.report import HookReport
 from tensile.runtime_hook.settings import HookSettings
@@ -185,6 +187,38 @@ def test_with_native_plans_swaps_that_do_not_align_stay_on_the_device_and_the_re
     assert any("they stay on the device; the native path carries the other" in m for m in report.messages), report.messages
     native = [it for it in report.iterations[3:] if it.mode == "planned"]
     assert len(native) == STEPS - 3 and all(it.path == "native" and it.events["swap_out"] > 0 for it in native)
+
+
+def every_activation_forecast(workload: Workload, budget: int | None = None) -> Plan:
+    """`every_activation` with the forecast a planner gives: the scheduled peak that counts every swap."""
+    plan = every_activation(workload)
+    scheduled = analyze_plan(workload, plan.events, PRESETS["cpu"].host_link_bandwidth).peak_bytes
+    plan.forecast = Forecast(analyze_vanilla(workload).peak_bytes, scheduled)
+    return plan
+
+
+@pytest.mark.parametrize("room", [False, True])
+def test_with_native_plans_and_a_budget_the_swaps_left_on_the_device_must_fit_it(room: bool):
+    """The swaps that do not align stay on the device, but the scheduled peak counted their bytes as
+    freed: under a budget that holds only with them (the scheduled peak itself), the plan runs on the
+    dispatch path, guarded, and says why; with room for them (ten times the vanilla peak), natively."""
+    peaks: list[Forecast] = []
+
+    def planner(workload: Workload, budget: int | None) -> Plan:
+        plan = every_activation_forecast(workload)
+        peaks.append(plan.forecast)
+        return plan
+
+    plain = fit(tracing_models.views, 4, STEPS)
+    hooked(tracing_models.views, planner, steps=3)  # the live workload's forecast, made once before
+    budget = 10 * peaks[0].vanilla_peak_bytes if room else peaks[0].scheduled_peak_bytes
+    state, report = hooked(tracing_models.views, planner,
+                           settings=HookSettings(job="job", plan_events="native", memory_budget=float(budget)))
+    assert_identical(plain, state)
+    assert peaks[-1] == peaks[0]
+    over = any("could take the job over its memory budget" in m for m in report.messages)
+    native = [it for it in report.iterations if it.path == "native" and it.events["swap_out"] > 0]
+    assert (over, bool(native)) == (not room, room), report.messages
 
 
 class Shortcut(nn.Module):
