@@ -260,8 +260,8 @@ class PlanExecutor(TorchDispatchMode):
         self.report.vanilla_peak_bytes = self.report.vanilla_peak_bytes or vanilla_peak
         self.report.memory_budget_bytes = self.budget
 
-    def _say(self, message: str) -> None:
-        log.warning("tensile: %s", message)
+    def _say(self, message: str, level: int = logging.WARNING) -> None:
+        log.log(level, "tensile: %s", message)
         self.report.messages.append(f"iteration {self.iteration}: {message}")
 
     def _match(self, live: Workload) -> None:
@@ -571,7 +571,7 @@ class PlanExecutor(TorchDispatchMode):
         if active is not None and index >= len(active.names):
             active = None  # after the plan's last op (a script logging loss.item()): nothing left to fire
         elif active is not None and active.names[index] != self._name(func):
-            self._diverge(f"op {index} is {func}, the plan expected {active.names[index]}")
+            self._diverge(index, func, active.names[index])
             active = None
         device_type = self.device.type
         arg_keys = list(dict.fromkeys(id(v.untyped_storage()) for v in leaves if v.device.type == device_type))
@@ -680,9 +680,16 @@ class PlanExecutor(TorchDispatchMode):
             return "optimizer"
         return "backward" if torch._C._current_autograd_node() is not None else "forward"
 
-    def _diverge(self, why: str) -> None:
-        """The rest of this iteration runs guarded; the plan is tried again at the next one."""
-        self._say(f"the iteration diverged from the plan ({why}); the rest of it runs guarded")
+    def _diverge(self, index: int, func: Any, expected: str) -> None:
+        """The rest of this iteration runs guarded; the plan is tried again at the next one. At its first
+        op this is most often the script's code after its last step (an evaluation, reading the weights
+        out): said quietly, not as a fault of the plan."""
+        if index == 0:
+            self._say(f"what runs after the step does not start as a planned iteration does (its first op is {func}, "
+                      f"the plan's is {expected}): it runs guarded, outside the plan", logging.INFO)
+        else:
+            self._say(f"the iteration diverged from the plan (op {index} is {func}, the plan expected {expected}); "
+                      "the rest of it runs guarded")
         self.active = None
         self.stats.mode = "diverged"
 

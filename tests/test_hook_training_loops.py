@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import io
+import logging
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -522,6 +523,18 @@ def test_logging_after_backward_with_gradients_zeroed_in_place(path: str) -> Non
     """Gradients that live across iterations, written by zero_() and accumulated into; logits read
     after backward (a tensor the plan may have swapped, released or recomputed)."""
     check(logging_loop, path)
+
+
+def test_reading_the_weights_out_after_the_last_step_is_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Code after the last step (the loop's final read of the state) does not start as a training
+    iteration does: the report says so, logged at INFO, not as a plan that failed."""
+    with caplog.at_level(logging.INFO, logger="tensile.hook"):
+        report = check(logging_loop, "dispatch")
+    after = [m for m in report.messages if "does not start as a planned iteration" in m]
+    assert after and after[-1].startswith(f"iteration {STEPS}:"), report.messages
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [m for m in warned if "does not start as a planned iteration" in m or "(op 0 is" in m], warned
+    assert any("does not start as a planned iteration" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
 
 
 def activation_logging_loop() -> Results:
