@@ -39,12 +39,12 @@ STEPS = 8  # 0-1 recorded, 2 planned on the dispatch path (aligns the native swa
 
 
 class Net(nn.Module):
-    """A conv/bn/ReLU stem, a conv/bn/ReLU block with a residual add (optionally under non-reentrant
-    activation checkpointing), max pooling, a fixed random projection kept as a buffer (64 KiB, read
+    """A conv/bn/ReLU stem, a conv/bn/ReLU block with a residual add (optionally under activation
+    checkpointing, "reentrant" or not), max pooling, a fixed random projection kept as a buffer (64 KiB, read
     once per forward: what a memory budget evicts first) and a linear head; with `detour` an extra
     module runs after the block: the forward takes another branch."""
 
-    def __init__(self, checkpointed: bool = False) -> None:
+    def __init__(self, checkpointed: bool | str = False) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
         self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
@@ -60,7 +60,7 @@ class Net(nn.Module):
 
     def rest(self, y: torch.Tensor) -> torch.Tensor:
         """Everything after the stem."""
-        z = checkpoint(self.block, y, use_reentrant=False) if self.checkpointed else self.block(y)
+        z = checkpoint(self.block, y, use_reentrant=self.checkpointed == "reentrant") if self.checkpointed else self.block(y)
         z = z + y
         if self.detour:
             z = self.extra(z)
@@ -68,7 +68,7 @@ class Net(nn.Module):
         return self.head(h + h @ self.mix)
 
 
-def net(checkpointed: bool = False) -> Net:
+def net(checkpointed: bool | str = False) -> Net:
     torch.manual_seed(1234)
     return Net(checkpointed)
 
@@ -187,10 +187,10 @@ def assert_planned(report: HookReport, path: str, at_least: int = 2) -> None:
         assert any(it.events["recompute"] > 0 for it in planned) and all(it.events["swap_out"] > 0 for it in planned)
 
 
-def check(loop: Loop, path: str, at_least: int = 2) -> HookReport:
+def check(loop: Loop, path: str, at_least: int = 2, plan_events: str = "auto") -> HookReport:
     """Plain, then hooked: identical results, no stand-down, and the plan ran on the path."""
     plain = loop()
-    hooked, report = run_hooked(loop, path)
+    hooked, report = run_hooked(loop, path, plan_events)
     assert_same(plain, hooked)
     assert report.stood_down is None, report.stood_down
     assert_planned(report, path, at_least)
@@ -649,6 +649,20 @@ def test_non_reentrant_activation_checkpointing_inside_the_forward(path: str) ->
     batch norm's running statistics updated twice, as without Tensile); its input is what the
     native plan moves."""
     check(checkpointed_loop, path)
+
+
+reentrant_loop = losses_loop([4] * STEPS, make=lambda: net(checkpointed="reentrant"))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_reentrant_activation_checkpointing_inside_the_forward(path: str) -> None:
+    """`use_reentrant=True` (older Hugging Face models' default): the recomputation runs a nested
+    backward inside the checkpoint's node, made after the block's module calls, so a swap it reads
+    cannot be anchored natively: with native plans (CUDA's default) it stays on the device and the
+    native path carries the other."""
+    report = check(reentrant_loop, path, plan_events="native" if path == "native" else "auto")
+    if path == "native":
+        assert any("a node reading it is made after the last module call" in m for m in report.messages), report.messages
 
 
 # -- 8. two models, data-dependent control flow --------------------------------------------------------
