@@ -525,6 +525,40 @@ def test_logging_after_backward_with_gradients_zeroed_in_place(path: str) -> Non
     check(logging_loop, path)
 
 
+def gradient_hooks_loop(kind: str) -> Loop:
+    """Per-layer gradient norms logged from backward: a module's full backward hook, its full backward
+    pre-hook, or a hook on the gradient of the block's input that a forward pre-hook registers."""
+
+    def loop() -> Results:
+        norms: list[float] = []
+        model = net()
+
+        def log_norm(grad: torch.Tensor) -> None:
+            norms.append(grad.norm().item())
+
+        if kind == "backward hook":
+            model.block.register_full_backward_hook(lambda module, grad_in, grad_out: log_norm(grad_out[0]))
+        elif kind == "backward pre-hook":
+            model.block.register_full_backward_pre_hook(lambda module, grad_out: log_norm(grad_out[0]))
+        else:
+            def watch_input(module: nn.Module, args: tuple) -> None:
+                args[0].register_hook(log_norm)
+
+            model.block.register_forward_pre_hook(watch_input)
+        results = losses_loop([4] * STEPS, make=lambda: model)()
+        return {**results, "norms": norms}
+
+    return loop
+
+
+@pytest.mark.parametrize("kind", ["backward hook", "backward pre-hook", "tensor hook"])
+@pytest.mark.parametrize("path", PATHS)
+def test_gradient_norms_logged_from_backward_hooks(kind: str, path: str) -> None:
+    """The same norms and training; natively with native plans (the forward pre-hook keeps the block's
+    input on the device, as any tensor a user's forward hook sees)."""
+    check(gradient_hooks_loop(kind), path, plan_events="native" if path == "native" else "auto")
+
+
 def test_reading_the_weights_out_after_the_last_step_is_no_warning(caplog: pytest.LogCaptureFixture) -> None:
     """Code after the last step (the loop's final read of the state) does not start as a training
     iteration does: the report says so, logged at INFO, not as a plan that failed."""
