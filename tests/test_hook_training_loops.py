@@ -761,6 +761,25 @@ def test_a_forward_that_branches_on_the_step(path: str) -> None:
         assert native_fell_back(report), paths_and_modes(report)
 
 
+def freeze_the_stem_at_step_4(model: Net, step: int) -> None:
+    """Fine-tuning's usual move: the first layers stop training (no gradients, fewer autograd nodes)."""
+    if step == 4:
+        model.stem.requires_grad_(False)
+
+
+freezing_loop = losses_loop([4] * 10, before_step=freeze_the_stem_at_step_4)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_layers_frozen_mid_training(path: str) -> None:
+    """The iterations after the freeze leave the plan (natively: the stem's output has no autograd node
+    to anchor on), the plan is made again for the new iteration, and it runs on the path again."""
+    report = check(freezing_loop, path, at_least=1)
+    assert any("planning again" in m for m in report.messages), report.messages
+    if path == "native":
+        assert native_fell_back(report) and report.iterations[-1].path == "native", paths_and_modes(report)
+
+
 class AuxNet(Net):
     """Net with an auxiliary head (deep supervision) on the stem's output, after the block: called at
     every forward, its loss added only at some steps."""
