@@ -334,15 +334,16 @@ class SwapLearner:
         ops, boundaries = plan.workload.ops, self.boundaries
         if key is None:
             return "not bound to a storage in the learning iteration"
-        if key in self.user_hooked:  # logging a kept activation every few steps reads it where no hook can check
-            return "a forward hook of the user's module sees it and may keep it"
-        if key in self.held:  # a value the model returns, an attribute: the script may read it before backward
-            return "the script holds it when backward starts (a returned value, an attribute) and may read it there"
         forward = [a for a in accesses if ops[a].phase != "backward"]
         after = max([out.trigger, *forward]) + 1
         swapped = next((i for i, b in enumerate(boundaries) if b.op >= after), None)
         if swapped is None:
             return "no module call after its last forward use"
+        # (after the structural reason: PyTorch's own arguments to backward hold the loss's gradient)
+        if key in self.user_hooked:  # logging a kept activation every few steps reads it where no hook can check
+            return "a forward hook of the user's module sees it and may keep it"
+        if key in self.held:  # a value the model returns, an attribute: the script may read it before backward
+            return "the script holds it when backward starts (a returned value, an attribute) and may read it there"
         later = [a for a in accesses if a >= boundaries[swapped].op]
         outside = [a for a in later if a not in self.nodes]
         if outside:
