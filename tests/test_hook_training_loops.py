@@ -849,6 +849,43 @@ def test_a_step_skipped_after_a_non_finite_loss(path: str) -> None:
     check(skipping_loop, path)
 
 
+def amp_loop(init_scale: float) -> Loop:
+    """bf16 autocast with a GradScaler, the usual mixed-precision loop; from a scale of 2**127 the
+    first steps overflow and the scaler skips them (no optimizer step: two forwards in one iteration)."""
+
+    def loop() -> Results:
+        model = net()
+        optimizer = sgd(model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        losses = []
+        for batch in batches([4] * 10):
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(batch[0]), batch[1])
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            losses.append(loss.detach())
+        return {"losses": losses, "state": final(model, optimizer), "scale": scaler.get_scale()}
+
+    return loop
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_mixed_precision_with_a_grad_scaler(path: str) -> None:
+    check(amp_loop(2.0**16), path)
+
+
+def test_mixed_precision_steps_the_scaler_skips_leave_the_native_path_safely() -> None:
+    """A skipped step joins two forwards in one iteration: the native iteration leaves the learnt module
+    calls, brings its tensors back and falls back, bit-identical."""
+    loop = amp_loop(2.0**127)
+    plain = loop()
+    hooked, report = run_hooked(loop, "native")
+    assert_same(plain, hooked)
+    assert report.stood_down is None and native_fell_back(report), paths_and_modes(report)
+
+
 def penalty_loop() -> Results:
     """A gradient penalty (WGAN-GP, R1): torch.autograd.grad with create_graph=True through the model,
     then backward through both: activations read in two backward passes."""
