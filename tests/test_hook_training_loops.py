@@ -886,6 +886,41 @@ def test_mixed_precision_steps_the_scaler_skips_leave_the_native_path_safely() -
     assert report.stood_down is None and native_fell_back(report), paths_and_modes(report)
 
 
+def backward_calls_loop(call: str) -> Loop:
+    """Other ways to run backward: two losses through one graph (`retain_graph=True`, then a second
+    backward), `backward(inputs=...)` for some layers only, and `torch.autograd.grad` whose gradients the
+    loop assigns itself."""
+
+    def loop() -> Results:
+        model = net()
+        optimizer = sgd(model)
+        losses = []
+        for x, y in batches([4] * STEPS):
+            optimizer.zero_grad(set_to_none=True)
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+            if call == "retain_graph":
+                loss.backward(retain_graph=True)
+                logits.pow(2).mean().backward()
+            elif call == "inputs":
+                loss.backward(inputs=[*model.head.parameters(), *model.block.parameters()])
+            else:
+                params = list(model.parameters())
+                for param, grad in zip(params, torch.autograd.grad(loss, params, allow_unused=True)):
+                    param.grad = grad
+            optimizer.step()
+            losses.append(loss.detach())
+        return {"losses": losses, "state": final(model, optimizer)}
+
+    return loop
+
+
+@pytest.mark.parametrize("call", ["retain_graph", "inputs", "autograd.grad"])
+@pytest.mark.parametrize("path", PATHS)
+def test_backward_run_other_ways(call: str, path: str) -> None:
+    check(backward_calls_loop(call), path)
+
+
 def penalty_loop() -> Results:
     """A gradient penalty (WGAN-GP, R1): torch.autograd.grad with create_graph=True through the model,
     then backward through both: activations read in two backward passes."""
