@@ -921,6 +921,27 @@ def test_backward_run_other_ways(call: str, path: str) -> None:
     check(backward_calls_loop(call), path)
 
 
+def two_views_loop() -> Results:
+    """Two forwards of one model per step (a consistency loss between a batch and its mirror image, as
+    in semi-supervised and contrastive training): every activation of both is alive in one backward."""
+    model = net()
+    optimizer = sgd(model)
+    losses = []
+    for x, y in batches([4] * STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        logits, mirrored = model(x), model(x.flip(-1))
+        loss = F.cross_entropy(logits, y) + F.mse_loss(logits.softmax(1), mirrored.softmax(1))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return {"losses": losses, "state": final(model, optimizer)}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_two_forwards_per_step(path: str) -> None:
+    check(two_views_loop, path)
+
+
 def penalty_loop() -> Results:
     """A gradient penalty (WGAN-GP, R1): torch.autograd.grad with create_graph=True through the model,
     then backward through both: activations read in two backward passes."""
