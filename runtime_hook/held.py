@@ -8,17 +8,17 @@ find a storage of 0 bytes (a segmentation fault on the CPU device, an illegal me
 
 So when the learning iteration's backward starts, every Python object that refers to a tensor on a
 swapped storage is looked at, once (scans of the garbage collector's objects: about 0.2 s with BERT's
-modules loaded). Autograd keeps what backward reads in C++ (the Python objects PyTorch preserves for
-its saved tensors have no Python referrer), so such a referrer is the script's, except for the frames
-of Tensile and PyTorch on the stack (the dispatch mode's holds the first backward op's inputs) and the
-attributes of a custom autograd Function's context (read only by its backward node, which is checked).
+modules loaded), and so are the locals of the running frames, which the collector does not see. Autograd
+keeps what backward reads in C++ (the Python objects PyTorch preserves for its saved tensors have no
+Python referrer), so such a referrer is the script's, except for the locals of Tensile's and PyTorch's
+own frames (the dispatch mode's hold the first backward op's inputs) and the attributes of a custom
+autograd Function's context (read only by its backward node, which is checked).
 """
 
 from __future__ import annotations
 
 import gc
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +29,14 @@ _INTERNAL = (str(Path(torch.__file__).parent), str(Path(__file__).parent))  # Py
 
 def held_storages(storages: list[torch.UntypedStorage]) -> set[int]:
     """Those of the (live) storages that a tensor object the script refers to is on, by id."""
+    if not storages:  # no scan of every object when there is nothing to look for
+        return set()
     keys = {id(storage) for storage in storages}
     tensors = [tensor for tensor in _tensors() if _storage_key(tensor) in keys]
     if not tensors:
         return set()
     on_key = {id(tensor): _storage_key(tensor) for tensor in tensors}
-    ours = {id(tensors), id(sys._getframe())}
-    referrers = [r for r in gc.get_referrers(*tensors) if id(r) not in ours and not _internal_frame(r)]
+    referrers = [r for r in gc.get_referrers(*tensors) if r is not tensors]
     contexts = _autograd_contexts([r for r in referrers if type(r) is dict])
     held = {on_key[id(obj)] for r in referrers if id(r) not in contexts for obj in gc.get_referents(r) if id(obj) in on_key}
     return held | {on_key[id(value)] for value in _stack_locals() if id(value) in on_key}
@@ -54,14 +55,11 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
         return None
 
 
-def _internal_frame(referrer: Any) -> bool:
-    """A frame of Tensile's or PyTorch's (a generator's; on the stack, the dispatch mode's, `backward()`'s)."""
-    return isinstance(referrer, types.FrameType) and referrer.f_code.co_filename.startswith(_INTERNAL)
-
-
 def _stack_locals() -> list[Any]:
     """The local variables of the script's running functions, in every thread: the garbage collector
-    does not see into the frames that are executing (`logits, features = model(x)` holds `features` so)."""
+    does not see into the frames that are executing (`logits, features = model(x)` holds `features` so).
+    PyTorch's and the hook's own frames do not count (the dispatch mode's holds the first backward op's
+    inputs)."""
     values = []
     for frame in sys._current_frames().values():
         while frame is not None:
