@@ -20,7 +20,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.nn.modules.module import (
+    _global_forward_hooks,
+    _global_forward_pre_hooks,
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 
 from tensile.plan import Event
 from tensile.runtime_hook.held import held_storages
@@ -45,6 +50,17 @@ def nodes_behind(root: Any, low: int) -> Iterator[tuple[Any, tuple[int, ...]]]:
             if following is not None and low <= (number := following._sequence_nr()) <= sequence and number not in seen:
                 seen.add(number)
                 stack.append((following, (*path, position)))
+
+
+def user_forward_hooks(module: torch.nn.Module) -> int:
+    """The forward (pre-)hooks on the module: the user's (the hook's own are global), each may keep what it sees."""
+    return len(module._forward_pre_hooks) + len(module._forward_hooks)
+
+
+def foreign_global_hooks() -> int:
+    """Global module forward (pre-)hooks that are not the hook's own: each sees every module call."""
+    return sum(not type(getattr(hook, "__self__", None)).__module__.startswith("tensile.")
+               for hooks in (_global_forward_pre_hooks, _global_forward_hooks) for hook in hooks.values())
 
 
 @dataclass
@@ -116,6 +132,10 @@ class Alignment:
     actions: dict[int, Action]  # index in `expected` -> what to do there
     swaps: int
     exits: set[int]  # id(module) of the modules whose exits act: the others' exits are not boundaries
+    # the user's forward (pre-)hooks seen: per entry code (as in `expected`) of a module that had any, how
+    # many; and the global ones. A hook added since may keep a tensor that the native path would swap out
+    hooked: dict[int, int] = field(default_factory=dict)
+    global_hooks: int = 0
 
 
 def in_forward(executor: PlanExecutor) -> bool:
@@ -139,6 +159,8 @@ class SwapLearner:
         self.user_hooked: set[int] = set()  # id(storage) of what a module's own forward (pre-)hooks saw
         self.unexecuted: dict[int, set[int]] = {}  # id(storage) -> nodes that saved it but did not run (align)
         self.held: set[int] = set()  # id(storage) of the swapped ones the script holds when backward starts
+        self.hooked: dict[int, int] = {}  # entry code of a module with forward (pre-)hooks -> how many
+        self.global_hooks = 0  # the user's global module forward (pre-)hooks in this iteration
         self.handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
 
     def remove(self) -> None:
@@ -150,6 +172,7 @@ class SwapLearner:
         executor = self.executor
         if not self.started:  # where a native iteration starts: the first module forward after the step
             self.started = (executor.step_done or executor.iteration == self.iteration) and torch.is_grad_enabled()
+            self.global_hooks = foreign_global_hooks()
         self._record(True, module, args)
 
     def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
@@ -167,7 +190,9 @@ class SwapLearner:
         found = tensor_paths(values)
         tensors = [tensor for _, tensor in found]
         keys = [id(t.untyped_storage()) for t in tensors]
-        if module._forward_pre_hooks if pre else module._forward_hooks:  # the user's: it may keep what it sees
+        if pre and (hooks := user_forward_hooks(module)):
+            self.hooked[id(module) * 2 + 1] = hooks
+        if self.global_hooks or (module._forward_pre_hooks if pre else module._forward_hooks):  # the user's: it may keep what it sees
             self.user_hooked.update(keys)
         slots = executor.registry.slots
         nbytes = [slots[k].nbytes if k in slots else t.untyped_storage().nbytes() for k, t in zip(keys, tensors)]
@@ -285,7 +310,8 @@ class SwapLearner:
         kept = [i for i, b in enumerate(self.boundaries) if b.pre or b.module in exits]
         renumber = {old: new for new, old in enumerate(kept)}
         expected = [self.boundaries[i].module * 2 + self.boundaries[i].pre for i in kept]
-        alignment = Alignment(expected, {renumber[i]: a for i, a in actions.items()}, len(swaps), exits)
+        alignment = Alignment(expected, {renumber[i]: a for i, a in actions.items()}, len(swaps), exits,
+                              self.hooked, self.global_hooks)
         return alignment, unmapped
 
     def _unexecuted_readers(self, keys: set[int]) -> dict[int, set[int]]:
@@ -341,7 +367,7 @@ class SwapLearner:
             return "no module call after its last forward use"
         # (after the structural reason: PyTorch's own arguments to backward hold the loss's gradient)
         if key in self.user_hooked:  # logging a kept activation every few steps reads it where no hook can check
-            return "a forward hook of the user's module sees it and may keep it"
+            return "a forward hook of the user's (its module's, or a global one) sees it and may keep it"
         if key in self.held:  # a value the model returns, an attribute: the script may read it before backward
             return "the script holds it when backward starts (a returned value, an attribute) and may read it there"
         later = [a for a in accesses if a >= boundaries[swapped].op]

@@ -24,7 +24,16 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import _disable_current_modes
 
-from tensile.runtime_hook.native_align import Action, Alignment, NodeHook, SwapLearner, nodes_behind, saved_tensor
+from tensile.runtime_hook.native_align import (
+    Action,
+    Alignment,
+    NodeHook,
+    SwapLearner,
+    foreign_global_hooks,
+    nodes_behind,
+    saved_tensor,
+    user_forward_hooks,
+)
 from tensile.runtime_hook.settings import native_plans
 from tensile.runtime_hook.storages import Slot
 
@@ -90,6 +99,8 @@ class SwapCarrier:
         self.registry_slots = executor.registry.slots
         self.swaps = alignment.swaps
         self.exits = alignment.exits
+        self.hooked = alignment.hooked
+        self.global_hooks = alignment.global_hooks
         self.handles: list[Any] = []
         self.live = False  # carrying the current iteration
         self.diverged = False
@@ -115,6 +126,8 @@ class SwapCarrier:
         self.live, self.diverged, self.index, self.last_root = True, False, 0, None
         self.slots[:] = [None] * self.swaps
         self.pending = []
+        if foreign_global_hooks() != self.global_hooks:
+            self._abort("a global module forward hook was added or removed since they were learnt")
 
     def end(self) -> bool:
         """At the step: anything still absent comes back. True when the iteration left the boundaries."""
@@ -131,15 +144,15 @@ class SwapCarrier:
         if executor.step_done and executor.next_path == "native":
             executor._module_pre_hook(module, args)  # the iteration starts here, whichever global hook runs first
         if self.live:
-            self._boundary(id(module) * 2 + 1, args)
+            self._boundary(id(module) * 2 + 1, args, module)
 
     def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
         if self.live and id(module) in self.exits:
             self._boundary(id(module) * 2, (args, out))
 
-    def _boundary(self, code: int, values: Any) -> None:
-        """Every module call's entry and the learnt modules' exits: kept lean, it runs ~200 times
-        an iteration on ResNet-50, often with caches a large kernel has just emptied."""
+    def _boundary(self, code: int, values: Any, entered: torch.nn.Module | None = None) -> None:
+        """Every module call's entry (`entered`: the module) and the learnt modules' exits: kept lean, it
+        runs ~200 times an iteration on ResNet-50, often with caches a large kernel has just emptied."""
         executor = self.executor
         if executor.in_step or torch._C._current_autograd_node() is not None:
             return
@@ -150,6 +163,9 @@ class SwapCarrier:
             expected = self.expected
             if index >= len(expected) or expected[index] != code:
                 raise _Diverged(f"module call boundary {index} is not the learnt one")
+            if entered is not None and (entered._forward_pre_hooks or entered._forward_hooks) \
+                    and user_forward_hooks(entered) != self.hooked.get(code):  # it may keep what the plan swaps
+                raise _Diverged(f"a forward hook was added to a {type(entered).__name__} since they were learnt")
             action = self.actions[index]
             if action is not None:
                 self._outside_modes(self._act, action, values)

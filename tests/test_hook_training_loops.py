@@ -605,7 +605,7 @@ def kept_activation_stays_on_the_device() -> None:
     hooked, report = run_hooked(activation_logging_loop, "native")
     assert_same(plain, hooked)
     assert report.stood_down is None
-    assert any("a forward hook of the user's module sees it" in m for m in report.messages), report.messages
+    assert any("a forward hook of the user's (its module's, or a global one) sees it" in m for m in report.messages), report.messages
     assert any(it.mode == "planned" and moved(it) for it in report.iterations)
 
 
@@ -670,6 +670,75 @@ def held_activation_stays_on_the_device(keep: str) -> None:
 @pytest.mark.parametrize("keep", ["attribute", "view", "returned"])
 def test_an_activation_the_script_holds_is_not_swapped_natively(keep: str) -> None:
     run_in_child(f"t.held_activation_stays_on_the_device({keep!r})")
+
+
+LATE = 4  # the step a forward hook is added at: after the plan's swaps were aligned (step 2)
+
+
+def late_hook_loop(kind: str) -> Loop:
+    """A forward hook keeps the stem's output and the loop reads it between forward and backward. Added at
+    step LATE: on the stem for that step only ("once"), on the stem from then on ("kept"), as a global
+    module hook from then on ("global"); or a global hook from the start that keeps it every third step,
+    not in step 2 ("global_logging")."""
+
+    def loop() -> Results:
+        torch.manual_seed(1234)
+        model = net()
+        optimizer = sgd(model)
+        kept: dict[str, torch.Tensor] = {}
+        step = 0
+
+        def keep(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            if module is model.stem and (kind != "global_logging" or step % 3 == 0):
+                kept["stem"] = out
+
+        handle = None
+        logged = []
+        try:
+            for step, batch in enumerate(batches([4] * STEPS)):
+                optimizer.zero_grad(set_to_none=True)
+                if step == (0 if kind == "global_logging" else LATE):
+                    handle = (model.stem.register_forward_hook(keep) if kind in ("once", "kept")
+                              else torch.nn.modules.module.register_module_forward_hook(keep))
+                loss = F.cross_entropy(model(batch[0]), batch[1])
+                if "stem" in kept:
+                    logged.append(kept.pop("stem").detach().abs().mean().item())
+                if kind == "once" and handle is not None:
+                    handle.remove()
+                    handle = None
+                loss.backward()
+                optimizer.step()
+        finally:
+            if handle is not None:
+                handle.remove()
+        return {"logged": logged, "state": final(model, optimizer)}
+
+    return loop
+
+
+def late_hook_is_seen(kind: str) -> None:
+    """Before, the native path had swapped the kept output out and the read ran on 0 bytes (a segmentation
+    fault). A forward hook the aligned iteration did not have ends the native iteration at its module's
+    call (a global one at the iteration's start) with every tensor back, and the plan is aligned again, with
+    the hook, on the dispatch path. What a global hook sees when the swaps are aligned is not swapped natively."""
+    loop = late_hook_loop(kind)
+    plain = loop()
+    hooked, report = run_hooked(loop, "native", plan_events="native")
+    assert_same(plain, hooked)
+    assert report.stood_down is None
+    if kind == "global_logging":
+        assert any("or a global one) sees it and may keep it" in m for m in report.messages), report.messages
+        return
+    assert any(m.startswith(f"iteration {LATE}:") and "hook was added" in m for m in report.messages), report.messages
+    assert report.iterations[LATE].mode == "diverged" and not moved(report.iterations[LATE])
+    if kind == "once":  # aligned again without it: native again
+        assert [it.path for it in report.iterations[LATE + 2:]] == ["native"] * (STEPS - LATE - 2)
+        assert all(moved(it) for it in report.iterations[LATE + 2:])
+
+
+@pytest.mark.parametrize("kind", ["once", "kept", "global", "global_logging"])
+def test_a_forward_hook_the_native_path_did_not_align_with_is_seen(kind: str) -> None:
+    run_in_child(f"t.late_hook_is_seen({kind!r})")
 
 
 # -- 7. activation checkpointing ----------------------------------------------------------------------
