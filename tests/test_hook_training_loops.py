@@ -918,6 +918,55 @@ def test_a_step_skipped_after_a_non_finite_loss(path: str) -> None:
     check(skipping_loop, path)
 
 
+class FailingOn(nn.Module):
+    """Passes its input on, or raises as an allocation that ran out of memory would when `failing`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failing = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.failing:
+            raise torch.OutOfMemoryError("out of memory (raised by the test)")
+        return x
+
+
+def out_of_memory_loop(where: str) -> Loop:
+    """Steps 4 and 5 run out of memory, in the block's forward or after backward, and the loop catches
+    the error, drops the gradients and goes on with the next batch, as scripts that skip a batch too
+    large for the device do: the failed steps' graphs die with their swapped tensors mid-iteration."""
+
+    def loop() -> Results:
+        model = net()
+        failing = FailingOn()
+        model.block = nn.Sequential(model.block, failing)
+        optimizer = sgd(model)
+        losses, skipped = [], 0
+        for step, batch in enumerate(batches([4] * 10)):
+            failing.failing = where == "forward" and step in (4, 5)
+            try:
+                optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(batch[0]), batch[1])
+                loss.backward()
+                if where == "backward" and step in (4, 5):
+                    raise torch.OutOfMemoryError("out of memory (raised by the test)")
+                optimizer.step()
+                losses.append(loss.detach())
+            except torch.OutOfMemoryError:
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+        return {"losses": losses, "skipped": skipped, "state": final(model, optimizer)}
+
+    return loop
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("path", PATHS)
+def test_steps_skipped_after_running_out_of_memory(where: str, path: str) -> None:
+    report = check(out_of_memory_loop(where), path)
+    assert any(it.mode == "diverged" for it in report.iterations), paths_and_modes(report)
+
+
 def amp_loop(init_scale: float) -> Loop:
     """bf16 autocast with a GradScaler, the usual mixed-precision loop; from a scale of 2**127 the
     first steps overflow and the scaler skips them (no optimizer step: two forwards in one iteration)."""
