@@ -120,6 +120,9 @@ class Action:
     deferred: list[NodeHook] = field(default_factory=list)  # found from this root, pre-hooked at the next flush
     swap_out: list[int] = field(default_factory=list)
     flush: bool = False  # a top-level call's exit before backward: the deferred node hooks are registered
+    # a top-level call's exit before backward: the references to the tensors taken so far are counted;
+    # "last" where backward starts before the next one, and the taken tensors are let go
+    recount: bool | str = False
 
 
 @dataclass
@@ -293,6 +296,8 @@ class SwapLearner:
                 hooks = eager if flush is None else deferred
                 hook = hooks[anchor].setdefault(sequence, NodeHook(sequence - self.boundaries[anchor].root[1]))
                 (hook.fetch if why == "fetch" else hook.check).append(swap)
+        for index, last in self._exits_before_backward(top_exits):
+            actions[index].recount = "last" if last else True
         for index, hooks in eager.items():
             actions[index].hooks = list(hooks.values())
         for index, hooks in deferred.items():
@@ -344,6 +349,14 @@ class SwapLearner:
             if depth == 0 and not boundary.pre:
                 exits.append(index)
         return exits
+
+    def _exits_before_backward(self, exits: list[int]) -> Iterator[tuple[int, bool]]:
+        """The top-level exits that a backward op follows, each with whether one follows before the next exit."""
+        for i, index in enumerate(exits):
+            start = self.boundaries[index].op
+            end = self.boundaries[exits[i + 1]].op if i + 1 < len(exits) else None
+            if any(start < op for op in self.nodes):
+                yield index, end is None or any(start < op <= end for op in self.nodes)
 
     def _flush_for(self, anchor: int, exits: list[int]) -> int | None:
         """The first top-level exit at or after the anchor, if no backward op ran between them."""

@@ -10,11 +10,14 @@ prefetch), every reading node fetches it if it is still absent (check before use
 native iteration that leaves the learnt boundaries (another module, another number of autograd
 nodes between two anchored boundaries, another size, a node not found) brings every tensor back
 at once and runs the rest without events; the next iteration aligns again on the dispatch path.
+At each top-level module exit before backward, a tensor taken with more references than there in the
+native iterations before (the script keeps it in some steps only) comes back for that iteration.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from functools import partial
 from time import perf_counter
@@ -109,6 +112,13 @@ class SwapCarrier:
         # of an older graph run late finds this iteration's slots: at worst it fetches one early)
         self.slots: list[Slot | None] = [None] * self.swaps
         self.last_root: int | None = None
+        # this iteration's tensors taken at module calls, held until backward starts, so that the references
+        # to them can be counted at each top-level exit; by (exit, swap), the fewest counted there in any
+        # native iteration; the swaps left on the device this iteration; those the report has named
+        self.taken: list[tuple[torch.Tensor, int] | None] = [None] * self.swaps  # with its storage's handle
+        self.fewest: dict[tuple[int, int], int] = {}
+        self.kept: set[int] = set()
+        self.named: set[int] = set()
 
     def install(self) -> None:
         if not self.handles:
@@ -124,8 +134,7 @@ class SwapCarrier:
 
     def begin(self) -> None:
         self.live, self.diverged, self.index, self.last_root = True, False, 0, None
-        self.slots[:] = [None] * self.swaps
-        self.pending = []
+        self._forget()
         if foreign_global_hooks() != self.global_hooks:
             self._abort("a global module forward hook was added or removed since they were learnt")
 
@@ -135,9 +144,15 @@ class SwapCarrier:
             self._abort(f"{self.index} module call boundaries, {len(self.expected)} learnt")
         self.live = False
         self.restore()
-        self.slots[:] = [None] * self.swaps
-        self.pending = []
+        self._forget()
         return self.diverged
+
+    def _forget(self) -> None:
+        """Nothing of an iteration is carried into the next."""
+        self.slots[:] = [None] * self.swaps
+        self._let_go()
+        self.pending = []
+        self.kept = set()
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
         executor = self.executor
@@ -187,6 +202,7 @@ class SwapCarrier:
             if not isinstance(tensor, torch.Tensor) or (storage := tensor.untyped_storage()).nbytes() != nbytes:
                 raise _Diverged(f"the tensor at boundary {self.index - 1} is not the learnt one")
             slots[swap] = self._slot(storage, nbytes)
+            self.taken[swap] = (tensor, storage._cdata)
         if action.root is not None:
             node = getattr(_at(values, action.root), "grad_fn", None)
             if node is None:
@@ -199,11 +215,14 @@ class SwapCarrier:
                 self._hook_nodes(node, sequence, id(action.hooks))
             if action.deferred:
                 self.pending.append((node, sequence, id(action.deferred)))
+        if action.recount:
+            self._recount(self.index - 1, action.recount == "last")
+        kept = self.kept
         for swap in action.swap_out:
             slot = slots[swap]
             if slot is None:
                 raise _Diverged(f"swap {swap} was not taken")
-            if slot.resident and executor._swap_out(slot):
+            if slot.resident and not (kept and swap in kept) and executor._swap_out(slot):
                 executor.stats.events["swap_out"] += 1
         if action.flush:
             # every node made so far exists and backward has not started: hooking them in one go here,
@@ -211,6 +230,39 @@ class SwapCarrier:
             pending, self.pending = self.pending, []
             for root, sequence, key in pending:
                 self._hook_nodes(root, sequence, key)
+
+    def _recount(self, index: int, last: bool) -> None:
+        """A top-level call returned before backward. A taken tensor with more references here than in
+        every native iteration before may be read by the script before backward (an attribute, a dict entry
+        or an alias of it set in some steps only; held.py saw the aligned iteration's): it comes back now, or
+        is not swapped out, in this iteration. The first native iteration only counts."""
+        fewest, executor = self.fewest, self.executor
+        use_count = torch._C._storage_Use_Count
+        for swap, taken in enumerate(self.taken):
+            if taken is None:
+                continue
+            # Python references to the tensor (an attribute set to it) and tensors on its storage (an alias kept)
+            count, key = sys.getrefcount(taken[0]) + use_count(taken[1]), (index, swap)
+            least = fewest.get(key)
+            if least is None or count < least:
+                fewest[key] = count
+            elif count > least and swap not in self.kept:
+                self.kept.add(swap)
+                slot = self.slots[swap]
+                if slot is not None and not slot.resident:
+                    executor._fetch(slot)
+                    executor.stats.events["swap_in"] += 1
+                if swap not in self.named:
+                    self.named.add(swap)
+                    executor._say(f"native swap {swap}: the script holds a reference to its tensor that earlier "
+                                  "native iterations did not (set in some steps only): it stays on the device "
+                                  "in the iterations that hold it")
+        if last:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """Backward starts (or the iteration ends early): the graph alone decides how long the tensors live."""
+        self.taken[:] = [None] * self.swaps
 
     def _slot(self, storage: torch.UntypedStorage, nbytes: int) -> Slot:
         """The registry's slot when it watches the storage (an observed native iteration counts its
@@ -311,6 +363,7 @@ class SwapCarrier:
         self.live = False
         self.diverged = True
         self.pending = []
+        self._let_go()
         self.restore()
         executor = self.executor
         executor.stats.mode = "diverged"
@@ -416,6 +469,7 @@ class NativeSwaps:
         (the executor restores the registry's)."""
         if self.carrying is not None:
             self.carrying.live, self.carrying.pending = False, []
+            self.carrying._let_go()
             try:
                 self.carrying.restore()
             except Exception:  # noqa: BLE001 - standing down must not raise into the user's code

@@ -736,6 +736,69 @@ def late_hook_is_seen(kind: str) -> None:
         assert all(moved(it) for it in report.iterations[LATE + 2:])
 
 
+class SometimesKeepingNet(Net):
+    """Net whose forward, in the steps its `keeping` flag is set, lets the script hold the stem's output:
+    as a module attribute, a detached alias of it as one (another tensor on its storage; a view that autograd
+    records changes the number of nodes, and the native iteration ends at once), or in a dict the model owns."""
+
+    def __init__(self, keep: str) -> None:
+        super().__init__()
+        self.keep, self.keeping, self.kept = keep, False, {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stem(x)
+        if self.keeping:
+            if self.keep == "dict":
+                self.kept["features"] = y
+            else:
+                self.features = y if self.keep == "attribute" else y.detach()
+        return self.rest(y)
+
+
+SOMETIMES = (5, 8)  # the steps that keep: not step 2 (where the swaps are aligned) nor 3 (the first native one)
+
+
+def sometimes_kept_loop(keep: str) -> Loop:
+    def loop() -> Results:
+        torch.manual_seed(1234)
+        model = SometimesKeepingNet(keep)
+        optimizer = sgd(model)
+        logged = []
+        for step, batch in enumerate(batches([4] * 10)):
+            model.keeping = step in SOMETIMES
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(batch[0]), batch[1])
+            if model.keeping:
+                features = model.kept.pop("features") if keep == "dict" else model.__dict__.pop("features")
+                logged.append(features.abs().mean().item())
+            loss.backward()
+            optimizer.step()
+        return {"logged": logged, "state": final(model, optimizer)}
+
+    return loop
+
+
+def sometimes_kept_comes_back(keep: str) -> None:
+    """Before, the native path had swapped the features out in the steps that keep them and the read ran on
+    0 bytes (a segmentation fault): neither the aligned iteration nor held.py saw the reference. Counted at
+    the model's exit, the references to the features are more than in the native iterations before: they
+    come back, and the report says so."""
+    loop = sometimes_kept_loop(keep)
+    plain = loop()
+    hooked, report = run_hooked(loop, "native", plan_events="native")
+    assert_same(plain, hooked)
+    assert report.stood_down is None
+    named = [m for m in report.messages if "the script holds a reference to its tensor that earlier native" in m]
+    assert len(named) == 1 and named[0].startswith(f"iteration {SOMETIMES[0]}:"), report.messages
+    assert [it.path for it in report.iterations[3:]] == ["native"] * 7
+    assert all(it.mode == "planned" and it.swap_in_bytes == it.swap_out_bytes > 0 for it in report.iterations[3:])
+
+
+@pytest.mark.parametrize("keep", ["attribute", "detached", "dict"])
+def test_an_activation_the_script_holds_only_in_some_steps_comes_back(keep: str) -> None:
+    run_in_child(f"t.sometimes_kept_comes_back({keep!r})")
+
+
 @pytest.mark.parametrize("kind", ["once", "kept", "global", "global_logging"])
 def test_a_forward_hook_the_native_path_did_not_align_with_is_seen(kind: str) -> None:
     run_in_child(f"t.late_hook_is_seen({kind!r})")
