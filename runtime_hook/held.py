@@ -32,10 +32,13 @@ def held_storages(storages: list[torch.UntypedStorage]) -> set[int]:
     if not storages:  # no scan of every object when there is nothing to look for
         return set()
     keys = {id(storage) for storage in storages}
-    tensors = [tensor for tensor in _tensors() if _storage_key(tensor) in keys]
+    tensors, on_key = [], {}  # the tensors on those storages, and each one's storage by its id
+    for tensor in _tensors():
+        if (key := _storage_key(tensor)) in keys:
+            tensors.append(tensor)
+            on_key[id(tensor)] = key
     if not tensors:
         return set()
-    on_key = {id(tensor): _storage_key(tensor) for tensor in tensors}
     referrers = [r for r in gc.get_referrers(*tensors) if r is not tensors]
     contexts = _autograd_contexts([r for r in referrers if type(r) is dict])
     held = {on_key[id(obj)] for r in referrers if id(r) not in contexts for obj in gc.get_referents(r) if id(obj) in on_key}

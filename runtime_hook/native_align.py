@@ -120,9 +120,8 @@ class Action:
     deferred: list[NodeHook] = field(default_factory=list)  # found from this root, pre-hooked at the next flush
     swap_out: list[int] = field(default_factory=list)
     flush: bool = False  # a top-level call's exit before backward: the deferred node hooks are registered
-    # a top-level call's exit before backward: the references to the tensors taken so far are counted;
-    # "last" where backward starts before the next one, and the taken tensors are let go
-    recount: bool | str = False
+    recount: bool = False  # a top-level call's exit before backward: the taken tensors' references are counted
+    let_go: bool = False  # and backward starts before the next one: the taken tensors are let go
 
 
 @dataclass
@@ -175,7 +174,8 @@ class SwapLearner:
         executor = self.executor
         if not self.started:  # where a native iteration starts: the first module forward after the step
             self.started = (executor.step_done or executor.iteration == self.iteration) and torch.is_grad_enabled()
-            self.global_hooks = foreign_global_hooks()
+            if self.started:
+                self.global_hooks = foreign_global_hooks()
         self._record(True, module, args)
 
     def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
@@ -297,7 +297,7 @@ class SwapLearner:
                 hook = hooks[anchor].setdefault(sequence, NodeHook(sequence - self.boundaries[anchor].root[1]))
                 (hook.fetch if why == "fetch" else hook.check).append(swap)
         for index, last in self._exits_before_backward(top_exits):
-            actions[index].recount = "last" if last else True
+            actions[index].recount, actions[index].let_go = True, last
         for index, hooks in eager.items():
             actions[index].hooks = list(hooks.values())
         for index, hooks in deferred.items():
@@ -354,17 +354,19 @@ class SwapLearner:
         """The top-level exits that a backward op follows, each with whether one follows before the next exit."""
         for i, index in enumerate(exits):
             start = self.boundaries[index].op
-            end = self.boundaries[exits[i + 1]].op if i + 1 < len(exits) else None
-            if any(start < op for op in self.nodes):
-                yield index, end is None or any(start < op <= end for op in self.nodes)
+            if self._backward_between(start, None):
+                yield index, i + 1 == len(exits) or self._backward_between(start, self.boundaries[exits[i + 1]].op)
+
+    def _backward_between(self, start: int, end: int | None) -> bool:
+        """Whether a backward op ran after op `start` (up to op `end`) in the learning iteration."""
+        return any(start < op and (end is None or op <= end) for op in self.nodes)
 
     def _flush_for(self, anchor: int, exits: list[int]) -> int | None:
         """The first top-level exit at or after the anchor, if no backward op ran between them."""
         flush = next((i for i in exits if i >= anchor), None)
         if flush is None:
             return None
-        start, end = self.boundaries[anchor].op, self.boundaries[flush].op
-        return None if any(start < op <= end for op in self.nodes) else flush
+        return None if self._backward_between(self.boundaries[anchor].op, self.boundaries[flush].op) else flush
 
     def _place(self, plan: ActivePlan, out: Event, back: Event | None, accesses: list[int],
                key: int | None) -> tuple[tuple, int, int | None, list[int]] | str:

@@ -216,7 +216,9 @@ class SwapCarrier:
             if action.deferred:
                 self.pending.append((node, sequence, id(action.deferred)))
         if action.recount:
-            self._recount(self.index - 1, action.recount == "last")
+            self._recount(self.index - 1)
+            if action.let_go:
+                self._let_go()
         kept = self.kept
         for swap in action.swap_out:
             slot = slots[swap]
@@ -231,7 +233,7 @@ class SwapCarrier:
             for root, sequence, key in pending:
                 self._hook_nodes(root, sequence, key)
 
-    def _recount(self, index: int, last: bool) -> None:
+    def _recount(self, index: int) -> None:
         """A top-level call returned before backward. A taken tensor with more references here than in
         every native iteration before may be read by the script before backward (an attribute, a dict entry
         or an alias of it set in some steps only; held.py saw the aligned iteration's): it comes back now, or
@@ -257,8 +259,6 @@ class SwapCarrier:
                     executor._say(f"native swap {swap}: the script holds a reference to its tensor that earlier "
                                   "native iterations did not (set in some steps only): it stays on the device "
                                   "in the iterations that hold it")
-        if last:
-            self._let_go()
 
     def _let_go(self) -> None:
         """Backward starts (or the iteration ends early): the graph alone decides how long the tensors live."""
