@@ -14,6 +14,8 @@ are made (a *root*). A tensor that cannot be aligned is named, with why.
 
 from __future__ import annotations
 
+import sys
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -75,6 +77,7 @@ class Boundary:
     paths: list[tuple[Any, ...]]  # their index paths into the hook's values (args, or (args, output))
     root: tuple[int, int] | None  # (position, sequence number) of its tensors' newest autograd node
     root_node: Any = None  # that node, for the walks that check an anchor reaches a node (learning only)
+    alive: list[Any] = field(default_factory=list)  # weak references to its tensors, by position
 
 
 def saved_tensor(node: Any, raw_name: str) -> torch.Tensor | None:
@@ -138,6 +141,9 @@ class Alignment:
     # many; and the global ones. A hook added since may keep a tensor that the native path would swap out
     hooked: dict[int, int] = field(default_factory=dict)
     global_hooks: int = 0
+    # per (top-level exit before backward, swap taken at a module call): the references to its tensor
+    # there (Python's and the tensors' on its storage), the first counts a native iteration compares with
+    references: dict[tuple[int, int], int] = field(default_factory=dict)
 
 
 def in_forward(executor: PlanExecutor) -> bool:
@@ -163,6 +169,8 @@ class SwapLearner:
         self.held: set[int] = set()  # id(storage) of the swapped ones the script holds when backward starts
         self.hooked: dict[int, int] = {}  # entry code of a module with forward (pre-)hooks -> how many
         self.global_hooks = 0  # the user's global module forward (pre-)hooks in this iteration
+        self.depth = 0  # module calls entered and not returned
+        self.references: dict[tuple[int, int, int], int] = {}  # (top-level exit, boundary, position) -> references
         self.handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
 
     def remove(self) -> None:
@@ -185,8 +193,22 @@ class SwapLearner:
         if self.started and self.failed is None and in_forward(self.executor):
             try:
                 self._boundary(pre, module, values)
+                self.depth += 1 if pre else -1
+                if self.depth == 0:
+                    self._count_references(len(self.boundaries) - 1)
             except Exception as exc:  # noqa: BLE001 - learning must never cost the user their training
                 self.failed = f"{type(exc).__name__}: {exc}"
+
+    def _count_references(self, exit: int) -> None:
+        """At a top-level exit, what a native iteration's carrier counts there (SwapCarrier._recount), from
+        the same frames: each live tensor of the boundaries so far (one reference here, as the carrier's
+        tuple holds one), so that the first native iteration has counts to compare with too."""
+        use_count = torch._C._storage_Use_Count
+        for index, boundary in enumerate(self.boundaries):
+            for position, alive in enumerate(boundary.alive):
+                if (tensor := alive()) is not None:
+                    handle = tensor.untyped_storage()._cdata
+                    self.references[exit, index, position] = sys.getrefcount(tensor) + use_count(handle)
 
     def _boundary(self, pre: bool, module: torch.nn.Module, values: Any) -> None:
         executor = self.executor
@@ -203,7 +225,8 @@ class SwapLearner:
         root = (max(seqs)[1], max(seqs)[0]) if seqs else None
         op = executor.op_index if executor.iteration == self.iteration else 0
         self.boundaries.append(Boundary(pre, id(module), op, keys, nbytes, [path for path, _ in found], root,
-                                        tensors[root[0]].grad_fn if root is not None else None))
+                                        tensors[root[0]].grad_fn if root is not None else None,
+                                        [weakref.ref(tensor) for tensor in tensors]))
 
     def on_op(self, index: int) -> None:
         """Called by the executor for every op of the dispatch path that keeps to the plan."""
@@ -296,7 +319,8 @@ class SwapLearner:
                 hooks = eager if flush is None else deferred
                 hook = hooks[anchor].setdefault(sequence, NodeHook(sequence - self.boundaries[anchor].root[1]))
                 (hook.fetch if why == "fetch" else hook.check).append(swap)
-        for index, last in self._exits_before_backward(top_exits):
+        recounts = list(self._exits_before_backward(top_exits))
+        for index, last in recounts:
             actions[index].recount, actions[index].let_go = True, last
         for index, hooks in eager.items():
             actions[index].hooks = list(hooks.values())
@@ -315,8 +339,15 @@ class SwapLearner:
         kept = [i for i, b in enumerate(self.boundaries) if b.pre or b.module in exits]
         renumber = {old: new for new, old in enumerate(kept)}
         expected = [self.boundaries[i].module * 2 + self.boundaries[i].pre for i in kept]
+        references = {}  # what the carrier compares with first: its takes at module calls, counted here
+        for swap, _, taken, take_anchor, *_ in placed_swaps:
+            if take_anchor is None:
+                position = self.boundaries[taken[0]].paths.index(taken[1])
+                for index, _ in recounts:
+                    if (count := self.references.get((index, taken[0], position))) is not None:
+                        references[renumber[index], swap] = count
         alignment = Alignment(expected, {renumber[i]: a for i, a in actions.items()}, len(swaps), exits,
-                              self.hooked, self.global_hooks)
+                              self.hooked, self.global_hooks, references)
         return alignment, unmapped
 
     def _unexecuted_readers(self, keys: set[int]) -> dict[int, set[int]]:

@@ -113,10 +113,13 @@ class SwapCarrier:
         self.slots: list[Slot | None] = [None] * self.swaps
         self.last_root: int | None = None
         # this iteration's tensors taken at module calls, held until backward starts, so that the references
-        # to them can be counted at each top-level exit; by (exit, swap), the fewest counted there in any
-        # native iteration; the swaps left on the device this iteration; those the report has named
+        # to them can be counted at each top-level exit; by (exit, swap), the fewest counted there in the
+        # aligned iteration or a native one that kept to it, and this iteration's counts, merged at its end
+        # if it did (one of another kind, a GAN's other step, may reach an exit before it leaves the calls);
+        # the swaps left on the device this iteration; those the report has named
         self.taken: list[tuple[torch.Tensor, int] | None] = [None] * self.swaps  # with its storage's handle
-        self.fewest: dict[tuple[int, int], int] = {}
+        self.fewest: dict[tuple[int, int], int] = dict(alignment.references)
+        self.counted: dict[tuple[int, int], int] = {}
         self.kept: set[int] = set()
         self.named: set[int] = set()
 
@@ -144,8 +147,22 @@ class SwapCarrier:
             self._abort(f"{self.index} module call boundaries, {len(self.expected)} learnt")
         self.live = False
         self.restore()
+        if not self.diverged:
+            self._settle_counts()
         self._forget()
         return self.diverged
+
+    def _settle_counts(self) -> None:
+        """The iteration kept to the learnt calls: its counts join the fewest, and the swaps it kept on the
+        device because the script held more references are named, once each."""
+        fewest = self.fewest
+        for key, count in self.counted.items():
+            if count < fewest.get(key, count + 1):
+                fewest[key] = count
+        for swap in sorted(self.kept - self.named):
+            self.named.add(swap)
+            self.executor._say(f"native swap {swap}: the script holds a reference to its tensor that earlier iterations "
+                               "did not (set in some steps only): it stays on the device in the iterations that hold it")
 
     def _forget(self) -> None:
         """Nothing of an iteration is carried into the next."""
@@ -153,6 +170,7 @@ class SwapCarrier:
         self._let_go()
         self.pending = []
         self.kept = set()
+        self.counted = {}
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
         executor = self.executor
@@ -203,6 +221,7 @@ class SwapCarrier:
                 raise _Diverged(f"the tensor at boundary {self.index - 1} is not the learnt one")
             slots[swap] = self._slot(storage, nbytes)
             self.taken[swap] = (tensor, storage._cdata)
+        tensor = storage = None  # not to count as references at a recount below
         if action.root is not None:
             node = getattr(_at(values, action.root), "grad_fn", None)
             if node is None:
@@ -234,11 +253,11 @@ class SwapCarrier:
                 self._hook_nodes(root, sequence, key)
 
     def _recount(self, index: int) -> None:
-        """A top-level call returned before backward. A taken tensor with more references here than in
-        every native iteration before may be read by the script before backward (an attribute, a dict entry
-        or an alias of it set in some steps only; held.py saw the aligned iteration's): it comes back now, or
-        is not swapped out, in this iteration. The first native iteration only counts."""
-        fewest, executor = self.fewest, self.executor
+        """A top-level call returned before backward. A taken tensor with more references here than in the
+        aligned iteration and every native one before may be read by the script before backward (an
+        attribute, a dict entry or an alias of it set in some steps only; held.py saw the aligned
+        iteration's): it comes back now, or is not swapped out, in this iteration."""
+        fewest, counted, executor = self.fewest, self.counted, self.executor
         use_count = torch._C._storage_Use_Count
         for swap, taken in enumerate(self.taken):
             if taken is None:
@@ -246,19 +265,14 @@ class SwapCarrier:
             # Python references to the tensor (an attribute set to it) and tensors on its storage (an alias kept)
             count, key = sys.getrefcount(taken[0]) + use_count(taken[1]), (index, swap)
             least = fewest.get(key)
-            if least is None or count < least:
-                fewest[key] = count
-            elif count > least and swap not in self.kept:
+            if least is None or count <= least:
+                counted[key] = count
+            elif swap not in self.kept:
                 self.kept.add(swap)
                 slot = self.slots[swap]
                 if slot is not None and not slot.resident:
                     executor._fetch(slot)
                     executor.stats.events["swap_in"] += 1
-                if swap not in self.named:
-                    self.named.add(swap)
-                    executor._say(f"native swap {swap}: the script holds a reference to its tensor that earlier "
-                                  "native iterations did not (set in some steps only): it stays on the device "
-                                  "in the iterations that hold it")
 
     def _let_go(self) -> None:
         """Backward starts (or the iteration ends early): the graph alone decides how long the tensors live."""
