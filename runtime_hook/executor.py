@@ -37,7 +37,7 @@ from tensile.runtime_hook.movers import CpuMover, CudaMover
 from tensile.runtime_hook.native_map import NativeMap, map_plan
 from tensile.runtime_hook.native_swaps import NativeSwaps
 from tensile.runtime_hook.report import HookReport, IterationStats, ReportWriter
-from tensile.runtime_hook.settings import HookSettings, budget_bytes
+from tensile.runtime_hook.settings import HookSettings, budget_bytes, native_plans
 from tensile.runtime_hook.storages import Slot, StorageRegistry
 from tensile.runtime_hook.storages import tensors_in as _tensors
 from tensile.tracer import Recorder, classify_roles, written_values
@@ -152,6 +152,7 @@ class ActivePlan:
     def __init__(self, plan: Plan, workload: Workload) -> None:
         self.plan = plan
         self.workload = workload
+        self.guard_said = False  # the report said why its iterations stay guarded on the dispatch path
         self.names = [op.name for op in workload.ops]
         self.by_trigger: dict[int, list[Event]] = defaultdict(list)
         self.next_by_trigger: dict[int, list[Event]] = defaultdict(list)
@@ -339,12 +340,32 @@ class PlanExecutor(TorchDispatchMode):
         if self.budget is not None:
             expected = self.report.scheduled_peak_bytes if plan is not None else self.vanilla_peak
             last = self.report.iterations[-1] if self.report.iterations else None
-            if expected is None or expected > self.budget or (
-                    last is not None and last.peak_source == "measured" and last.peak_bytes > self.budget):
+            measured_over = last is not None and last.peak_source == "measured" and last.peak_bytes > self.budget
+            if expected is None or expected > self.budget or measured_over:
+                # said once per plan; an iteration before the plan (recorded, unplanned) measuring over is no news
+                if plan is not None and not plan.guard_said and (
+                        expected is None or expected > self.budget or last.plan_version == plan.plan.version):
+                    plan.guard_said = True
+                    self._say(self._guarded(plan, expected, last if measured_over else None))
                 return None
         if native is None or (native.swaps and native.carrier is None):
             return None
         return native
+
+    def _guarded(self, plan: ActivePlan, expected: int | None, measured: IterationStats | None) -> str:
+        """Why a plan's iterations run on the dispatch path, guarded by the budget, whatever its events."""
+        if expected is None:
+            why = "comes without a forecast of its scheduled peak"
+        elif expected > self.budget:
+            why = f"forecasts a scheduled peak of {expected} bytes"
+        else:
+            why = f"ran iteration {measured.iteration} at a measured peak of {measured.peak_bytes} bytes"
+        said = (f"plan version {plan.plan.version} {why}, against a memory budget of {self.budget} bytes: its "
+                "iterations run on the dispatch path, where the budget guard swaps out what the plan leaves on the device")
+        if expected is not None and expected > self.budget and native_plans(self.settings, self.device.type):
+            said += (" (its events are activation swaps only, as TENSILE_PLAN_EVENTS=native, or auto on CUDA, asks: "
+                     "with all, the plan may swap parameters and optimizer state too)")
+        return said
 
     def _mapped(self, plan: ActivePlan) -> NativeMap | None:
         if not plan.native_checked:

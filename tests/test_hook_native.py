@@ -98,6 +98,8 @@ def test_a_budget_the_plan_does_not_keep_stays_guarded_on_the_dispatch_path():
     assert_identical(plain, hooked)
     assert all(it.path == "dispatch" for it in report.iterations)
     assert all(it.passive_evictions > 0 for it in report.iterations[3:])
+    said = [m for m in report.messages if "against a memory budget" in m]
+    assert len(said) == 1 and "comes without a forecast of its scheduled peak" in said[0], report.messages
 
 
 def test_an_event_that_maps_is_a_release_pytorch_makes_itself():

@@ -4,6 +4,8 @@ and the measured peak stays below vanilla."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -198,11 +200,9 @@ def every_activation_forecast(workload: Workload, budget: int | None = None) -> 
     return plan
 
 
-@pytest.mark.parametrize("room", [False, True])
-def test_with_native_plans_and_a_budget_the_swaps_left_on_the_device_must_fit_it(room: bool):
-    """The swaps that do not align stay on the device, but the scheduled peak counted their bytes as
-    freed: under a budget that holds only with them (the scheduled peak itself), the plan runs on the
-    dispatch path, guarded, and says why; with room for them (ten times the vanilla peak), natively."""
+def forecast_first() -> tuple[list[Forecast], Callable[[Workload, int | None], Plan]]:
+    """A planner of every activation's swap that notes each forecast it makes, and its first forecast,
+    made for the live workload of `tracing_models.views` before the test's run."""
     peaks: list[Forecast] = []
 
     def planner(workload: Workload, budget: int | None) -> Plan:
@@ -210,8 +210,17 @@ def test_with_native_plans_and_a_budget_the_swaps_left_on_the_device_must_fit_it
         peaks.append(plan.forecast)
         return plan
 
+    hooked(tracing_models.views, planner, steps=3)
+    return peaks, planner
+
+
+@pytest.mark.parametrize("room", [False, True])
+def test_with_native_plans_and_a_budget_the_swaps_left_on_the_device_must_fit_it(room: bool):
+    """The swaps that do not align stay on the device, but the scheduled peak counted their bytes as
+    freed: under a budget that holds only with them (the scheduled peak itself), the plan runs on the
+    dispatch path, guarded, and says why; with room for them (ten times the vanilla peak), natively."""
     plain = fit(tracing_models.views, 4, STEPS)
-    hooked(tracing_models.views, planner, steps=3)  # the live workload's forecast, made once before
+    peaks, planner = forecast_first()
     budget = 10 * peaks[0].vanilla_peak_bytes if room else peaks[0].scheduled_peak_bytes
     state, report = hooked(tracing_models.views, planner,
                            settings=HookSettings(job="job", plan_events="native", memory_budget=float(budget)))
@@ -220,6 +229,45 @@ def test_with_native_plans_and_a_budget_the_swaps_left_on_the_device_must_fit_it
     over = any("could take the job over its memory budget" in m for m in report.messages)
     native = [it for it in report.iterations if it.path == "native" and it.events["swap_out"] > 0]
     assert (over, bool(native)) == (not room, room), report.messages
+
+
+@pytest.mark.parametrize("events", ["native", "all"])
+def test_a_plan_whose_forecast_the_budget_does_not_hold_says_why_it_runs_guarded(events: str):
+    """A budget under the plan's own scheduled peak: every planned iteration runs on the dispatch path, the
+    guard evicting, and the report says so once, with both figures (silent before); with activation swaps
+    only, it names the setting that would let the plan swap parameters and optimizer state too."""
+    plain = fit(tracing_models.views, 4, STEPS)
+    peaks, planner = forecast_first()
+    budget = peaks[0].scheduled_peak_bytes - 4096
+    state, report = hooked(tracing_models.views, planner,
+                           settings=HookSettings(job="job", plan_events=events, memory_budget=float(budget)))
+    assert_identical(plain, state)
+    said = [m for m in report.messages if "against a memory budget" in m]
+    assert said == [f"iteration 2: plan version 1 forecasts a scheduled peak of {peaks[0].scheduled_peak_bytes} bytes, "
+                    f"against a memory budget of {budget} bytes: its iterations run on the dispatch path, where the "
+                    "budget guard swaps out what the plan leaves on the device"
+                    + (" (its events are activation swaps only, as TENSILE_PLAN_EVENTS=native, or auto on CUDA, asks: "
+                       "with all, the plan may swap parameters and optimizer state too)" if events == "native" else "")], report.messages
+    assert all(it.path == "dispatch" for it in report.iterations)
+
+
+def test_a_plan_whose_iterations_the_budget_does_not_hold_says_why_it_runs_guarded():
+    """A plan that forecasts far less than its iterations need (no events, a 1-byte scheduled peak): its
+    first iteration, guarded, measures above the budget (the ops' own tensors), so the later ones stay on
+    the dispatch path too, and the report says why once, with that iteration's figure."""
+    def planner(workload: Workload, budget: int | None) -> Plan:
+        return Plan("job", 1, workload.signature, [], forecast=Forecast(analyze_vanilla(workload).peak_bytes, 1))
+
+    plain = fit(tracing_models.views, 4, STEPS)
+    state, report = hooked(tracing_models.views, planner, settings=HookSettings(job="job", memory_budget=0.3))
+    assert_identical(plain, state)
+    first = report.iterations[2]
+    assert first.mode == "planned" and first.peak_bytes > report.memory_budget_bytes
+    said = [m for m in report.messages if "against a memory budget" in m]
+    assert said == [f"iteration 3: plan version 1 ran iteration 2 at a measured peak of {first.peak_bytes} bytes, against "
+                    f"a memory budget of {report.memory_budget_bytes} bytes: its iterations run on the dispatch path, "
+                    "where the budget guard swaps out what the plan leaves on the device"], report.messages
+    assert all(it.path == "dispatch" for it in report.iterations)
 
 
 class Shortcut(nn.Module):
