@@ -340,29 +340,30 @@ class PlanExecutor(TorchDispatchMode):
         if self.budget is not None:
             expected = self.report.scheduled_peak_bytes if plan is not None else self.vanilla_peak
             last = self.report.iterations[-1] if self.report.iterations else None
+            forecast_over = expected is None or expected > self.budget
             measured_over = last is not None and last.peak_source == "measured" and last.peak_bytes > self.budget
-            if expected is None or expected > self.budget or measured_over:
+            if forecast_over or measured_over:
                 # said once per plan; an iteration before the plan (recorded, unplanned) measuring over is no news
-                if plan is not None and not plan.guard_said and (
-                        expected is None or expected > self.budget or last.plan_version == plan.plan.version):
+                if plan is not None and not plan.guard_said and (forecast_over or last.plan_version == plan.plan.version):
                     plan.guard_said = True
-                    self._say(self._guarded(plan, expected, last if measured_over else None))
+                    self._say(self._guarded(plan, expected, None if forecast_over else last))
                 return None
         if native is None or (native.swaps and native.carrier is None):
             return None
         return native
 
     def _guarded(self, plan: ActivePlan, expected: int | None, measured: IterationStats | None) -> str:
-        """Why a plan's iterations run on the dispatch path, guarded by the budget, whatever its events."""
-        if expected is None:
-            why = "comes without a forecast of its scheduled peak"
-        elif expected > self.budget:
-            why = f"forecasts a scheduled peak of {expected} bytes"
-        else:
+        """Why a plan's iterations run on the dispatch path, guarded by the budget, whatever its events:
+        an iteration under it `measured` above the budget, else its forecast (none, or above the budget)."""
+        if measured is not None:
             why = f"ran iteration {measured.iteration} at a measured peak of {measured.peak_bytes} bytes"
+        elif expected is None:
+            why = "comes without a forecast of its scheduled peak"
+        else:
+            why = f"forecasts a scheduled peak of {expected} bytes"
         said = (f"plan version {plan.plan.version} {why}, against a memory budget of {self.budget} bytes: its "
                 "iterations run on the dispatch path, where the budget guard swaps out what the plan leaves on the device")
-        if expected is not None and expected > self.budget and native_plans(self.settings, self.device.type):
+        if measured is None and expected is not None and native_plans(self.settings, self.device.type):
             said += (" (its events are activation swaps only, as TENSILE_PLAN_EVENTS=native, or auto on CUDA, asks: "
                      "with all, the plan may swap parameters and optimizer state too)")
         return said

@@ -77,7 +77,14 @@ class Boundary:
     paths: list[tuple[Any, ...]]  # their index paths into the hook's values (args, or (args, output))
     root: tuple[int, int] | None  # (position, sequence number) of its tensors' newest autograd node
     root_node: Any = None  # that node, for the walks that check an anchor reaches a node (learning only)
-    alive: list[Any] = field(default_factory=list)  # weak references to its tensors, by position
+    alive: list[weakref.ref[torch.Tensor]] = field(default_factory=list)  # weak references to its tensors, by position
+
+
+def reference_count(tensor: torch.Tensor, handle: int) -> int:
+    """What the script could reach the tensor by: Python references to it (an attribute set to it) and
+    tensors on its storage (`handle`: `untyped_storage()._cdata`; an alias kept). The aligned iteration and
+    the native ones count it from frames alike (one reference of the caller's own), so the counts compare."""
+    return sys.getrefcount(tensor) + torch._C._storage_Use_Count(handle)
 
 
 def saved_tensor(node: Any, raw_name: str) -> torch.Tensor | None:
@@ -203,12 +210,10 @@ class SwapLearner:
         """At a top-level exit, what a native iteration's carrier counts there (SwapCarrier._recount), from
         the same frames: each live tensor of the boundaries so far (one reference here, as the carrier's
         tuple holds one), so that the first native iteration has counts to compare with too."""
-        use_count = torch._C._storage_Use_Count
         for index, boundary in enumerate(self.boundaries):
             for position, alive in enumerate(boundary.alive):
                 if (tensor := alive()) is not None:
-                    handle = tensor.untyped_storage()._cdata
-                    self.references[exit, index, position] = sys.getrefcount(tensor) + use_count(handle)
+                    self.references[exit, index, position] = reference_count(tensor, tensor.untyped_storage()._cdata)
 
     def _boundary(self, pre: bool, module: torch.nn.Module, values: Any) -> None:
         executor = self.executor

@@ -11,13 +11,13 @@ native iteration that leaves the learnt boundaries (another module, another numb
 nodes between two anchored boundaries, another size, a node not found) brings every tensor back
 at once and runs the rest without events; the next iteration aligns again on the dispatch path.
 At each top-level module exit before backward, a tensor taken with more references than there in the
-native iterations before (the script keeps it in some steps only) comes back for that iteration.
+aligned iteration and the native ones before (the script keeps it in some steps only) comes back for that
+iteration.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
 from functools import partial
 from time import perf_counter
@@ -34,6 +34,7 @@ from tensile.runtime_hook.native_align import (
     SwapLearner,
     foreign_global_hooks,
     nodes_behind,
+    reference_count,
     saved_tensor,
     user_forward_hooks,
 )
@@ -157,7 +158,7 @@ class SwapCarrier:
         device because the script held more references are named, once each."""
         fewest = self.fewest
         for key, count in self.counted.items():
-            if count < fewest.get(key, count + 1):
+            if key not in fewest or count < fewest[key]:
                 fewest[key] = count
         for swap in sorted(self.kept - self.named):
             self.named.add(swap)
@@ -258,12 +259,10 @@ class SwapCarrier:
         attribute, a dict entry or an alias of it set in some steps only; held.py saw the aligned
         iteration's): it comes back now, or is not swapped out, in this iteration."""
         fewest, counted, executor = self.fewest, self.counted, self.executor
-        use_count = torch._C._storage_Use_Count
         for swap, taken in enumerate(self.taken):
             if taken is None:
                 continue
-            # Python references to the tensor (an attribute set to it) and tensors on its storage (an alias kept)
-            count, key = sys.getrefcount(taken[0]) + use_count(taken[1]), (index, swap)
+            count, key = reference_count(*taken), (index, swap)
             least = fewest.get(key)
             if least is None or count <= least:
                 counted[key] = count

@@ -919,8 +919,8 @@ def gan_loop() -> Results:
 @pytest.mark.parametrize("path", PATHS)
 def test_two_models_with_two_optimizers(path: str) -> None:
     """The native path learns one kind of iteration and meets the other: it must fall back. The other kind
-    reaches the generator's exit first, with other reference counts there: they neither count as the script
-    holding a tensor nor become the counts later iterations are compared with."""
+    reaches the generator's exit with more references to one of its tensors than the learnt kind before it
+    leaves the learnt calls: that is not the script holding the tensor, and no swap is named for it."""
     if path != "native":
         check(gan_loop, path)
         return
