@@ -261,3 +261,20 @@ def test_training_grid_adds_its_extra_probes_without_moving_the_others(monkeypat
         workload = trace_step(build_step(probe, "meta"), model_name=probe.kind, batch_size=1, target_device="cpu")
         runs.update(o.runs for o in workload.ops if family_of(o) == "copy")
     assert any(r and min(r) < 1000 for r in runs)  # permuted copies, forward and back
+
+
+def test_op_keys_leave_out_float_operands_that_change_every_step_but_keep_those_that_pick_a_kernel():
+    """Adam divides by a bias correction and steps by a size that change every step: calibration's
+    measurement of VGG-16's 411 MB `div` must be found again at any step. pow's exponent picks a kernel
+    (2: a square, 0.5: a square root), so it stays; so do ints (dims, strides)."""
+    from tensile.latency.online import op_key
+
+    shape = [(4096, 25088)]
+    step_3, step_9 = (op("aten.div.Tensor", shape, params=(p,), phase="optimizer") for p in (0.0547, 0.0948))
+    assert op_key(step_3) == op_key(step_9)
+    assert op_key(op("aten.addcdiv_.default", shape * 3, params=(-0.00369,))) == \
+        op_key(op("aten.addcdiv_.default", shape * 3, params=(-0.00112,)))
+    squares, roots, cubes = (op("aten.pow.Tensor_Scalar", shape, params=(e,)) for e in (2.0, 0.5, 3.0))
+    assert len({op_key(squares), op_key(roots), op_key(cubes)}) == 3
+    assert op_key(op("aten.sum.dim_IntList", shape, params=([0], True))) != \
+        op_key(op("aten.sum.dim_IntList", shape, params=([1], True)))

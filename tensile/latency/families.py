@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 
 from tensile.workload import Op
 
-FEATURE_VERSION = 7  # 3: the prior counts fresh-page faults; 4: of every family's outputs, + the preceding op,
+FEATURE_VERSION = 8  # 3: the prior counts fresh-page faults; 4: of every family's outputs, + the preceding op,
 # + measured ops; 5: a cheap op's target is the mean of a batch of repeats (measure.batched_seconds);
 # 6: copies see their phase, convolutions a strided 1x1 and a oneDNN flag; op keys carry Op.runs;
-# 7: every family sees the bytes its whole iteration moves
+# 7: every family sees the bytes its whole iteration moves; 8: op keys leave out float operands that pick no kernel
 
 # Ops that only make a new view or an uninitialised allocation: no data moves, cost is dispatch.
 VIEW_OPS = frozenset({
