@@ -339,18 +339,26 @@ class PlanExecutor(TorchDispatchMode):
             return None
         if self.budget is not None:
             expected = self.report.scheduled_peak_bytes if plan is not None else self.vanilla_peak
-            last = self.report.iterations[-1] if self.report.iterations else None
+            last = self._measured_so_far()
             forecast_over = expected is None or expected > self.budget
-            measured_over = last is not None and last.peak_source == "measured" and last.peak_bytes > self.budget
+            measured_over = last is not None and last.peak_bytes > self.budget
             if forecast_over or measured_over:
-                # said once per plan; an iteration before the plan (recorded, unplanned) measuring over is no news
-                if plan is not None and not plan.guard_said and (forecast_over or last.plan_version == plan.plan.version):
+                if plan is not None and not plan.guard_said:  # said once per plan
                     plan.guard_said = True
                     self._say(self._guarded(plan, expected, None if forecast_over else last))
                 return None
         if native is None or (native.swaps and native.carrier is None):
             return None
         return native
+
+    def _measured_so_far(self) -> IterationStats | None:
+        """This iteration, whose ops have all run at its step, if its peak is measured (the dispatch path, an
+        observed native iteration, CUDA): the next iteration's path follows it, not the one before it (a
+        recorded iteration's vanilla peak over the budget cost ResNet-50 one more dispatch iteration a plan)."""
+        stats = self.stats
+        if self.device.type == "cuda":
+            stats.peak_bytes = max(stats.peak_bytes, torch.cuda.max_memory_allocated(self.device))
+        return stats if stats.peak_source == "measured" else None
 
     def _guarded(self, plan: ActivePlan, expected: int | None, measured: IterationStats | None) -> str:
         """Why a plan's iterations run on the dispatch path, guarded by the budget, whatever its events:

@@ -192,25 +192,25 @@ def test_with_native_plans_swaps_that_do_not_align_stay_on_the_device_and_the_re
     assert len(native) == STEPS - 3 and all(it.path == "native" and it.events["swap_out"] > 0 for it in native)
 
 
-def every_activation_forecast(workload: Workload, budget: int | None = None) -> Plan:
-    """`every_activation` with the forecast a planner gives: the scheduled peak that counts every swap."""
-    plan = every_activation(workload)
+def with_forecast(workload: Workload, plan: Plan) -> Plan:
+    """The plan with the forecast a planner gives: the scheduled peak that counts every swap."""
     scheduled = analyze_plan(workload, plan.events, PRESETS["cpu"].host_link_bandwidth).peak_bytes
     plan.forecast = Forecast(analyze_vanilla(workload).peak_bytes, scheduled)
     return plan
 
 
-def forecast_first() -> tuple[list[Forecast], Callable[[Workload, int | None], Plan]]:
-    """A planner of every activation's swap that notes each forecast it makes, and its first forecast,
-    made for the live workload of `tracing_models.views` before the test's run."""
+def forecast_first(build=tracing_models.views, make: Callable[[Workload], Plan] = every_activation,  # type: ignore[no-untyped-def]
+                   ) -> tuple[list[Forecast], Callable[[Workload, int | None], Plan]]:
+    """A planner of `make`'s plan with its forecast that notes each forecast it makes, and its first
+    forecast, made for the live workload of `build` before the test's run."""
     peaks: list[Forecast] = []
 
     def planner(workload: Workload, budget: int | None) -> Plan:
-        plan = every_activation_forecast(workload)
+        plan = with_forecast(workload, make(workload))
         peaks.append(plan.forecast)
         return plan
 
-    hooked(tracing_models.views, planner, steps=3)
+    hooked(build, planner, steps=3)
     return peaks, planner
 
 
@@ -264,10 +264,39 @@ def test_a_plan_whose_iterations_the_budget_does_not_hold_says_why_it_runs_guard
     first = report.iterations[2]
     assert first.mode == "planned" and first.peak_bytes > report.memory_budget_bytes
     said = [m for m in report.messages if "against a memory budget" in m]
-    assert said == [f"iteration 3: plan version 1 ran iteration 2 at a measured peak of {first.peak_bytes} bytes, against "
+    assert said == [f"iteration 2: plan version 1 ran iteration 2 at a measured peak of {first.peak_bytes} bytes, against "
                     f"a memory budget of {report.memory_budget_bytes} bytes: its iterations run on the dispatch path, "
                     "where the budget guard swaps out what the plan leaves on the device"], report.messages
     assert all(it.path == "dispatch" for it in report.iterations)
+
+
+def small_storages(batch_size: int) -> tuple:
+    """Twelve Linear(16, 16) + tanh layers at batch 48: every storage under 4 KiB, activations of 3 KiB
+    that the plan swaps and the budget guard does not (MIN_EVICT_BYTES)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(layer for _ in range(12) for layer in (nn.Linear(16, 16), nn.Tanh())), nn.Linear(16, 10))
+    batch = (torch.randn(48, 16), torch.randint(0, 10, (48,)))
+
+    def loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    return model, batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.1)
+
+
+def test_under_a_budget_the_plan_runs_natively_from_the_iteration_after_its_first_when_that_one_keeps_the_budget():
+    """The recorded iterations measure the vanilla peak, above the budget (the guard finds nothing big
+    enough to evict); the first planned one, on the dispatch path, measures under it: the next is native.
+    (The path followed the iteration before the step's own, so the recorded one's peak kept the second
+    planned iteration on the dispatch path too.)"""
+    plain = fit(small_storages, 4, STEPS)
+    peaks, planner = forecast_first(small_storages, feature_swaps)
+    budget = (peaks[0].scheduled_peak_bytes + peaks[0].vanilla_peak_bytes) // 2
+    state, report = hooked(small_storages, planner, settings=HookSettings(job="job", memory_budget=float(budget)))
+    assert_identical(plain, state)
+    iterations = report.iterations
+    assert iterations[1].peak_bytes > budget >= iterations[2].peak_bytes, [it.peak_bytes for it in iterations]
+    assert [it.path for it in iterations] == ["dispatch"] * 3 + ["native"] * (STEPS - 3), report.messages
+    assert not any("against a memory budget" in m for m in report.messages), report.messages
 
 
 class Shortcut(nn.Module):
