@@ -125,6 +125,7 @@ class MeasurementsIn(_Model):
     op_latencies: list[tuple[Annotated[int, Field(ge=0, le=BIG)], Annotated[float, Field(ge=0, le=MAX_SECONDS)]]] = Field(
         default_factory=list, max_length=MAX_OP_SAMPLES, description="sampled [op index, seconds] pairs")
     peak_bytes: int | None = Field(None, ge=0, le=BIG)
+    planned_peak_bytes: int | None = Field(None, ge=0, le=BIG, description="highest peak measured under a plan")
     iteration_seconds: float | None = Field(None, ge=0, le=MAX_SECONDS)
     vanilla_iteration_seconds: float | None = Field(None, ge=0, le=MAX_SECONDS)
     stall_seconds: float = Field(0.0, ge=0, le=MAX_SECONDS)
@@ -153,6 +154,7 @@ class WorkloadIn(_Model):
 class ObservedOut(_Model):
     iterations: int
     peak_bytes: int | None
+    planned_peak_bytes: int | None
     iteration_seconds: float | None
     eor: float | None
     stall_seconds: float

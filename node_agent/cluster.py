@@ -54,6 +54,7 @@ def tensilenode_status(state: AgentState, agent_url: str | None) -> dict:
             "jobs": [{k: v for k, v in {
                 "job": j["job"], "external": j["external"], "vanillaPeakBytes": j["vanilla_peak_bytes"],
                 "scheduledPeakBytes": j["scheduled_peak_bytes"], "observedPeakBytes": j["observed_peak_bytes"],
+                "observedPlannedPeakBytes": j["observed_planned_peak_bytes"],
                 "planVersion": j["plan_version"]}.items() if v is not None} for j in s["jobs"]],
         }
         if s["used_bytes"] is not None:
@@ -71,8 +72,9 @@ def tensilenode_status(state: AgentState, agent_url: str | None) -> dict:
 
 def observed_status(job: Any) -> dict:
     o = job.observed
-    fields = {"peakBytes": o.peak_bytes, "iterations": o.iterations, "iterationSeconds": o.iteration_seconds,
-              "stallSeconds": o.stall_seconds, "planVersion": o.plan_version, "signatureMatch": o.signature_match}
+    fields = {"peakBytes": o.peak_bytes, "plannedPeakBytes": o.planned_peak_bytes, "iterations": o.iterations,
+              "iterationSeconds": o.iteration_seconds, "stallSeconds": o.stall_seconds, "planVersion": o.plan_version,
+              "signatureMatch": o.signature_match}
     return {k: v for k, v in fields.items() if v is not None} | {"updatedAt": _now()}
 
 

@@ -55,6 +55,10 @@ class AgentCollector(Collector):
             "vanilla": GaugeMetricFamily("tensile_job_forecast_vanilla_peak_bytes", "Forecast peak without scheduling", labels=JOB_LABELS),
             "scheduled": GaugeMetricFamily("tensile_job_forecast_scheduled_peak_bytes", "Forecast peak under the current plan", labels=JOB_LABELS),
             "observed": GaugeMetricFamily("tensile_job_observed_peak_bytes", "Highest memory peak the hook measured", labels=JOB_LABELS),
+            "observed_planned": GaugeMetricFamily(
+                "tensile_job_observed_planned_peak_bytes",
+                "Highest memory peak the hook measured in iterations under a plan: compare with the forecast scheduled peak",
+                labels=JOB_LABELS),
             "iteration": GaugeMetricFamily("tensile_job_iteration_seconds", "Mean iteration time in the hook's last report", labels=JOB_LABELS),
             "predicted": GaugeMetricFamily("tensile_job_predicted_iteration_seconds", "Vanilla iteration time the plan was made with", labels=JOB_LABELS),
             "eor": GaugeMetricFamily("tensile_job_observed_eor_ratio", "Observed extra overhead rate (iteration time / time without scheduling)", labels=JOB_LABELS),
@@ -106,6 +110,8 @@ class AgentCollector(Collector):
                 job_metrics["budget"].add_metric(labels, budget)
             if obs["peak_bytes"] is not None:
                 job_metrics["observed"].add_metric(labels, obs["peak_bytes"])
+            if obs["planned_peak_bytes"] is not None:
+                job_metrics["observed_planned"].add_metric(labels, obs["planned_peak_bytes"])
             if obs["iteration_seconds"] is not None:
                 job_metrics["iteration"].add_metric(labels, obs["iteration_seconds"])
             if obs["eor"] is not None:

@@ -25,6 +25,7 @@ from tensile.agent_contract import (
     MeasurementsResponse,
     RegisterRequest,
     RegisterResponse,
+    higher,
 )
 from tensile.errors import TensileUserError
 from tensile.latency import LatencyEWMA
@@ -223,8 +224,8 @@ class AgentService:
         with self.state.lock:
             o = job.observed
             o.iterations += m.iterations
-            if m.peak_bytes is not None:
-                o.peak_bytes = max(o.peak_bytes or 0, m.peak_bytes)
+            o.peak_bytes = higher(o.peak_bytes, m.peak_bytes)
+            o.planned_peak_bytes = higher(o.planned_peak_bytes, m.planned_peak_bytes)
             if m.iteration_seconds is not None:
                 o.iteration_seconds = m.iteration_seconds
                 busy = m.iteration_seconds - m.stall_seconds / m.iterations

@@ -30,7 +30,8 @@ class Observed:
     """What the hook reported, folded: totals since registration, latest values otherwise."""
 
     iterations: int = 0
-    peak_bytes: int | None = None
+    peak_bytes: int | None = None  # of every iteration, the unplanned first ones too: what the device held
+    planned_peak_bytes: int | None = None  # of the iterations measured under a plan: what the forecast predicts
     iteration_seconds: float | None = None
     eor: float | None = None
     stall_seconds: float = 0.0
@@ -212,6 +213,7 @@ class AgentState:
             fixed = sum(j.memory_budget_bytes or 0 for j in jobs if not j.plannable)
             views = [{"job": j.key, "external": j.external, "status": j.status, "vanilla_peak_bytes": j.vanilla_peak,
                       "scheduled_peak_bytes": j.scheduled_peak, "observed_peak_bytes": j.observed.peak_bytes,
+                      "observed_planned_peak_bytes": j.observed.planned_peak_bytes,
                       "plan_version": j.version} for j in jobs]
         return gpu.to_dict() | {
             "used_bytes": used,

@@ -208,8 +208,8 @@ class AgentLink:
             pending, self._pending = self._pending, []
         if not pending or self.client.registration is None:
             return
-        figures = [{"peak_bytes": s.peak_bytes, "seconds": s.seconds, "stall_seconds": s.stall_seconds,
-                    "swap_out_bytes": s.swap_out_bytes, "swap_in_bytes": s.swap_in_bytes,
+        figures = [{"mode": s.mode, "peak_bytes": s.peak_bytes, "peak_source": s.peak_source, "seconds": s.seconds,
+                    "stall_seconds": s.stall_seconds, "swap_out_bytes": s.swap_out_bytes, "swap_in_bytes": s.swap_in_bytes,
                     "recompute_bytes": s.recompute_bytes, "plan_version": s.plan_version} for s in pending]
         self.client.post_measurements(Measurements.from_iterations(figures))
 

@@ -8,6 +8,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from tensile.agent_contract import higher, measured_under_plan, planned_peak
 from tensile.plan import EVENT_KINDS
 
 
@@ -49,6 +50,7 @@ class OmittedIterations:
     modes: dict[str, int] = field(default_factory=dict)  # iterations per mode
     # their figures summed, peak_bytes the largest; iteration, mode, path and plan version the last one's
     totals: IterationStats = field(default_factory=lambda: IterationStats(0))
+    planned_peak_bytes: int | None = None  # the largest peak of those measured under a plan (measured_under_plan)
 
     def absorb(self, stats: IterationStats) -> None:
         self.count += 1
@@ -62,6 +64,8 @@ class OmittedIterations:
         totals.peak_bytes = max(totals.peak_bytes, stats.peak_bytes)
         totals.iteration, totals.mode, totals.path, totals.plan_version = stats.iteration, stats.mode, stats.path, stats.plan_version
         totals.peak_source = stats.peak_source
+        if measured_under_plan(stats.mode, stats.peak_source):
+            self.planned_peak_bytes = higher(self.planned_peak_bytes, stats.peak_bytes)
 
 
 @dataclass
@@ -97,7 +101,8 @@ class RunTotals:
 
     iterations: int
     planned: int  # iterations under a plan
-    peak_bytes: int
+    peak_bytes: int  # of every iteration: what the device had to hold
+    planned_peak_bytes: int | None  # of the iterations measured under a plan: what compares with the forecast
     stall_seconds: float
 
     @classmethod
@@ -107,6 +112,7 @@ class RunTotals:
             iterations=len(listed) + omitted["count"],
             planned=sum(1 for it in listed if it["mode"] == "planned") + omitted["modes"].get("planned", 0),
             peak_bytes=max([it["peak_bytes"] for it in listed] + [omitted["totals"]["peak_bytes"]]),
+            planned_peak_bytes=higher(planned_peak(listed), omitted["planned_peak_bytes"]),
             stall_seconds=sum(it["stall_seconds"] for it in listed) + omitted["totals"]["stall_seconds"],
         )
 

@@ -27,6 +27,7 @@ import json
 import math
 import re
 import zlib
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -310,18 +311,40 @@ class PlanResponse:
 # --------------------------------------------------------------------------- measurements
 
 
+def measured_under_plan(mode: str | None, peak_source: str | None) -> bool:
+    """Whether an iteration's peak compares with the forecast scheduled peak: it ran under a plan and its
+    peak was measured. The first iterations (recording, matching) run at the vanilla peak, and a native
+    CPU iteration nothing observed reports the forecast itself as its peak (`peak_source` planned)."""
+    return mode == "planned" and peak_source == "measured"
+
+
+def planned_peak(iterations: Iterable[dict]) -> int | None:
+    """The highest peak measured under a plan among the hook's report iterations (as dicts; an entry
+    without `peak_source` counts as measured, IterationStats' default), None without one."""
+    return max((int(it.get("peak_bytes") or 0) for it in iterations
+                if measured_under_plan(it.get("mode"), it.get("peak_source", "measured"))), default=None)
+
+
+def higher(a: int | None, b: int | None) -> int | None:
+    """The larger of two peaks, either of which may be unknown (None)."""
+    return a if b is None else b if a is None else max(a, b)
+
+
 @dataclass(slots=True)
 class Measurements:
     """POST .../measurements: what the hook measured over `iterations` iterations since its last post.
 
     `op_latencies`: sampled [op index, seconds] pairs of the job's workload (indices as in the workload
     the agent plans with); they drive the EWMA and the drift re-plan. Byte and stall figures are totals
-    over the iterations covered; `peak_bytes` the highest; `iteration_seconds` the mean."""
+    over the iterations covered; `peak_bytes` the highest; `planned_peak_bytes` the highest of the
+    iterations measured under a plan (`measured_under_plan`; absent from an older hook's body);
+    `iteration_seconds` the mean."""
 
     plan_version: int | None = None
     iterations: int = 1
     op_latencies: list[list[float]] = field(default_factory=list)
     peak_bytes: int | None = None
+    planned_peak_bytes: int | None = None
     iteration_seconds: float | None = None
     vanilla_iteration_seconds: float | None = None  # measured without a plan, when the hook knows it
     stall_seconds: float = 0.0
@@ -335,6 +358,7 @@ class Measurements:
         _opt_int(data, "plan_version")
         _int(data, "iterations", 1, 1)
         _opt_int(data, "peak_bytes")
+        _opt_int(data, "planned_peak_bytes")
         _opt_float(data, "iteration_seconds")
         _opt_float(data, "vanilla_iteration_seconds")
         for key in ("stall_seconds",):
@@ -365,7 +389,8 @@ class Measurements:
     @classmethod
     def from_iterations(cls, iterations: list[dict], op_latencies: list[list[float]] | None = None,
                         plan_version: int | None = None, signature_match: bool | None = None) -> Measurements:
-        """Fold the hook's per-iteration report entries (runtime_hook.report.IterationStats as dicts)."""
+        """Fold the hook's per-iteration report entries (runtime_hook.report.IterationStats as dicts; `mode`
+        and `peak_source` decide which count for `planned_peak_bytes`)."""
         if not iterations:
             raise ContractError("iterations", "need at least one iteration")
         n = len(iterations)
@@ -374,6 +399,7 @@ class Measurements:
             iterations=n,
             op_latencies=list(op_latencies or []),
             peak_bytes=max(int(it.get("peak_bytes") or 0) for it in iterations),
+            planned_peak_bytes=planned_peak(iterations),
             iteration_seconds=sum(float(it.get("seconds") or 0.0) for it in iterations) / n,
             stall_seconds=sum(float(it.get("stall_seconds") or 0.0) for it in iterations),
             swap_out_bytes=sum(int(it.get("swap_out_bytes") or 0) for it in iterations),

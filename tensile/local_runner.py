@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tensile.agent_contract import higher
 from tensile.local_jobs import LocalJob
 
 POLL_SECONDS = 0.5
@@ -30,7 +31,8 @@ class JobRun:
     scheduled_peak: int | None = None
     workload_path: Path | None = None
     demand: int | None = None  # bytes it holds on the GPU for admission
-    observed_peak: int | None = None
+    observed_peak: int | None = None  # of every iteration: the unplanned first ones run at the vanilla peak
+    observed_planned_peak: int | None = None  # of the iterations measured under a plan: compare with scheduled_peak
     iterations: int = 0
     stall_seconds: float = 0.0
     message: str = ""
@@ -176,7 +178,8 @@ class LocalRunner:
 
             data = json.loads(run.report.read_text())
             totals = RunTotals.of(data)
-            run.observed_peak = totals.peak_bytes if totals.iterations else run.observed_peak
+            if totals.iterations:
+                run.observed_peak, run.observed_planned_peak = totals.peak_bytes, totals.planned_peak_bytes
             run.iterations = totals.iterations
             run.stall_seconds = totals.stall_seconds
             run.vanilla_peak = run.vanilla_peak or data.get("vanilla_peak_bytes")
@@ -196,8 +199,8 @@ class LocalRunner:
             if seen is None:
                 continue
             observed = seen["observed"]
-            if observed.get("peak_bytes") is not None:
-                run.observed_peak = max(run.observed_peak or 0, observed["peak_bytes"])
+            run.observed_peak = higher(run.observed_peak, observed.get("peak_bytes"))
+            run.observed_planned_peak = higher(run.observed_planned_peak, observed.get("planned_peak_bytes"))
             run.iterations = max(run.iterations, observed.get("iterations") or 0)
             run.stall_seconds = observed.get("stall_seconds") or 0.0
             if run.vanilla_peak is None and seen.get("forecast"):  # a profile job: the agent's plan forecasts it

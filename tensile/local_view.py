@@ -24,31 +24,32 @@ def job_view(runs: list[JobRun], title: str) -> Group:
     failed, or was admitted by its budget), which a table column at a terminal's 80 characters would cut
     into a few letters a line."""
     table = Table(title=title)
-    table.caption = "peaks in MiB: forecast vanilla and scheduled, observed by the hook"
-    for column in ("job", "phase", "vanilla", "sched.", "observed", "iter", "stalls s"):
+    table.caption = ("peaks in MiB: forecast vanilla and scheduled; observed by the hook in every iteration "
+                     "(the first ones run unplanned) and under plan (compare with sched.)")
+    for column in ("job", "phase", "vanilla", "sched.", "observed", "under\nplan", "iter", "stalls s"):
         table.add_column(column, justify="left" if column in ("job", "phase") else "right", no_wrap=True)
     for run in runs:
         style = PHASE_STYLE.get(run.phase, "")
         table.add_row(run.name, f"[{style}]{run.phase}[/]" if style else run.phase, _mib(run.vanilla_peak),
-                      _mib(run.scheduled_peak), _mib(run.observed_peak), str(run.iterations),
-                      f"{run.stall_seconds:.3f}")
+                      _mib(run.scheduled_peak), _mib(run.observed_peak), _mib(run.observed_planned_peak),
+                      str(run.iterations), f"{run.stall_seconds:.3f}")
     notes = [Text.assemble((f"{run.name}: ", "bold"), run.message) for run in runs if run.message]
     return Group(table, *notes)
 
 
 def plot_peaks(runs: list[JobRun], path: str | Path, title: str) -> Path:
-    """Grouped bars per job: forecast vanilla, forecast scheduled, observed peak (MiB)."""
+    """Grouped bars per job: forecast vanilla, forecast scheduled, observed peak and observed under plan (MiB)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     series = (("forecast vanilla", "vanilla_peak", "#bbbbbb"), ("forecast scheduled", "scheduled_peak", "#4c72b0"),
-              ("observed", "observed_peak", "#dd8452"))
+              ("observed", "observed_peak", "#dd8452"), ("observed under plan", "observed_planned_peak", "#55a868"))
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(max(4.0, 1.8 * len(runs) + 2), 4))
     for i, (label, attr, color) in enumerate(series):
-        xs = [j + (i - 1) * width for j in range(len(runs))]
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(runs))]
         ax.bar(xs, [(getattr(r, attr) or 0) / MIB for r in runs], width, label=label, color=color)
     ax.set_xticks(range(len(runs)), [r.name for r in runs])
     ax.set_ylabel("memory peak (MiB)")

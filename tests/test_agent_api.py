@@ -229,6 +229,38 @@ def test_metrics_series_and_cardinality(agent_server, tiny_workload):
     assert f'tensile_agent_replans_total{{gpu="{gpu}",reason="unregister"}}' in text
 
 
+def _gauge(text: str, metric: str, job: str) -> float | None:
+    """A per-job gauge's value in /metrics text, None when the series is absent."""
+    line = next((l for l in text.splitlines() if l.startswith(metric + "{") and f'job="{job}"' in l), None)
+    return None if line is None else float(line.split()[-1])
+
+
+def test_the_peak_under_plan_is_folded_apart_from_the_peak_of_every_iteration(agent_server, tiny_workload):
+    """A post of the unplanned first iterations (at the vanilla peak), then one under the plan: the job keeps
+    the higher peak of all and the peak under the plan apart, in /v1/jobs and /metrics; an older hook's post
+    without planned_peak_bytes is accepted and leaves the peak under the plan as it was."""
+    server = agent_server()
+    client = register(server.url, tiny_workload())
+    client.wait_for_plan(30)
+    recorded = Measurements.from_iterations([{"mode": "recording", "peak_bytes": 9_000_000}] * 2)
+    planned = Measurements.from_iterations([{"mode": "planned", "peak_bytes": 6_000_000, "plan_version": 1},
+                                            {"mode": "planned", "peak_bytes": 7_000_000, "peak_source": "planned"}])
+    assert client.post_measurements(recorded).accepted
+    metrics = get(server.url, "/metrics")[1]
+    assert _gauge(metrics, "tensile_job_observed_peak_bytes", "a") == 9e6
+    assert _gauge(metrics, "tensile_job_observed_planned_peak_bytes", "a") is None  # nothing under a plan yet
+    assert client.post_measurements(planned).accepted
+    older = {"plan_version": 1, "iterations": 1, "peak_bytes": 8_000_000, "iteration_seconds": 0.1}
+    assert call(server.url, "POST", "/v1/jobs/ns/a/measurements", older, client.token)[0] == 200
+    (view,) = get(server.url, "/v1/jobs")[1]["jobs"]
+    assert (view["observed"]["peak_bytes"], view["observed"]["planned_peak_bytes"]) == (9_000_000, 6_000_000)
+    metrics = get(server.url, "/metrics")[1]
+    assert _gauge(metrics, "tensile_job_observed_peak_bytes", "a") == 9e6
+    assert _gauge(metrics, "tensile_job_observed_planned_peak_bytes", "a") == 6e6
+    assert ("# HELP tensile_job_observed_planned_peak_bytes Highest memory peak the hook measured in iterations under a "
+            "plan: compare with the forecast scheduled peak") in metrics
+
+
 def test_knobs_replan_and_reregister_is_idempotent(agent_server, tiny_workload):
     server = agent_server()
     client = register(server.url, tiny_workload())

@@ -8,13 +8,16 @@ import asyncio
 import sys
 import time
 
+import jsonschema
 import pytest
-from agent_harness import ThreadedAgent, get
+import yaml
+from agent_harness import ROOT, ThreadedAgent, get
 from operator_harness import cluster, trainingjob
 
 from tensile.agent_client import AgentClient
 from tensile.agent_contract import Measurements
-from tensile.node_agent.cluster import in_cluster
+from tensile.local_jobs import strict_schema
+from tensile.node_agent.cluster import in_cluster, observed_status, tensilenode_status
 from tensile.operator.placement import gpus_from_tensilenode
 
 
@@ -69,6 +72,33 @@ def test_agent_publishes_its_node_and_the_jobs_observations(tmp_path, tiny_workl
                 agent.__exit__(None, None, None)
 
     asyncio.run(scenario())
+
+
+def status_validator(crd: str, *path: str) -> jsonschema.Draft4Validator:
+    """The CRD's schema of .status (then `path` into it), unknown fields refused: an API server prunes the
+    status fields its CRD does not declare, so a field the agent writes must be declared to be kept."""
+    (version,) = yaml.safe_load((ROOT / "crds" / f"{crd}.tensile.dev.yaml").read_text())["spec"]["versions"]
+    schema = version["schema"]["openAPIV3Schema"]["properties"]["status"]
+    for name in path:
+        schema = schema["properties"][name]
+    return jsonschema.Draft4Validator(strict_schema(schema))
+
+
+def test_the_statuses_carry_the_peak_under_plan_in_fields_the_crds_declare(tiny_workload):
+    """The TensileNode's jobs and the TrainingJob's observed figures give the peak measured under a plan
+    (observedPlannedPeakBytes, plannedPeakBytes) beside the peak of every iteration."""
+    with ThreadedAgent(["a6000:8GiB"]) as agent:
+        client = AgentClient(agent.url, "default/placed", max_backoff=0.2)
+        assert client.register(workload=tiny_workload()) is not None and client.wait_for_plan(30).status == "planned"
+        for figures in ({"mode": "recording", "peak_bytes": 9_000_000}, {"mode": "planned", "peak_bytes": 6_000_000}):
+            assert client.post_measurements(Measurements.from_iterations([figures])).accepted
+        node = tensilenode_status(agent.agent.state, agent.url)
+        observed = observed_status(agent.agent.state.jobs["default/placed"])
+    status_validator("tensilenodes").validate(node)
+    status_validator("trainingjobs", "observed").validate(observed)
+    (job,) = node["gpus"][0]["jobs"]
+    assert (job["observedPeakBytes"], job["observedPlannedPeakBytes"]) == (9_000_000, 6_000_000)
+    assert (observed["peakBytes"], observed["plannedPeakBytes"]) == (9_000_000, 6_000_000)
 
 
 def test_outside_a_cluster_publishing_is_off(monkeypatch, tiny_workload):

@@ -70,6 +70,28 @@ def test_measurements_validation_and_folding():
             c.Measurements.from_dict(bad)
 
 
+def test_measurements_keep_the_peak_measured_under_a_plan_apart():
+    """The recorded first iterations run at the vanilla peak and a native CPU iteration nothing observed reports
+    the forecast (peak_source planned): only planned iterations with a measured peak make planned_peak_bytes."""
+    iterations = [{"mode": "recording", "peak_bytes": 90, "peak_source": "measured"},
+                  {"mode": "planned", "peak_bytes": 60, "peak_source": "measured", "plan_version": 1},
+                  {"mode": "planned", "peak_bytes": 70, "peak_source": "planned", "plan_version": 1},
+                  {"mode": "guarded", "peak_bytes": 80, "peak_source": "measured"}]
+    m = c.Measurements.from_iterations(iterations)
+    assert (m.peak_bytes, m.planned_peak_bytes) == (90, 60)
+    assert c.Measurements.from_dict(m.to_dict()) == m
+    assert c.Measurements.from_iterations([iterations[0], iterations[2]]).planned_peak_bytes is None
+
+
+def test_measurements_from_an_older_hook_without_the_planned_peak_still_validate():
+    m = c.Measurements.from_dict({"plan_version": 1, "iterations": 2, "peak_bytes": 10, "iteration_seconds": 0.1})
+    assert m.peak_bytes == 10 and m.planned_peak_bytes is None
+    for bad in (-1, True, 1.5, "10"):
+        with pytest.raises(c.ContractError) as info:
+            c.Measurements.from_dict({"planned_peak_bytes": bad})
+        assert info.value.field == "planned_peak_bytes", bad
+
+
 def test_knobs_take_operator_names():
     knobs = c.Knobs.from_dict({"maxSwapRate": 0.25, "memoryBudgetBytes": 1000, "recompute": False})
     assert knobs.to_dict() == {"max_swap_rate": 0.25, "memory_budget_bytes": 1000, "recompute": False}

@@ -75,6 +75,17 @@ def test_every_panel_has_an_id_a_title_a_unit_and_targets():
     assert {"gpu", "namespace", "job"} <= set(variables(dashboards["tensile-jobs.json"]))
 
 
+def test_the_jobs_observed_peak_under_plan_is_plotted_against_the_forecasts():
+    """The peak of every iteration includes the unplanned first ones at the vanilla peak: read alone against the
+    scheduled forecast it looks like a miss, so the peak measured under a plan stands beside it."""
+    panels = {p["title"]: [t["expr"] for t in p["targets"]] for p in shipped()["tensile-jobs.json"]["panels"]}
+    peaks, accuracy = panels["Peaks: forecast against observed"], panels["Observed peak / forecast scheduled peak"]
+    forecasts = ["tensile_job_forecast_vanilla_peak_bytes", "tensile_job_forecast_scheduled_peak_bytes"]
+    observed = ["tensile_job_observed_peak_bytes", "tensile_job_observed_planned_peak_bytes"]
+    assert [expr.split("{")[0] for expr in peaks] == forecasts + observed
+    assert [expr.split("{")[0] for expr in accuracy] == observed[::-1]  # each over the scheduled forecast
+
+
 @contextmanager
 def prometheus(tmp_path: Path, target: str) -> Iterator[str]:
     """Debian's prometheus with its own config and data in tmp_path, scraping `target` every second."""

@@ -20,6 +20,7 @@ from tensile.agent_client import AgentClient
 from tensile.runtime_hook import activate, deactivate
 from tensile.runtime_hook.agent_link import AgentLink
 from tensile.runtime_hook.plan_source import local_planner
+from tensile.runtime_hook.report import HookReport, IterationStats
 from tensile.runtime_hook.settings import HookSettings
 from test_hook_correctness import assert_identical, deterministic, fit, train  # noqa: F401
 
@@ -85,6 +86,25 @@ def test_the_link_asks_the_agent_for_the_events_the_hook_would_plan(agent_server
         _wait(lambda: _job(agent.url, "link") is not None, 30, "the registration")
         job = _job(agent.url, "link")
         assert job["activations_only"] is activations_only and job["recompute"] is recompute
+    finally:
+        link.close()
+
+
+def test_the_link_posts_what_tells_the_peak_under_plan_from_the_others(agent_server, tiny_workload):
+    """Each iteration's mode and peak source reach the agent: the recorded iterations' vanilla peak and a native
+    CPU iteration's forecast (peak_source planned) are no measurement under the plan."""
+    agent = agent_server()
+    settings = HookSettings(job="ns/link", agent_interval=0.1)
+    link = AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2)).start(tiny_workload())
+    report = HookReport("ns/link", "cpu")
+    try:
+        _wait(lambda: _job(agent.url, "link") is not None, 30, "the registration")
+        for stats in (IterationStats(0, "recording", peak_bytes=9_000_000), IterationStats(1, "planned", 1, peak_bytes=6_000_000),
+                      IterationStats(2, "planned", 1, peak_bytes=7_000_000, peak_source="planned")):
+            link.listener(stats, report)
+        _wait(lambda: _job(agent.url, "link")["observed"]["iterations"] == 3, 30, "the posted figures")
+        observed = _job(agent.url, "link")["observed"]
+        assert (observed["peak_bytes"], observed["planned_peak_bytes"]) == (9_000_000, 6_000_000)
     finally:
         link.close()
 

@@ -187,7 +187,7 @@ def test_a_reports_run_totals_count_the_omitted_iterations_too():
         report.add(IterationStats(i, "planned" if i else "recording", peak_bytes=5 if i == KEPT_ITERATIONS + 3 else 1,
                                   stall_seconds=0.5))
     totals = RunTotals.of(report.to_dict())
-    assert totals == RunTotals(iterations=total, planned=total - 1, peak_bytes=5, stall_seconds=0.5 * total)
+    assert totals == RunTotals(iterations=total, planned=total - 1, peak_bytes=5, planned_peak_bytes=5, stall_seconds=0.5 * total)
     assert RunTotals.of(HookReport("job", "cpu").to_dict()).iterations == 0
 
 

@@ -122,6 +122,47 @@ def test_the_live_view_shows_each_jobs_note_whole_on_an_80_column_terminal(tmp_p
     assert any("Running" in line and "8.0" in line for line in lines)
 
 
+def test_the_view_shows_the_peak_under_plan_beside_the_peak_of_every_iteration(tmp_path, tiny_workload):
+    """Live from the agent's observation, and at the end from the hook's report: the recorded first iterations
+    run at the vanilla peak, so `observed` alone read against `sched.` looks like a forecast miss."""
+    from rich.console import Console
+
+    from tensile.agent_client import AgentClient
+    from tensile.agent_contract import Measurements
+    from tensile.runtime_hook.report import HookReport, IterationStats, ReportWriter
+
+    agent = LocalAgent("127.0.0.1", 0, ["small:1GiB"]).start()
+    runner = LocalRunner([load_job(_write(tmp_path, "live")), load_job(_write(tmp_path, "done"))], agent, tmp_path, "cpu", "cpu")
+    live, done = runner.runs
+    try:
+        client = AgentClient(agent.url, "default/live", max_backoff=0.2)
+        assert client.register(workload=tiny_workload()) is not None
+        for mode, peak in (("recording", 9 * 2**20), ("planned", 6 * 2**20)):
+            assert client.post_measurements(Measurements.from_iterations([{"mode": mode, "peak_bytes": peak}])).accepted
+        live.phase = "Running"
+        runner.refresh()
+    finally:
+        runner.stop()
+        agent.stop()
+    assert (live.observed_peak, live.observed_planned_peak) == (9 * 2**20, 6 * 2**20)
+    report = HookReport("done", "cpu")
+    for stats in (IterationStats(0, "recording", peak_bytes=8 * 2**20), IterationStats(1, "planned", 1, peak_bytes=5 * 2**20)):
+        report.add(stats)
+    done.report = tmp_path / "done.report.json"
+    ReportWriter(done.report, interval=0).write(report)
+    runner._finished(done, 0)
+    assert (done.phase, done.observed_peak, done.observed_planned_peak) == ("Succeeded", 8 * 2**20, 5 * 2**20)
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(job_view([live, done], "test"))
+    lines = console.export_text().splitlines()
+    header = [[cell.strip() for cell in line.split("┃")[5:7]] for line in lines if line.startswith("┃")]
+    assert header == [["", "under"], ["observed", "plan"]], lines
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
+    assert {row[0]: row[4:6] for row in rows} == {"live": ["9.0", "6.0"], "done": ["8.0", "5.0"]}, lines
+    png = plot_peaks([live, done], tmp_path / "peaks.png", "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_the_command_line_refuses_a_bad_file_before_starting_anything(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(JOB.format(name="bad", script="examples/train_mlp.py").replace("batchSize: 64", "batchSize: -1"))
