@@ -61,7 +61,10 @@ def forecast(run: JobRun, device: str, preset: str, directory: Path) -> None:
     optimizer = job.optimizer or (None if ".py:" in job.model else "adam")
     workload = trace_workload(job.model, job.batch_size, optimizer=optimizer, dtype=job.dtype, device=device,
                               micro_batches=job.micro_batches, input_shape=job.input_shape)
-    summary, _, _ = make_forecast(workload, preset, plan_events=job.plan_events, recompute=job.recompute)
+    # with its max swapping rate, as the agent plans it: without, mlp-wide (maxSwapRate 0.5) was admitted at a
+    # 7.1 MiB peak its plan could not reach (9.1 MiB) and every iteration ran guarded, evicting
+    summary, _, _ = make_forecast(workload, preset, plan_events=job.plan_events, recompute=job.recompute,
+                                  max_swap_rate=job.max_swap_rate or 1.0)
     run.vanilla_peak = summary["vanilla_peak_bytes"]
     run.scheduled_peak = summary["scheduled_peak_bytes"]
     run.demand = run.scheduled_peak if job.memory_budget is None else min(run.scheduled_peak, job.memory_budget)

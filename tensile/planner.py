@@ -467,10 +467,10 @@ def plan_gpu(
 
 
 def plan_job(workload: Workload, bandwidth: float, budget_bytes: int | None = None, name: str = "job",
-             activations_only: bool = False, recompute: bool = True, **options) -> GpuPlan:
+             activations_only: bool = False, recompute: bool = True, max_swap_rate: float = 1.0, **options) -> GpuPlan:
     """One job alone on its GPU (what `tensile forecast` and the hook's in-process planner need)."""
-    return plan_gpu([JobSpec(name, workload, recompute=recompute, activations_only=activations_only)], bandwidth, budget_bytes,
-                    **options)
+    return plan_gpu([JobSpec(name, workload, max_swap_rate, recompute=recompute, activations_only=activations_only)], bandwidth,
+                    budget_bytes, **options)
 
 
 def resolve_budget(text: str, vanilla_peak_bytes: int) -> int:

@@ -4,6 +4,7 @@ GPU by their forecast scheduled peaks, with the node agent in-process."""
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 import time
@@ -210,3 +211,33 @@ def test_a_jobs_annotations_override_its_budget_and_swap_rate_as_in_the_cluster(
     tuned = load_job(path)
     assert tuned.memory_budget == 3 * 2**20 != plain.memory_budget
     assert tuned.max_swap_rate == 0.5 != plain.max_swap_rate
+
+
+def test_a_job_with_a_max_swap_rate_is_admitted_at_the_peak_its_plan_reaches(tmp_path, monkeypatch):
+    """The agent plans a job with its max swapping rate; admission must too, or the job's memory budget (its
+    admitted peak) lies below what its plan can reach and every iteration runs guarded, evicting: mlp-wide
+    (maxSwapRate 0.5) was admitted at 7.1 MiB and planned at 9.1."""
+    monkeypatch.chdir(ROOT)
+    workload = trace_workload("examples/tiny_mlp.py:build", 64, optimizer=None, device="cpu")
+    free, limited = (make_forecast(workload, "cpu", max_swap_rate=rate)[0]["scheduled_peak_bytes"] for rate in (1.0, 0.5))
+    assert limited > free  # this job's plan needs more than half of the swaps
+    path = tmp_path / "rated.yaml"
+    path.write_text(JOB.format(name="rated", script="examples/train_mlp.py").replace(
+        "  template:", "  scheduling:\n    maxSwapRate: 0.5\n  template:"))
+    agent = LocalAgent("127.0.0.1", 0, ["a6000:48GiB"]).start()
+    runner = LocalRunner(load_jobs([str(path)]), agent, tmp_path, "cpu", "cpu")
+    try:
+        runner.forecast_all()
+        deadline = time.monotonic() + 120
+        while runner.step():
+            assert time.monotonic() < deadline, "the job did not finish"
+            time.sleep(0.1)
+    finally:
+        runner.stop()
+        agent.stop()
+    (run,) = runner.runs
+    assert run.phase == "Succeeded", run.message
+    assert run.scheduled_peak == run.demand == limited
+    report = json.loads(run.report.read_text())
+    assert report["memory_budget_bytes"] == limited and report["scheduled_peak_bytes"] <= limited, report["messages"]
+    assert not any("against a memory budget" in m for m in report["messages"]), report["messages"]

@@ -114,10 +114,11 @@ def _preset(args: argparse.Namespace, workload: Workload) -> str:
     return args.gpu or ("a6000" if workload.device == "cuda" else "cpu")
 
 
-def make_forecast(workload: Workload, preset: str, memory_budget: str | None = None,
-                  plan_events: str = "auto", recompute: bool = True) -> tuple[dict, Plan, PeakResult]:
+def make_forecast(workload: Workload, preset: str, memory_budget: str | None = None, plan_events: str = "auto",
+                  recompute: bool = True, max_swap_rate: float = 1.0) -> tuple[dict, Plan, PeakResult]:
     """Latencies, vanilla peak analysis and the TENSILE plan for one traced workload, with the events
-    the hook would plan with on the workload's device."""
+    the hook would plan with on the workload's device (and the job's max swapping rate: alone on its GPU,
+    the strictest the agent's joint plan can hold it to)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UncalibratedWarning)
         latency_source = assign_latencies(workload, device=preset if workload.device == "cuda" else "cpu")
@@ -127,7 +128,7 @@ def make_forecast(workload: Workload, preset: str, memory_budget: str | None = N
     budget = resolve_budget(memory_budget, vanilla.peak_bytes) if memory_budget else None
     activations_only = native_plan_events(plan_events, workload.device)
     gpu_plan = plan_job(workload, device_preset(preset).host_link_bandwidth, budget, activations_only=activations_only,
-                        recompute=recompute)
+                        recompute=recompute, max_swap_rate=max_swap_rate)
     plan = gpu_plan.plans["job"]
     return forecast_summary(workload, vanilla, latency_source, gpu_plan, plan, activations_only), plan, vanilla
 
