@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,21 @@ def _write(tmp_path: Path, name: str, script: str = "examples/train_mlp.py") -> 
     return path
 
 
+def _run_to_the_end(runner: LocalRunner, agent: LocalAgent, watch: Callable[[], None] = lambda: None) -> None:
+    """Forecast, admit and run the jobs until all have ended (2 minutes at most), `watch` after every pass;
+    the runner and the agent stop whatever happens."""
+    try:
+        runner.forecast_all()
+        deadline = time.monotonic() + 120
+        while runner.step():
+            assert time.monotonic() < deadline, "the jobs did not finish"
+            watch()
+            time.sleep(0.1)
+    finally:
+        runner.stop()
+        agent.stop()
+
+
 def test_two_jobs_share_a_gpu_too_small_for_both_one_waits_queued(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the container commands run from the repository, as in the quickstart
     workload = trace_workload("examples/tiny_mlp.py:build", 64, optimizer=None, device="cpu")
@@ -56,20 +72,15 @@ def test_two_jobs_share_a_gpu_too_small_for_both_one_waits_queued(tmp_path, monk
     phases: dict[str, set[str]] = {j.name: set() for j in jobs}
     in_agent: set[str] = set()
     queued_gauge: list[float] = []
-    try:
-        runner.forecast_all()
-        deadline = time.monotonic() + 120
-        while runner.step():
-            assert time.monotonic() < deadline, "the jobs did not finish"
-            for run in runner.runs:
-                phases[run.name].add(run.phase)
-            in_agent |= {j["job"] for j in get(agent.url, "/v1/jobs")[1]["jobs"]}
-            metrics = get(agent.url, "/metrics")[1]
-            queued_gauge.append(float(next(l for l in metrics.splitlines() if l.startswith("tensile_queued_jobs ")).split()[1]))
-            time.sleep(0.1)
-    finally:
-        runner.stop()
-        agent.stop()
+
+    def watch() -> None:
+        for run in runner.runs:
+            phases[run.name].add(run.phase)
+        in_agent.update(j["job"] for j in get(agent.url, "/v1/jobs")[1]["jobs"])
+        metrics = get(agent.url, "/metrics")[1]
+        queued_gauge.append(float(next(l for l in metrics.splitlines() if l.startswith("tensile_queued_jobs ")).split()[1]))
+
+    _run_to_the_end(runner, agent, watch)
     first, second, missing = runner.runs
     assert first.phase == second.phase == "Succeeded", [(r.name, r.message) for r in runner.runs]
     assert "Queued" in phases["second"] and 1.0 in queued_gauge and queued_gauge[-1] == 0.0
@@ -226,15 +237,7 @@ def test_a_job_with_a_max_swap_rate_is_admitted_at_the_peak_its_plan_reaches(tmp
         "  template:", "  scheduling:\n    maxSwapRate: 0.5\n  template:"))
     agent = LocalAgent("127.0.0.1", 0, ["a6000:48GiB"]).start()
     runner = LocalRunner(load_jobs([str(path)]), agent, tmp_path, "cpu", "cpu")
-    try:
-        runner.forecast_all()
-        deadline = time.monotonic() + 120
-        while runner.step():
-            assert time.monotonic() < deadline, "the job did not finish"
-            time.sleep(0.1)
-    finally:
-        runner.stop()
-        agent.stop()
+    _run_to_the_end(runner, agent)
     (run,) = runner.runs
     assert run.phase == "Succeeded", run.message
     assert run.scheduled_peak == run.demand == limited
