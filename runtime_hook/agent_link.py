@@ -89,9 +89,12 @@ class AgentLink:
                 self._response = None
             self._waiting = True
             self._lock.notify_all()
-            self._lock.wait_for(lambda: self._plan_ready() or self._given_up(), timeout=self.settings.agent_wait)
+            # the latest plan for this workload, handed before or not: one the listener handed while the
+            # executor was still recording (registered with the forecast, the agent plans that early) was
+            # dropped there, since the executor applies plans only once it has matched the live iteration
+            self._lock.wait_for(lambda: self._plan_ready(again=True) or self._given_up(), timeout=self.settings.agent_wait)
             self._waiting = False
-            plan = self._take_plan()
+            plan = self._take_plan(again=True)
         if plan is not None:
             self._source = "agent"
             return plan
@@ -139,17 +142,18 @@ class AgentLink:
         self.client.close()
 
     # -- helpers under the lock ------------------------------------------------------------------
-    def _plan_ready(self) -> bool:
+    def _plan_ready(self, again: bool = False) -> bool:
+        """A plan for the hook's workload not handed to the executor yet (`again`: handed or not)."""
         response = self._response
-        return response is not None and response.plan is not None and response.version != self._handed
+        return response is not None and response.plan is not None and (again or response.version != self._handed)
 
     def _given_up(self) -> bool:
         response = self._response
         return (self._refused is not None or not self._reachable
                 or (response is not None and response.status == FAILED))
 
-    def _take_plan(self) -> Plan | None:
-        if not self._plan_ready():
+    def _take_plan(self, again: bool = False) -> Plan | None:
+        if not self._plan_ready(again):
             return None
         assert self._response is not None
         self._handed = self._response.version

@@ -479,14 +479,21 @@ class PlanExecutor(TorchDispatchMode):
             self.report_writer.write(self.report)
 
     def _take_newer(self, plan: Plan | None) -> None:
-        """A re-plan of the workload already matched applies from the next iteration, unmatched again."""
+        """A re-plan of the workload already matched applies from the next iteration, unmatched again; so
+        does a first plan to a job that runs guarded since it matched (no planner had a plan then)."""
         current = self.ready or self.candidate
-        if plan is None or current is None or plan.version == current.plan.version:
+        if plan is None or (current is not None and plan.version == current.plan.version):
             return
-        if plan.signature != current.plan.signature:
+        if current is not None:
+            signature, workload = current.plan.signature, current.workload
+        elif self.live is not None and self.iteration >= self.match_at:
+            signature, workload = self.live.signature, self.live
+        else:
+            return  # not matched yet: the link hands the plan again when the match asks for it
+        if plan.signature != signature:
             self._say(f"plan version {plan.version} is for another workload: ignored")
             return
-        self._offer(plan, current.workload, "agent")
+        self._offer(plan, workload, "agent")
         self.ready = self.candidate
 
     def _begin_iteration(self) -> None:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,8 @@ from tensile.runtime_hook.agent_link import AgentLink
 from tensile.runtime_hook.plan_source import local_planner
 from tensile.runtime_hook.report import HookReport, IterationStats
 from tensile.runtime_hook.settings import HookSettings
-from test_hook_correctness import assert_identical, deterministic, fit, train  # noqa: F401
+from tensile.workload import Workload
+from test_hook_correctness import STEPS, assert_identical, deterministic, fit, fit_model, state_of, train  # noqa: F401
 
 SCRIPT = str(ROOT / "examples" / "train_mlp.py")
 FAST = {"TENSILE_AGENT_MAX_BACKOFF": "0.3", "TENSILE_AGENT_INTERVAL": "0.1", "TENSILE_AGENT_TIMEOUT": "0.5"}
@@ -134,6 +136,20 @@ def test_the_agent_dies_mid_run_training_is_unharmed_and_registers_again(tmp_pat
     assert data["stood_down"] is None
 
 
+def _fit_linked(link: AgentLink, settings: HookSettings, steps: int = STEPS,
+                after_step: Callable[[int], None] | None = None) -> tuple[dict, HookReport, float]:
+    """`tracing_models.views` trained under the hook planned through `link` (closed after): the state, the
+    report and the wall seconds, which hold the match's wait for the agent (in no iteration's seconds)."""
+    executor = activate(settings, planner=link.planner, device=torch.device("cpu"), listener=link.listener)
+    started = time.monotonic()
+    try:
+        hooked = state_of(*fit_model(tracing_models.views, 4, steps, after_step=after_step))
+    finally:
+        deactivate()
+        link.close()
+    return hooked, executor.report, time.monotonic() - started
+
+
 def test_no_agent_at_all_falls_back_to_the_local_planner_at_once():
     """Nothing listens at the URL: iteration 1 does not wait out agent_wait, the plan comes from the
     local planner, training is bit-identical and the report says why."""
@@ -142,15 +158,60 @@ def test_no_agent_at_all_falls_back_to_the_local_planner_at_once():
                             agent_timeout=0.5, agent_max_backoff=0.3)
     device = torch.device("cpu")
     link = AgentLink.from_env(settings, local_planner(settings, device), environ={"TENSILE_AGENT": settings.agent_url, "TENSILE_JOB": "job"})
-    link.start()
-    executor = activate(settings, planner=link.planner, device=device, listener=link.listener)
-    try:
-        hooked = fit(tracing_models.views, 4)
-    finally:
-        deactivate()
-        link.close()
+    hooked, report, seconds = _fit_linked(link.start(), settings)
+    assert seconds < 20  # not the 30 s agent_wait
     assert_identical(plain, hooked)
-    report = executor.report
     assert report.plan_source == "local"
     assert any("planning locally" in m for m in report.messages), report.messages
-    assert max(it.seconds for it in report.iterations) < 10  # not the 30 s agent_wait
+
+
+def _live_workload(build, batch_size: int) -> Workload:  # type: ignore[no-untyped-def]
+    """The workload the hook records from `build`'s training: what a forecast made before the job gives."""
+    seen: list[Workload] = []
+    train(build, batch_size, planner=lambda live, budget: seen.append(live))
+    return seen[0]
+
+
+def _agent_settings(url: str, job: str, agent_wait: float) -> HookSettings:
+    return HookSettings(job=job, agent_url=url, agent_wait=agent_wait, agent_interval=0.05, agent_timeout=0.5,
+                        agent_max_backoff=0.3)
+
+
+def test_a_plan_the_agent_made_while_the_job_recorded_is_taken_at_the_match(agent_server):
+    """Registered with its forecast workload (so in the cluster and in local mode), the job has the agent's plan
+    before its first iterations end. Until the nineteenth session the listener took it at iteration 0's end, where
+    the executor, not matched yet, dropped it; the match then waited out agent_wait for a newer version and planned
+    locally (`tensile local`'s second job said so at every run)."""
+    plain, _ = train(tracing_models.views, 4)
+    device, agent = torch.device("cpu"), agent_server()
+    settings = _agent_settings(agent.url, "ns/early", agent_wait=30.0)
+    link = AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2), local_planner(settings, device))
+    link.start(_live_workload(tracing_models.views, 4))
+    _wait(lambda: link._plan_ready(), 30, "the agent's plan at the link")  # before iteration 0 ends
+    hooked, report, seconds = _fit_linked(link, settings)
+    assert seconds < 20  # not the 30 s agent_wait
+    assert_identical(plain, hooked)
+    assert (report.plan_source, report.plan_version, report.signature_match) == ("agent", 1, True)
+    assert not any("gave no plan" in m for m in report.messages), report.messages
+    assert [it.mode for it in report.iterations[2:]] == ["planned"] * (STEPS - 2)
+
+
+def test_a_job_running_guarded_takes_the_agents_plan_when_it_comes(agent_server):
+    """No plan at the match (the agent had none within agent_wait, the fallback none either): the job runs
+    guarded, and the agent's plan, when it comes, applies from the next iteration (it was dropped: the
+    executor took newer plans only in place of one it had)."""
+    steps = STEPS + 2
+    plain = fit(tracing_models.views, 4, steps)
+    agent = agent_server()
+    settings = _agent_settings(agent.url, "ns/late", agent_wait=0.0)
+    link = AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2), lambda live, budget: None).start()
+
+    def after_step(step: int) -> None:
+        if step == 2:  # the plan is at the link before the last iterations start
+            _wait(lambda: link._plan_ready(), 30, "the agent's plan at the link")
+
+    hooked, report, _ = _fit_linked(link, settings, steps, after_step)
+    assert_identical(plain, hooked)
+    assert any("returned no plan: running guarded" in m for m in report.messages), report.messages
+    modes = [it.mode for it in report.iterations[2:]]
+    assert modes[-1] == "planned" and modes == sorted(modes) and report.plan_source == "agent", modes  # guarded, then planned

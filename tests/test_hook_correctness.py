@@ -80,18 +80,20 @@ def fit(build: Callable[[int], tuple], batch_size: int, steps: int = STEPS, micr
     return state_of(*fit_model(build, batch_size, steps, micro_batches))
 
 
-def fit_model(build: Callable[[int], tuple], batch_size: int, steps: int = STEPS,
-              micro_batches: int = 1) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
-    """A plain training loop, seeded."""
+def fit_model(build: Callable[[int], tuple], batch_size: int, steps: int = STEPS, micro_batches: int = 1,
+              after_step: Callable[[int], None] | None = None) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+    """A plain training loop, seeded; `after_step(step)` runs between steps (a test waits there)."""
     torch.manual_seed(1234)
     model, batch, loss_fn, make_optimizer = build(batch_size)
     optimizer = make_optimizer(model.parameters())
-    for _ in range(steps):
+    for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         for _ in range(micro_batches):
             loss = loss_fn(model, batch) / micro_batches
             loss.backward()
         optimizer.step()
+        if after_step is not None:
+            after_step(step)
     return model, [optimizer]
 
 
