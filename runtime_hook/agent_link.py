@@ -51,6 +51,7 @@ class AgentLink:
         self._reachable = True
         self._registrations = 0
         self._matched: bool | None = None  # the forecast workload's signature against the live one, to report
+        self._match_posted: bool | None = None  # the same, for the agent (sent with every post once known)
         self._source: str | None = None  # plan source to put in the report at the next listener call
         self._waiting = False  # the training thread waits for the first plan: poll fast
         self._last_error: str | None = None
@@ -79,7 +80,7 @@ class AgentLink:
         fallback's plan (version 0, so the agent's plan replaces it as soon as it comes)."""
         with self._lock:
             if self._signature is not None:  # registered with the forecast workload: did it match?
-                self._matched = self._signature == live.signature
+                self._matched = self._match_posted = self._signature == live.signature
             if self._signature != live.signature:
                 # registered with another workload (a stale forecast): upload the live one instead
                 unsent = self._todo is not None and not self._todo.upload
@@ -98,7 +99,9 @@ class AgentLink:
         if plan is not None:
             self._source = "agent"
             return plan
-        why = self._refused or self.client.last_error or f"no plan within {self.settings.agent_wait:g} s"
+        failed = self._response is not None and self._response.status == FAILED
+        why = (self._refused or self.client.last_error or (self._response.message if failed else None)
+               or f"no plan within {self.settings.agent_wait:g} s")
         if self.fallback is None:
             self._note(f"node agent gave no plan ({why}): running guarded until it does")
             return None
@@ -143,9 +146,11 @@ class AgentLink:
 
     # -- helpers under the lock ------------------------------------------------------------------
     def _plan_ready(self, again: bool = False) -> bool:
-        """A plan for the hook's workload not handed to the executor yet (`again`: handed or not)."""
+        """A plan for the hook's workload not handed to the executor yet (`again`: handed or not). A failed
+        round's response keeps the job's last plan, which after an upload was made for another workload."""
         response = self._response
-        return response is not None and response.plan is not None and (again or response.version != self._handed)
+        return (response is not None and response.plan is not None and response.plan.get("signature") == self._signature
+                and (again or response.version != self._handed))
 
     def _given_up(self) -> bool:
         response = self._response
@@ -215,7 +220,7 @@ class AgentLink:
         figures = [{"mode": s.mode, "peak_bytes": s.peak_bytes, "peak_source": s.peak_source, "seconds": s.seconds,
                     "stall_seconds": s.stall_seconds, "swap_out_bytes": s.swap_out_bytes, "swap_in_bytes": s.swap_in_bytes,
                     "recompute_bytes": s.recompute_bytes, "plan_version": s.plan_version} for s in pending]
-        self.client.post_measurements(Measurements.from_iterations(figures))
+        self.client.post_measurements(Measurements.from_iterations(figures, signature_match=self._match_posted))
 
     def _observe(self) -> None:
         """Turn the client's state changes into messages: gone, back, registered again."""

@@ -289,6 +289,9 @@ class PlanExecutor(TorchDispatchMode):
         if plan is None:
             self._say("the planner returned no plan: running guarded")
             return
+        if plan.signature != live.signature:  # its events name another workload's tensors
+            self._say(f"the planner's plan version {plan.version} was made for another workload: running guarded")
+            return
         self._offer(plan, live, "local")
         self.ready = self.candidate
 

@@ -215,3 +215,33 @@ def test_a_job_running_guarded_takes_the_agents_plan_when_it_comes(agent_server)
     assert any("returned no plan: running guarded" in m for m in report.messages), report.messages
     modes = [it.mode for it in report.iterations[2:]]
     assert modes[-1] == "planned" and modes == sorted(modes) and report.plan_source == "agent", modes  # guarded, then planned
+
+
+def test_a_failed_round_after_an_upload_gives_no_plan_for_the_forecast_workload(agent_server):
+    """Registered with a stale forecast, the job uploads its live workload and the agent's round for it fails:
+    the response keeps the plan made for the forecast, which the hook applied (its events name the other
+    workload's tensors). Now the hook plans locally, says why, and the agent hears the signatures differed."""
+    plain, _ = train(tracing_models.views, 4)
+    live, agent = _live_workload(tracing_models.views, 4), agent_server()
+    planner = agent.agent.planning.planner
+
+    def failing(specs, bandwidth, **options):  # type: ignore[no-untyped-def]
+        if any(spec.workload.signature == live.signature for spec in specs):
+            raise RuntimeError("the planner failed on the live workload")
+        return planner(specs, bandwidth, **options)
+
+    agent.agent.planning.planner = failing
+    settings = _agent_settings(agent.url, "ns/stale", agent_wait=30.0)
+    link = AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2), local_planner(settings, torch.device("cpu")))
+    link.start(_live_workload(tracing_models.views, 2))  # the forecast: another batch size, another signature
+    _wait(lambda: link._response is not None, 30, "the forecast's plan at the link")
+
+    def after_step(step: int) -> None:  # the agent hears of the mismatch while the job is registered
+        if step == STEPS - 1:
+            _wait(lambda: _job(agent.url, "stale")["observed"]["signature_match"] is False, 30, "the posted mismatch")
+
+    hooked, report, seconds = _fit_linked(link, settings, after_step=after_step)
+    assert seconds < 20  # the failure gives up at once, not after agent_wait
+    assert_identical(plain, hooked)
+    assert (report.plan_source, report.signature_match) == ("local", False)
+    assert any("gave no plan (planning failed" in m for m in report.messages), report.messages

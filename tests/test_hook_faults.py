@@ -45,6 +45,17 @@ def test_no_plan_runs_guarded_and_says_so():
     assert all(it.mode in ("recording", "guarded") for it in report.iterations)
 
 
+def test_a_planners_plan_for_another_workload_is_refused():
+    """Its events name another workload's tensors: the job runs guarded and says so (the agent's failed round
+    after an upload answered with the plan made for the forecast workload, and the hook applied it)."""
+    plain, _ = train(tracing_models.views, 4)
+    hooked, report = train(tracing_models.views, 4,
+                           planner=lambda workload, budget: Plan("job", 3, "another-signature", wrong_plan(workload).events))
+    assert_identical(plain, hooked)
+    assert any("plan version 3 was made for another workload" in m for m in report.messages), report.messages
+    assert all(it.mode in ("recording", "guarded") for it in report.iterations)
+
+
 def test_a_stale_plan_is_replaced_by_one_from_the_live_iteration():
     from tensile.forecast import trace_workload
     from tensile.runtime_hook import activate, deactivate
