@@ -103,6 +103,13 @@ class PlanBody(_Model):
     signature: str
     events: list[EventOut]
     forecast: ForecastOut | None
+    memory_budget_bytes: int | None = Field(None, description="the job's budget the plan was made for: the hook's guard holds to it")
+
+
+class KnobsOut(_Model):
+    max_swap_rate: float | None
+    memory_budget_bytes: int | None
+    recompute: bool
 
 
 class PlanOut(_Model):
@@ -117,6 +124,7 @@ class PlanOut(_Model):
     fits: bool | None
     budget_bytes: int | None
     plan: PlanBody | None
+    knobs: KnobsOut = Field(description="the job's knobs as the agent holds them: a hook re-registering after an agent restart sends these")
 
 
 class MeasurementsIn(_Model):

@@ -49,10 +49,11 @@ def gpu_budget(state: AgentState, uuid: str, jobs: list[Job]) -> int:
 
 
 def same_plan(a, b) -> bool:  # type: ignore[no-untyped-def]
-    """Same events for the same signature and the same forecast: no new version is handed out."""
+    """Same events for the same signature, forecast and budget: no new version is handed out."""
     if a is None or b is None:
         return False
-    return a.signature == b.signature and a.events == b.events and a.forecast == b.forecast
+    return (a.signature == b.signature and a.events == b.events and a.forecast == b.forecast
+            and a.memory_budget_bytes == b.memory_budget_bytes)
 
 
 _CHILD_WORKLOADS: dict[str, Workload] = {}  # in the planning process: workloads by key, sent once
@@ -325,6 +326,7 @@ class PlanningService:
                     job.fits = None
                     continue
                 plan = result.plans[job.key]
+                plan.memory_budget_bytes = job.memory_budget_bytes
                 if not same_plan(plan, job.plan):
                     job.version += 1
                     plan.version = job.version

@@ -101,6 +101,8 @@ class Job:
             "job": self.ref.name, "namespace": self.ref.namespace, "gpu": self.gpu, "version": self.version,
             "status": self.status, "message": self.message, "round": self.round, "co_planned": list(self.co_planned),
             "fits": self.fits, "budget_bytes": self.budget_bytes, "plan": self.plan,
+            "knobs": {"max_swap_rate": self.max_swap_rate, "memory_budget_bytes": self.memory_budget_bytes,
+                      "recompute": self.recompute},
         }
 
     @staticmethod
@@ -116,7 +118,8 @@ class Job:
                                 "next_iteration": e.next_iteration} for e in plan.events],
                     "forecast": {"vanilla_peak_bytes": f.vanilla_peak_bytes, "scheduled_peak_bytes": f.scheduled_peak_bytes,
                                  "predicted_iteration_seconds": f.predicted_iteration_seconds,
-                                 "predicted_extra_seconds": f.predicted_extra_seconds} if f is not None else None}
+                                 "predicted_extra_seconds": f.predicted_extra_seconds} if f is not None else None,
+                    "memory_budget_bytes": plan.memory_budget_bytes}
         return json.dumps(data | {"plan": body}, separators=(",", ":")).encode()
 
     def plan_dict(self) -> dict:

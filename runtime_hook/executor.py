@@ -223,6 +223,7 @@ class PlanExecutor(TorchDispatchMode):
         # for the vanilla peak
         self.budget: int | None = budget_bytes(settings.memory_budget, 0) if (settings.memory_budget or 0) > 1 else None
         self.report.memory_budget_bytes = self.budget
+        self.agent_budget: int | None = None  # a node agent's plan's budget, where it differs (the operator lowered it)
         self.vanilla_peak: int | None = None
         self.candidate: ActivePlan | None = None  # offered, not yet matched against a live iteration
         self.op_index = 0  # position in the iteration (fast path)
@@ -254,10 +255,14 @@ class PlanExecutor(TorchDispatchMode):
             self.report.vanilla_peak_bytes = plan.forecast.vanilla_peak_bytes
             self.report.scheduled_peak_bytes = plan.forecast.scheduled_peak_bytes
             self._set_vanilla(plan.forecast.vanilla_peak_bytes)
+        if plan.memory_budget_bytes is not None and plan.memory_budget_bytes != self.budget:
+            self._say(f"plan version {plan.version} holds the job to a memory budget of {plan.memory_budget_bytes} bytes, "
+                      f"not {self.budget}: the node agent's (a TrainingJob's budget annotation changes it)", logging.INFO)
+            self.agent_budget = self.budget = self.report.memory_budget_bytes = plan.memory_budget_bytes
 
     def _set_vanilla(self, vanilla_peak: int) -> None:
         self.vanilla_peak = vanilla_peak
-        self.budget = budget_bytes(self.settings.memory_budget, vanilla_peak)
+        self.budget = self.agent_budget or budget_bytes(self.settings.memory_budget, vanilla_peak)
         self.report.vanilla_peak_bytes = self.report.vanilla_peak_bytes or vanilla_peak
         self.report.memory_budget_bytes = self.budget
 

@@ -309,6 +309,11 @@ class AgentClient:
                 return self.last_plan
             self.last_plan = PlanResponse.from_dict(payload or {})
             self._etag = response_headers.get(ETAG_HEADER) or response_headers.get(ETAG_HEADER.lower())
+            knobs = self.last_plan.knobs
+            if knobs is not None and self.registration is not None:  # registering again sends what holds now
+                self.registration.memory_budget_bytes = knobs.memory_budget_bytes
+                self.registration.max_swap_rate = knobs.max_swap_rate
+                self.registration.recompute = bool(knobs.recompute)
             return self.last_plan
 
     def poll(self):  # type: ignore[no-untyped-def]

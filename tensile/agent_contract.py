@@ -293,13 +293,18 @@ class PlanResponse:
     fits: bool | None
     budget_bytes: int | None
     plan: dict | None
+    # the job's knobs as the agent holds them (the operator PATCHes them): a hook that registers again after
+    # an agent restart sends these, not the ones it started with; None from an agent older than this field
+    knobs: Knobs | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> PlanResponse:
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        knobs = data.get("knobs")
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name != "knobs"},
+                   knobs=Knobs(**{f.name: knobs.get(f.name) for f in fields(Knobs)}) if knobs else None)
 
     def plan_object(self):  # type: ignore[no-untyped-def]
         """The plan as a tensile.plan.Plan (or None)."""

@@ -72,6 +72,9 @@ class Plan:
     signature: str
     events: list[Event] = field(default_factory=list)
     forecast: Forecast | None = None
+    # the job's memory budget the plan was made for, when a node agent made it: the operator may lower it
+    # while the job runs (an annotation), and the hook's guard then holds the job to it
+    memory_budget_bytes: int | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -80,6 +83,7 @@ class Plan:
             "signature": self.signature,
             "events": [e.to_dict() for e in self.events],
             "forecast": asdict(self.forecast) if self.forecast else None,
+            "memory_budget_bytes": self.memory_budget_bytes,
         }
 
     @classmethod
@@ -91,4 +95,5 @@ class Plan:
             signature=data["signature"],
             events=[Event(**e) for e in data.get("events", [])],
             forecast=Forecast(**forecast) if forecast else None,
+            memory_budget_bytes=data.get("memory_budget_bytes"),
         )

@@ -8,7 +8,7 @@ import time
 
 from agent_harness import AgentProcess, get
 
-from tensile.agent_client import AgentClient
+from tensile.agent_client import AgentClient, update_knobs
 from tensile.agent_contract import Measurements
 
 
@@ -84,4 +84,28 @@ def test_agent_restart_is_survived(tiny_workload):
         stop.set()
         for t in threads:
             t.join(10)
+        agent.stop()
+
+
+def test_knobs_the_operator_changed_hold_after_an_agent_restart(tiny_workload):
+    """The operator PATCHes a running job's knobs (an annotation); the agent restarts and the hook registers
+    again: with the knobs that hold now (the plan response carries them), not with those it started with, which
+    gave a job whose user had turned recompute off plans with recomputes again (helper-30's finding)."""
+    agent = AgentProcess().start()
+    client = AgentClient(agent.url, "train/knobbed", timeout=1.0, retries=1, backoff=0.02, max_backoff=0.3)
+    try:
+        client.register(workload=tiny_workload(), memory_budget_bytes=6 * 2**20)
+        _wait(lambda: client.fetch_plan() is not None and client.plan_version >= 1, 60, "the first plan")
+        assert client.token is not None
+        update_knobs(agent.url, "train/knobbed", client.token, {"memoryBudgetBytes": 5 * 2**20, "maxSwapRate": 0.5,
+                                                                  "recompute": False})
+        _wait(lambda: (r := client.fetch_plan()) is not None and r.knobs is not None and r.knobs.recompute is False, 60,
+              "the new knobs in the plan response")
+        assert client.current_plan.memory_budget_bytes == 5 * 2**20  # what the hook's guard holds the job to
+        agent.kill()
+        agent.start()
+        _wait(lambda: client.fetch_plan() is not None and client.registrations >= 2, 60, "re-registration")
+        job = next(j for j in get(agent.url, "/v1/jobs")[1]["jobs"] if j["job"] == "knobbed")
+        assert (job["memory_budget_bytes"], job["max_swap_rate"], job["recompute"]) == (5 * 2**20, 0.5, False)
+    finally:
         agent.stop()

@@ -17,7 +17,8 @@ import torch
 from agent_harness import ROOT, AgentProcess, free_port, get
 
 import tracing_models
-from tensile.agent_client import AgentClient
+from tensile.agent_client import AgentClient, update_knobs
+from tensile.peak import analyze_vanilla
 from tensile.runtime_hook import activate, deactivate
 from tensile.runtime_hook.agent_link import AgentLink
 from tensile.runtime_hook.plan_source import local_planner
@@ -245,3 +246,28 @@ def test_a_failed_round_after_an_upload_gives_no_plan_for_the_forecast_workload(
     assert_identical(plain, hooked)
     assert (report.plan_source, report.signature_match) == ("local", False)
     assert any("gave no plan (planning failed" in m for m in report.messages), report.messages
+
+
+def test_a_budget_the_operator_lowers_while_the_job_runs_holds_the_hooks_guard(agent_server):
+    """A TrainingJob's budget annotation lowered mid-run reaches the agent as a knob: its re-plan carries the
+    budget, and the hook's guard holds the job to it from the next iteration (the agent re-planned and said the
+    guard would evict, but the hook never learnt the budget: helper-30's finding)."""
+    steps = STEPS + 3
+    plain = fit(tracing_models.views, 4, steps)
+    live, agent = _live_workload(tracing_models.views, 4), agent_server()
+    budget = analyze_vanilla(live).peak_bytes // 2
+    settings = _agent_settings(agent.url, "ns/lowered", agent_wait=30.0)
+    link = AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2), local_planner(settings, torch.device("cpu")))
+    link.start(live)
+
+    def after_step(step: int) -> None:
+        if step == 2:  # the operator forwards the annotation; the re-plan is at the link before iteration 3 starts
+            assert link.client.token is not None
+            update_knobs(agent.url, "ns/lowered", link.client.token, {"memoryBudgetBytes": budget})
+            _wait(lambda: link._plan_ready(), 30, "the plan for the lowered budget at the link")
+
+    hooked, report, _ = _fit_linked(link, settings, steps, after_step)
+    assert_identical(plain, hooked)
+    assert report.memory_budget_bytes == budget
+    assert any(f"memory budget of {budget} bytes" in m for m in report.messages), report.messages
+    assert all(it.peak_bytes <= budget + report.guard_slack_bytes for it in report.iterations[4:])
