@@ -47,6 +47,7 @@ log = logging.getLogger("tensile.hook")
 MIN_EVICT_BYTES = 4096  # smaller storages are not worth a transfer
 MAX_DIVERGED = 3  # iterations in a row that leave the plan before it is made again
 FREED_SOON_OPS = 8  # a release this close to PyTorch's own free of the tensor is left to PyTorch
+BRING_BACK = ("swap_in", "recompute")  # events that allocate: they fire at the next op's entry
 # ops that read a tensor without computing with it: never the start of a forward pass
 INSPECTION_OPS = frozenset({
     torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default,
@@ -209,6 +210,10 @@ class PlanExecutor(TorchDispatchMode):
         self.report_writer = ReportWriter(settings.report_path, settings.report_interval) if settings.report_path else None
         self.iteration = 0
         self.stats = IterationStats(0)
+        # swap-ins and recomputes triggered by op k, fired at op k + 1's entry: the forecast (peak.absent_ranges)
+        # allocates them after op k's inputs that nothing reads later are freed; fired right after op k,
+        # while those inputs were still alive, a plan carried out exactly measured above its forecast
+        self.deferred: list[Event] = []
         self.iteration_started = time.perf_counter()
         self.in_step = 0
         self.step_done = False
@@ -459,7 +464,15 @@ class PlanExecutor(TorchDispatchMode):
             self.in_mode = False
             super().__exit__(*exc)
 
+    def _apply_deferred(self) -> None:
+        deferred, self.deferred = self.deferred, []
+        for event in deferred:
+            self._apply(event)
+
     def _finish_iteration(self) -> None:
+        if self.deferred and not self.disabled:  # triggered by the iteration's last op
+            with _disable_current_modes():  # also called from a module hook, where the mode may be on the stack
+                self._apply_deferred()
         self.mover.settle()
         stats = self.stats
         stats.seconds = time.perf_counter() - self.iteration_started
@@ -618,6 +631,8 @@ class PlanExecutor(TorchDispatchMode):
         elif active is not None and active.names[index] != self._name(func):
             self._diverge(index, func, active.names[index])
             active = None
+        if self.deferred:
+            self._apply_deferred()
         device_type = self.device.type
         arg_keys = list(dict.fromkeys(id(v.untyped_storage()) for v in leaves if v.device.type == device_type))
         self._ensure_keys_resident(arg_keys)
@@ -657,7 +672,10 @@ class PlanExecutor(TorchDispatchMode):
             if self.previous_planned:
                 events = events + active.next_by_trigger.get(index, [])
             for event in events:
-                self._apply(event)
+                if event.kind in BRING_BACK:
+                    self.deferred.append(event)
+                else:
+                    self._apply(event)
         self._after_accounting({*arg_keys, *new_keys})
 
     def _name(self, func: Any) -> str:
@@ -922,6 +940,7 @@ class PlanExecutor(TorchDispatchMode):
             return
         self.disabled = True
         self.swaps.stop()
+        self.deferred = []  # everything absent comes back below
         reason = f"{type(exc).__name__}: {exc}"
         log.exception("tensile: the hook failed and stands down; training continues without Tensile")
         self.report.stood_down = reason
