@@ -19,11 +19,12 @@ from tensile.user_model import CONTRACT, is_user_model, load_user_parts
 from tensile.workload import Workload
 from tensile.zoo import build_zoo_parts, zoo_entry
 
+# foreach is left unset here: trace_step chooses it for the target device (or as --foreach says).
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
-    "sgd": lambda params, foreach: torch.optim.SGD(params, lr=0.01, foreach=foreach),
-    "momentum": lambda params, foreach: torch.optim.SGD(params, lr=0.01, momentum=0.9, foreach=foreach),
-    "adam": lambda params, foreach: torch.optim.Adam(params, lr=1e-3, foreach=foreach),
-    "adamw": lambda params, foreach: torch.optim.AdamW(params, lr=1e-3, foreach=foreach),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.01),
+    "momentum": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
 }
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("cuda", "cpu")
@@ -79,7 +80,8 @@ def trace_workload(
     """One steady-state training iteration of `model` as it would run on `device`.
 
     `optimizer=None` keeps a user model's own make_optimizer; zoo models default to Adam.
-    `foreach=None` lets the target device choose, as PyTorch does.
+    `foreach=None` lets the target device choose, as PyTorch does; True / False applies to the user's
+    make_optimizer too.
     """
     if batch_size < 1:
         raise TensileUserError(f"--batch-size must be a positive integer (was {batch_size})")
@@ -104,7 +106,7 @@ def trace_workload(
                 net = _move_module(net, move)
                 batch = tuple(move(t) for t in batch)
             if optimizer is not None:
-                opt = OPTIMIZERS[optimizer](net.parameters(), foreach)
+                opt = OPTIMIZERS[optimizer](net.parameters())
             else:
                 opt = make_optimizer(net.parameters())
                 if not isinstance(opt, torch.optim.Optimizer):
@@ -116,6 +118,7 @@ def trace_workload(
                 batch_size=batch_size,
                 target_device=device,
                 meta={"optimizer": optimizer or type(opt).__name__.lower(), "dtype": dtype, "micro_batches": micro_batches},
+                foreach=foreach,
             )
 
 

@@ -262,12 +262,33 @@ def classify_roles(recorder: Recorder, gradient_ids: set[int] | None = None) -> 
             tensor.role = "activation"
 
 
-def _prefer_foreach(optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """On CUDA, PyTorch's optimizers default to foreach kernels; meta and CPU default to loops."""
+def choose_foreach(optimizers: Sequence[torch.optim.Optimizer], target_device: str, foreach: bool | None) -> None:
+    """Make the optimizers run the kernels the target device would, whatever device the trace runs on.
+
+    PyTorch's optimizers default to foreach kernels on CUDA and to per-parameter loops on the CPU and
+    meta, and a CUDA forecast is traced on meta or (autocast, --live) on the CPU: left alone, it would
+    trace the loops. `foreach=None` emulates the target's default for optimizers that leave it unset;
+    True / False (--foreach on / off) sets every group, the user's own optimizer's included.
+    """
     for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
-                group["foreach"] = True
+        groups = [group for group in optimizer.param_groups if "foreach" in group]
+        if foreach is None:
+            if target_device == "cuda":
+                for group in groups:
+                    if group["foreach"] is None and not group.get("fused"):
+                        group["foreach"] = True
+            continue
+        flag = f"--foreach {'on' if foreach else 'off'}"
+        name = type(optimizer).__name__
+        if not groups:
+            raise TensileUserError(f"{flag}: the optimizer {name} has no foreach option; use --foreach auto")
+        if any(group.get("fused") for group in groups):
+            raise TensileUserError(
+                f"{flag}: the optimizer {name} was made with fused=True, which runs neither foreach kernels nor "
+                f"loops; use --foreach auto, or make it without fused=True"
+            )
+        for group in groups:
+            group["foreach"] = foreach
 
 
 def trace_step(
@@ -277,11 +298,14 @@ def trace_step(
     batch_size: int,
     target_device: str,
     meta: dict | None = None,
+    foreach: bool | None = None,
 ) -> Workload:
-    """Run a warm-up iteration (optimizer state appears), then record the next one."""
+    """Run a warm-up iteration (optimizer state appears), then record the next one.
+
+    `foreach`: the optimizers' kernels (None: as `target_device` defaults; see `choose_foreach`).
+    """
     device_type = step.batch[0].device.type
-    if target_device == "cuda" and device_type != "cpu":
-        _prefer_foreach(step.optimizers)
+    choose_foreach(step.optimizers, target_device, foreach)
     try:
         step.zero_grad()
         step.run()

@@ -72,3 +72,11 @@ def test_quick_calibrate_end_to_end(tmp_path, traced):
         assert assign_latencies(w, "cpu", tmp_path) == "calibrated"
     assert all(op.latency > 0 for op in w.ops)
     assert 0.01 < iteration_seconds(w) < 100
+
+
+def test_quick_calibrate_never_replaces_the_default_model(tmp_path, monkeypatch, capsys):
+    """A quick model predicts worse than the prior: without --out it must not land where forecasts read."""
+    monkeypatch.setenv("TENSILE_HOME", str(tmp_path))
+    assert main(["calibrate", "--quick", "--threads", "1"]) != 0
+    assert "--quick needs --out DIR" in capsys.readouterr().err
+    assert not (tmp_path / "latency").exists()

@@ -181,3 +181,39 @@ def test_a_copy_of_a_transposed_tensor_records_its_contiguous_runs():
         assert convs and all(op.runs == () for op in convs)
     heads = torch.empty(2, 4, 52, 32, device="meta").transpose(1, 2)  # attention's (n, t, heads, dh) view
     assert contiguous_run(heads) == 32 and contiguous_run(heads.contiguous()) == 2 * 52 * 4 * 32
+
+
+def _foreach_ops(workload) -> int:
+    return sum("_foreach_" in op.name for op in workload.ops)
+
+
+@pytest.mark.parametrize("backend", [{"dtype": "bfloat16"}, {"live": True}], ids=["autocast", "live"])
+def test_cuda_forecast_runs_foreach_kernels_whatever_device_traces_it(backend):
+    """Autocast traces on fake CPU tensors and --live on real ones; a CUDA forecast must still run the
+    optimizer as CUDA does (foreach), a CPU forecast as the CPU does (loops). tied's Adam leaves foreach unset."""
+    cuda = trace_workload(f"{MODELS}:tied", 2, optimizer=None, device="cuda", **backend)
+    cpu = trace_workload(f"{MODELS}:tied", 2, optimizer=None, device="cpu", **backend)
+    assert _foreach_ops(cuda) > 0
+    assert _foreach_ops(cpu) == 0
+
+
+def test_foreach_flag_sets_the_user_models_own_optimizer():
+    off = trace_workload(f"{MODELS}:tied", 2, optimizer=None, device="cuda", foreach=False)
+    on = trace_workload(f"{MODELS}:tied", 2, optimizer=None, device="cpu", foreach=True)
+    assert _foreach_ops(off) == 0
+    assert _foreach_ops(on) > 0
+
+
+@pytest.mark.parametrize(
+    ("make_optimizer", "message"),
+    [
+        (lambda p: torch.optim.Adam(p, fused=True), "--foreach on: the optimizer Adam was made with fused=True"),
+        (lambda p: torch.optim.LBFGS(p), "--foreach on: the optimizer LBFGS has no foreach option; use --foreach auto"),
+    ],
+    ids=["fused", "no-foreach-option"],
+)
+def test_foreach_flag_on_an_optimizer_it_cannot_set_says_so(make_optimizer, message):
+    model, batch, loss_fn, _ = tracing_models.views(2)
+    step = TrainingStep(model, batch, loss_fn, [make_optimizer(model.parameters())])
+    with pytest.raises(TensileUserError, match=message):
+        trace_step(step, model_name="views", batch_size=2, target_device="cuda", foreach=True)

@@ -12,7 +12,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("calibrate", help="measure op latencies on the local device and train the latency model",
                                    description=__doc__)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the local device to measure")
-    parser.add_argument("--quick", action="store_true", help="a tiny grid (seconds; for tests and smoke checks)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny grid (seconds; for tests and smoke checks); needs --out, since its model predicts "
+                             "worse than the uncalibrated prior and must not replace the default one")
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="directory for the model file (default: $TENSILE_HOME/latency or ~/.cache/tensile/latency)")
     parser.add_argument("--budget", type=float, default=480.0, metavar="SECONDS",

@@ -25,7 +25,7 @@ from tensile.latency.online import op_key
 from tensile.latency.measure import StepTiming, in_fresh_process, measure_roofline, measure_step
 from tensile.latency.prior import Roofline, compute_seconds, iteration_bytes, preceding_bytes, size_class, view_key
 from tensile.latency.probes import Probe, build_step, make_grid
-from tensile.latency.store import LatencyModel, save_model, slug
+from tensile.latency.store import LatencyModel, default_model_dir, save_model, slug
 from tensile.latency.train import fit_ensemble
 from tensile.workload import PHASES
 
@@ -245,7 +245,15 @@ def calibrate(device: str = "cpu", quick: bool = False, model_dir: str | os.Path
     oversubscribed CPU, 1 thread avoids OpenMP barrier stalls that make timings meaningless.
     `alongside` runs after each probe, outside calibration's clock and budget: a benchmark measures its
     held-out probes there, in the same minutes of a shared machine as the probes the model learns from.
+    `quick` (a tiny grid, far worse than the prior) needs an explicit `model_dir`, so that it never replaces
+    the default model that every forecast, plan and agent reads.
     """
+    if quick and model_dir is None:
+        raise TensileUserError(
+            f"--quick needs --out DIR: a quick model (tiny grid, for tests and smoke checks) predicts far worse than "
+            f"the uncalibrated prior, and by default it would replace the model every forecast, plan and agent reads "
+            f"({default_model_dir()}). Add --out DIR, or drop --quick for a full calibration"
+        )
     device_type, key, name = local_device(device)
     previous_threads = torch.get_num_threads()
     if threads is not None:
