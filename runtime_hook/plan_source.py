@@ -37,7 +37,8 @@ def agent_link(settings: HookSettings, fallback: Planner) -> AgentLink | None:
 
 def local_planner(settings: HookSettings, device: torch.device) -> Planner:
     """Plan in-process with the core planner (no agent): one job alone on its device, from the
-    live iteration's measured op latencies. On CUDA the plan keeps to activation swaps by default:
+    live iteration's measured op latencies, within the job's max swapping rate as the agent would plan
+    it. On CUDA the plan keeps to activation swaps by default:
     events only the dispatch path carries cost more per iteration in Python than a GPU iteration
     takes (docs/runtime-hook.md, "On the GPU")."""
     activations_only = native_plans(settings, device.type)
@@ -46,7 +47,8 @@ def local_planner(settings: HookSettings, device: torch.device) -> Planner:
         from tensile.planner import plan_job
 
         return plan_job(workload, host_link_bandwidth(device) * settings.link_share, budget, name=settings.job,
-                        activations_only=activations_only, recompute=settings.recompute).plans[settings.job]
+                        activations_only=activations_only, recompute=settings.recompute,
+                        max_swap_rate=settings.max_swap_rate or 1.0).plans[settings.job]
 
     return plan
 

@@ -47,7 +47,7 @@ class HookSettings:
             gpu=env.get("TENSILE_GPU") or None,
             report_path=env.get("TENSILE_REPORT") or None,
             report_interval=_seconds(env, "TENSILE_REPORT_INTERVAL", cls.report_interval),
-            max_swap_rate=float(rate) if rate else None,
+            max_swap_rate=parse_swap_rate(rate, "TENSILE_MAX_SWAP_RATE") if rate else None,
             plan_events=_choice(env, "TENSILE_PLAN_EVENTS", PLAN_EVENTS),
             recompute=_choice(env, "TENSILE_RECOMPUTE", ("true", "false")) == "true",
             link_share=_share(env, "TENSILE_LINK_SHARE", cls.link_share),
@@ -80,25 +80,45 @@ def _seconds(env, name: str, default: float) -> float:  # type: ignore[no-untype
 
 def _number(env, name: str, default: float, valid: Callable[[float], bool], expected: str) -> float:  # type: ignore[no-untyped-def]
     text = env.get(name)
-    if not text:
-        return default
+    return parse_number(text, name, valid, expected) if text else default
+
+
+def parse_number(text: str, field: str, valid: Callable[[float], bool], expected: str) -> float:
+    """One number checked against its range, the error naming `field` (a variable or a CLI option)."""
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"{name}: '{text}' is not a number; give {expected}") from None
+        raise ValueError(f"{field}: '{text}' is not a number; give {expected}") from None
     if not valid(value):
-        raise ValueError(f"{name}: must be {expected} (was {text})")
+        raise ValueError(f"{field}: must be {expected} (was {text})")
     return value
 
 
+def parse_swap_rate(text: str, field: str) -> float:
+    """A job's max swapping rate, in (0, 1] as the agent and TrainingJobs take it: 0 or less would
+    forbid every swap and above 1 means nothing, so either is a mistake to name, not to plan with."""
+    return parse_number(text, field, lambda v: 0 < v <= 1, "a share of the GPU's swap traffic in (0, 1], e.g. 0.5")
+
+
 def parse_budget(text: str, field: str) -> float:
-    """'0.6' is 60% of the vanilla peak; '2e9' or '2000000000' is bytes."""
+    """'0.6' is 60% of the vanilla peak; '2e9', '2000000000' or '12GiB' is bytes. A number above 1 with a
+    fraction ('1.5') is refused: it is a mistaken fraction, which read as bytes was a 1-byte budget."""
+    expected = "give whole bytes (2000000000, 2e9, 12GiB) or a fraction of the vanilla peak in (0, 1] (e.g. 0.6)"
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"{field}: '{text}' is not a number of bytes or a fraction of the vanilla peak (e.g. 0.6)") from None
-    if value <= 0:
-        raise ValueError(f"{field}: must be positive (was {text})")
+        from tensile.errors import TensileUserError
+        from tensile.planner import resolve_budget  # the byte units `tensile forecast` always took
+
+        try:
+            value = float(resolve_budget(text, 0))  # a quantity never reads the vanilla peak
+        except TensileUserError:
+            raise ValueError(f"{field}: '{text}' is not a number of bytes or a fraction of the vanilla peak; {expected}") from None
+    if not value > 0:
+        raise ValueError(f"{field}: must be positive (was {text}); {expected}")
+    if value > 1 and not value.is_integer():
+        raise ValueError(f"{field}: '{text}' is neither a fraction nor bytes: fractions of the vanilla peak must be in "
+                         "(0, 1] (e.g. 0.6) and byte counts whole (e.g. 12GiB or 12000000000)")
     return value
 
 

@@ -57,6 +57,7 @@ def plot_peaks(runs: list[JobRun], path: str | Path, title: str) -> Path:
     ax.legend()
     fig.tight_layout()
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # as plot_timeline does
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -7,8 +7,10 @@ on the CPU, `batch` a tuple of CPU tensors, `loss_fn(model, batch)` a scalar los
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -23,6 +25,18 @@ def is_user_model(spec: str) -> bool:
     return ".py:" in spec
 
 
+@contextlib.contextmanager
+def _folder_on_path(path: Path) -> Iterator[None]:
+    """The model file's folder first on sys.path while it loads and builds, as `python FILE.py` has it:
+    a model file that imports a module beside it works under Tensile as it does alone."""
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        sys.path.remove(folder)  # the first occurrence: the one put there above
+
+
 def load_user_parts(spec: str, batch_size: int) -> ModelParts:
     """Import FILE.py, call FUNC(batch_size) and check each part of what it returns."""
     file_name, _, func_name = spec.rpartition(":")
@@ -35,11 +49,17 @@ def load_user_parts(spec: str, batch_size: int) -> ModelParts:
         raise TensileUserError(f"--model {spec}: '{file_name}' cannot be imported as a Python file")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
-    module_spec.loader.exec_module(module)
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        raise TensileUserError(f"--model {spec}: '{file_name}' has no function '{func_name}'")
-    parts = func(batch_size)
+    with _folder_on_path(path):
+        try:
+            module_spec.loader.exec_module(module)
+        except (ImportError, SyntaxError) as exc:
+            del sys.modules[module_name]
+            hint = " (its own folder is searched, as by `python FILE.py`; install what it imports)" if isinstance(exc, ImportError) else ""
+            raise TensileUserError(f"--model {spec}: importing '{file_name}' failed: {type(exc).__name__}: {exc}{hint}") from None
+        func = getattr(module, func_name, None)
+        if not callable(func):
+            raise TensileUserError(f"--model {spec}: '{file_name}' has no function '{func_name}'")
+        parts = func(batch_size)
     if not isinstance(parts, tuple) or len(parts) != 4:
         raise TensileUserError(f"--model {spec}: {CONTRACT}; it returned {type(parts).__name__}")
     model, batch, loss_fn, make_optimizer = parts

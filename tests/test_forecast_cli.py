@@ -68,6 +68,9 @@ def test_unknown_model_lists_the_known_ones(capsys):
         (["--model", "nowhere.py:build"], "does not exist"),
         (["--model", MLP, "--batch-size", "0"], "--batch-size"),
         (["--model", f"{MODELS}:item_in_loss"], "--live"),
+        (["--model", MLP, "--micro-batches", "0"], "--micro-batches must be a positive integer (was 0)"),
+        (["--model", MLP, "--micro-batches", "-1"], "--micro-batches must be a positive integer (was -1)"),
+        (["--model", MLP, "--memory-budget", "1.5"], "fractions of the vanilla peak must be in (0, 1]"),
     ],
 )
 def test_user_errors_exit_2_with_a_message(capsys, args, message):
@@ -115,6 +118,36 @@ def test_memory_budget_and_saved_plan(capsys, tmp_path):
     assert len(plan["events"]) == out["plan_events"] > 0
     assert {"kind", "tensor", "trigger", "delay"} <= set(plan["events"][0])
     assert plan["signature"] == out["signature"]
+
+
+def test_save_and_save_plan_make_their_folders_as_plot_does(capsys, tmp_path):
+    workload, plan = tmp_path / "new" / "w.json", tmp_path / "other" / "p.json"
+    run_json(capsys, "--model", MLP, "--batch-size", "2", "--save", str(workload), "--save-plan", str(plan))
+    assert json.loads(workload.read_text())["model"] == MLP and "events" in json.loads(plan.read_text())
+
+
+@pytest.mark.parametrize("option", ["--save", "--save-plan", "--plot"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_tracing(capsys, tmp_path, monkeypatch, option):
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr("tensile.commands.forecast.trace_workload", lambda *a: pytest.fail("traced before the check"))
+    assert main(["forecast", "--model", MLP, option, str(tmp_path / "afile" / "out")]) == 2
+    assert f"{option} {tmp_path}/afile/out: {tmp_path}/afile is a file, not a folder" in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_model_file_imports_a_module_beside_it_as_python_would(capsys, tmp_path):
+    """`python wrap.py` finds a module in wrap.py's folder; loading wrap.py for a forecast did not."""
+    (tmp_path / "beside_wrap_model.py").write_text(Path(MLP.partition(":")[0]).read_text())
+    (tmp_path / "wrap.py").write_text("from beside_wrap_model import build\n")
+    out = run_json(capsys, "--model", f"{tmp_path}/wrap.py:build", "--batch-size", "2")
+    assert out["vanilla_peak_bytes"] > 0
+    assert str(tmp_path) not in sys.path  # only while it loads
+
+
+def test_an_import_error_in_a_model_file_names_the_file(capsys, tmp_path):
+    (tmp_path / "broken.py").write_text("import no_such_module_for_tensile\n")
+    assert main(["forecast", "--model", f"{tmp_path}/broken.py:build"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"importing '{tmp_path}/broken.py' failed" in err and "no_such_module_for_tensile" in err
 
 
 def test_bad_memory_budget_names_the_option(capsys):

@@ -3,8 +3,10 @@ only, training ends bit-identical, and the report says what happened."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import sys
 
 import pytest
 import torch
@@ -109,6 +111,10 @@ def test_a_budget_in_bytes_holds_from_the_first_iteration():
     ({"TENSILE_LINK_SHARE": "half"}, "TENSILE_LINK_SHARE: 'half' is not a number"),
     ({"TENSILE_LINK_SHARE": "1.5"}, "TENSILE_LINK_SHARE: must be a share in (0, 1]"),
     ({"TENSILE_RECOMPUTE": "no"}, "TENSILE_RECOMPUTE: 'no' is not one of true, false"),
+    ({"TENSILE_MAX_SWAP_RATE": "2"}, "TENSILE_MAX_SWAP_RATE: must be a share of the GPU's swap traffic in (0, 1]"),
+    ({"TENSILE_MAX_SWAP_RATE": "-1"}, "TENSILE_MAX_SWAP_RATE: must be a share of the GPU's swap traffic in (0, 1]"),
+    ({"TENSILE_MEMORY_BUDGET": "1.5"}, "TENSILE_MEMORY_BUDGET: '1.5' is neither a fraction nor bytes"),
+    ({"TENSILE_MEMORY_BUDGET": "12GB!"}, "TENSILE_MEMORY_BUDGET: '12GB!' is not a number of bytes"),
 ])
 def test_bad_planning_settings_name_the_variable_and_the_fix(environ, named):
     with pytest.raises(ValueError, match=re.escape(named)):
@@ -122,6 +128,73 @@ def test_native_plans_are_cudas_default_and_can_be_chosen_anywhere():
     assert native_plans(settings, "cuda") and not native_plans(settings, "cpu")
     assert native_plans(HookSettings.from_env({"TENSILE_PLAN_EVENTS": "native"}), "cpu")
     assert not native_plans(HookSettings.from_env({"TENSILE_PLAN_EVENTS": "all"}), "cuda")
+
+
+def test_a_budget_is_a_fraction_whole_bytes_or_a_quantity_as_tensile_forecast_takes_it():
+    budgets = {text: HookSettings.from_env({"TENSILE_MEMORY_BUDGET": text}).memory_budget
+               for text in ("0.6", "1", "2e9", "2000000000", "12GiB", "800MB")}
+    assert budgets == {"0.6": 0.6, "1": 1.0, "2e9": 2e9, "2000000000": 2e9, "12GiB": 12 * 2**30, "800MB": 800e6}
+
+
+def test_the_in_process_planner_keeps_to_the_jobs_max_swap_rate(monkeypatch, tiny_workload):
+    """Without --agent, --max-swap-rate reached the hook's settings but not the planner."""
+    import tensile.planner
+    from tensile.runtime_hook.plan_source import local_planner
+
+    rates = []
+    plan_job = tensile.planner.plan_job
+    monkeypatch.setattr(tensile.planner, "plan_job", lambda *a, **kw: rates.append(kw["max_swap_rate"]) or plan_job(*a, **kw))
+    for environ in ({"TENSILE_MAX_SWAP_RATE": "0.01"}, {}):
+        assert local_planner(HookSettings.from_env(environ), torch.device("cpu"))(tiny_workload(), None) is not None
+    assert rates == [0.01, 1.0]
+
+
+def _tensile_run(*args: str) -> int:
+    from tensile.cli import main
+
+    return main(["run", *args])
+
+
+@pytest.mark.parametrize("options, named", [
+    (["--max-swap-rate", "-1"], "--max-swap-rate: must be a share of the GPU's swap traffic in (0, 1], e.g. 0.5 (was -1.0)"),
+    (["--max-swap-rate", "0"], "--max-swap-rate: must be a share of the GPU's swap traffic in (0, 1]"),
+    (["--memory-budget", "1.5"], "--memory-budget: '1.5' is neither a fraction nor bytes: fractions of the vanilla peak "
+                                 "must be in (0, 1] (e.g. 0.6) and byte counts whole"),
+    (["--agent", "notaurl"], "--agent: agent URL 'notaurl' must be http://HOST:PORT or https://HOST:PORT"),
+    (["--agent", "ftp://host:1"], "--agent: agent URL 'ftp://host:1' must be http://HOST:PORT"),
+    (["--", "no-such-program-for-tensile"], "no program 'no-such-program-for-tensile' here; check the command after '--'"),
+])
+def test_tensile_run_refuses_bad_input_before_starting_the_command(capsys, options, named):
+    command = [] if "--" in options else ["--", "python", "-c", "raise SystemExit(5)"]
+    assert _tensile_run(*options, *command) == 2
+    assert named in " ".join(capsys.readouterr().err.split())
+
+
+def test_tensile_run_names_a_command_that_cannot_start(capsys, tmp_path):
+    """A file marked executable that is no program: the exec fails (ENOEXEC) after the checks."""
+    script = tmp_path / "notes.txt"
+    script.write_text("not a program\n")
+    script.chmod(0o755)
+    assert _tensile_run("--", str(script)) == 2
+    assert f"cannot start '{script}': Exec format error" in " ".join(capsys.readouterr().err.split())
+
+
+def test_tensile_run_takes_a_quantity_budget_and_makes_the_reports_folder(tmp_path):
+    """A report in a missing folder made the hook stand down: training ran without Tensile."""
+    report = tmp_path / "new" / "folder" / "report.json"
+    assert _tensile_run("--memory-budget", "12GiB", "--report", str(report), "--", sys.executable, "-c", "pass") == 0
+    assert report.parent.is_dir()
+
+
+def test_tensile_run_runs_a_leading_python_as_the_python_with_tensile(tmp_path, monkeypatch):
+    """`tensile run -- python train.py` as the README writes it: the `python` on PATH may lack Tensile (no
+    venv activated), and the hook was not active; `tensile local` runs this Python, and so does `tensile run`."""
+    other = tmp_path / "bin" / "python"
+    other.parent.mkdir()
+    other.write_text("#!/bin/sh\nexit 7\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{other.parent}{os.pathsep}{os.environ['PATH']}")
+    assert _tensile_run("--", "python", "-c", "import sys; raise SystemExit(0 if sys.executable == %r else 9)" % sys.executable) == 0
 
 
 def test_the_report_file_is_spaced_out_during_the_run_and_complete_at_exit(tmp_path):

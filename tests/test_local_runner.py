@@ -184,6 +184,28 @@ def test_the_command_line_refuses_a_bad_file_before_starting_anything(tmp_path):
     assert "bad.yaml" in done.stderr and "spec.workload.batchSize" in done.stderr
 
 
+@pytest.mark.parametrize(("option", "value", "named"), [
+    ("--reports", "afile", "--reports {tmp}/afile: {tmp}/afile is a file, not a folder"),
+    ("--plot", "afile/peaks.png", "--plot {tmp}/afile/peaks.png: {tmp}/afile is a file, not a folder"),
+    ("--plot", "", "--plot {tmp}: is a folder"),
+    ("--simulate-gpu", "a6000:0", "--simulate-gpu 'a6000:0': the memory must be positive"),
+])
+def test_the_command_line_refuses_bad_paths_and_gpus_before_starting_anything(tmp_path, capsys, option, value, named):
+    """A --reports that was a file, or a --plot in a folder that could not be made, met a traceback after the jobs
+    had run; a simulated GPU of 0 bytes was taken."""
+    from tensile.cli import main
+
+    (tmp_path / "afile").write_text("")
+    given = value if option == "--simulate-gpu" else str(tmp_path / value)
+    assert main(["local", str(_write(tmp_path, "job")), option, given]) == 2
+    assert named.format(tmp=tmp_path) in " ".join(capsys.readouterr().err.split())
+
+
+def test_the_peaks_plot_makes_its_folder(tmp_path):
+    png = plot_peaks([], tmp_path / "new" / "folder" / "peaks.png", "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_the_shipped_examples_load_for_local_runs(monkeypatch):
     monkeypatch.chdir(ROOT)
     jobs = load_jobs(sorted(str(p) for p in (ROOT / "examples").glob("trainingjob-mlp*.yaml")))

@@ -73,3 +73,10 @@ def test_simulate_cli_json(capsys, tmp_path):
 def test_simulate_cli_bad_input(capsys):
     assert main(["simulate", "--job", "resnet50:2", "--max-swap-rate", "x=2"]) == 2
     assert "max-swap-rate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("job", ["resnet50:abc", "resnet50:-2", "resnet50:0", "examples/tiny_mlp.py:build:x"])
+def test_simulate_cli_names_a_bad_batch_not_an_unknown_model(capsys, job):
+    assert main(["simulate", "--job", job]) == 2
+    assert f"--job '{job}': the batch '{job.rpartition(':')[2]}' must be a positive integer" in capsys.readouterr().err
+

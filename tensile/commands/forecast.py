@@ -10,12 +10,15 @@ import warnings
 from rich.console import Console
 from rich.table import Table
 
+from tensile.commands import option_value, output_file
 from tensile.devices import PRESETS, device_preset
+from tensile.errors import TensileUserError
 from tensile.forecast import DEVICES, DTYPES, OPTIMIZERS, trace_workload
 from tensile.latency import UncalibratedWarning, assign_latencies, iteration_seconds
 from tensile.peak import PeakResult, analyze_plan, analyze_vanilla
 from tensile.plan import PLAN_EVENTS, Plan, native_plan_events
-from tensile.planner import GpuPlan, plan_job, resolve_budget
+from tensile.planner import GpuPlan, plan_job
+from tensile.runtime_hook.settings import budget_bytes, parse_budget
 from tensile.workload import ROLES, Workload
 from tensile.workload_io import load_workload, save_workload
 
@@ -29,7 +32,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--workload", help="a workload saved with --save")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=None, help="default: adam (zoo) or the model's own make_optimizer")
-    parser.add_argument("--foreach", choices=("auto", "on", "off"), default="auto", help="optimizer kernels; auto: as the device chooses")
+    parser.add_argument("--foreach", choices=("auto", "on", "off"), default="auto",
+                        help="optimizer kernels, for a FILE.py:FUNC model's own optimizer too; "
+                             "auto: what --device defaults to (foreach on cuda, per-parameter loops on cpu)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="bfloat16/float16: autocast mixed precision")
     parser.add_argument("--device", choices=DEVICES, default="cuda", help="the device the forecast is for")
     parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per optimizer step")
@@ -125,7 +130,9 @@ def make_forecast(workload: Workload, preset: str, memory_budget: str | None = N
     for warning in caught:
         Console(stderr=True).print(f"[yellow]note:[/] {warning.message}", highlight=False)
     vanilla = analyze_vanilla(workload)
-    budget = resolve_budget(memory_budget, vanilla.peak_bytes) if memory_budget else None
+    budget = None
+    if memory_budget:  # parsed as `tensile run` and the hook parse it: the three take the same budgets
+        budget = budget_bytes(option_value(parse_budget, memory_budget, "--memory-budget"), vanilla.peak_bytes)
     activations_only = native_plan_events(plan_events, workload.device)
     gpu_plan = plan_job(workload, device_preset(preset).host_link_bandwidth, budget, activations_only=activations_only,
                         recompute=recompute, max_swap_rate=max_swap_rate)
@@ -133,7 +140,20 @@ def make_forecast(workload: Workload, preset: str, memory_budget: str | None = N
     return forecast_summary(workload, vanilla, latency_source, gpu_plan, plan, activations_only), plan, vanilla
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Bad options refused before tracing, and output folders made, so that nothing fails after the work."""
+    if args.micro_batches < 1:
+        raise TensileUserError(f"--micro-batches must be a positive integer (was {args.micro_batches}): "
+                               "the gradient accumulation steps per optimizer step")
+    if args.memory_budget:
+        option_value(parse_budget, args.memory_budget, "--memory-budget")
+    for path, option in ((args.save, "--save"), (args.save_plan, "--save-plan"), (args.plot, "--plot")):
+        if path:
+            output_file(path, option)
+
+
 def run(args: argparse.Namespace) -> int:
+    _check(args)
     console = Console(stderr=args.json)
     started = time.perf_counter()
     with console.status("tracing one training iteration..."):

@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
+from tensile.commands import output_file, output_folder
 from tensile.errors import TensileUserError
 from tensile.local_jobs import load_jobs
 
@@ -40,10 +41,12 @@ def run(args: argparse.Namespace) -> int:
         raise TensileUserError(f"--port must be 0-65535 (was {args.port})")
     if args.linger < 0:
         raise TensileUserError(f"--linger must be 0 or more seconds (was {args.linger})")
+    _check_simulated_gpus(args.simulate_gpu)
+    if args.plot:
+        output_file(args.plot, "--plot")  # before the jobs run: a bad path once met only the plot, after them
     jobs = load_jobs(args.jobs)
     console = Console()
-    reports = Path(args.reports or tempfile.mkdtemp(prefix="tensile-local-"))
-    reports.mkdir(parents=True, exist_ok=True)
+    reports = output_folder(args.reports, "--reports") if args.reports else Path(tempfile.mkdtemp(prefix="tensile-local-"))
     cuda = torch.cuda.is_available()
     agent = LocalAgent(args.host, args.port, list(args.simulate_gpu)).start()
     if agent.note:
@@ -77,3 +80,12 @@ def run(args: argparse.Namespace) -> int:
     for r in failed:
         console.print(f"[red]{r.name}:[/] {r.phase}: {r.message}", highlight=False)
     return 1 if failed else 0
+
+
+def _check_simulated_gpus(specs: list[str]) -> None:
+    """NAME:MEMORY as the agent reads it, and memory it can admit a job into: a6000:0 gave a GPU with no room."""
+    from tensile.node_agent.gpus import simulated_gpus
+
+    for text, gpu in zip(specs, simulated_gpus(specs), strict=True):
+        if gpu.memory_bytes <= 0:
+            raise TensileUserError(f"--simulate-gpu '{text}': the memory must be positive, e.g. a6000:48GiB")

@@ -13,10 +13,13 @@ from pathlib import Path
 from rich.console import Console
 
 import tensile.runtime_hook
+from tensile.agent_client import Http
+from tensile.commands import option_value, output_file
 from tensile.errors import TensileUserError
+from tensile.local_jobs import local_command
 from tensile.plan import PLAN_EVENTS
 from tensile.runtime_hook.report import RunTotals
-from tensile.runtime_hook.settings import parse_budget
+from tensile.runtime_hook.settings import parse_budget, parse_swap_rate
 from tensile.workload_io import load_workload
 
 SITE_DIR = Path(tensile.runtime_hook.__file__).parent / "site"
@@ -25,12 +28,12 @@ SITE_DIR = Path(tensile.runtime_hook.__file__).parent / "site"
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("run", help="run a training command under the Tensile hook", description=__doc__)
     parser.add_argument("--job", default="local", help="job name shown in reports and metrics")
-    parser.add_argument("--memory-budget", help="bytes, or a fraction of the vanilla peak (e.g. 0.6)")
+    parser.add_argument("--memory-budget", help="bytes (12GiB), or a fraction of the vanilla peak (e.g. 0.6)")
     parser.add_argument("--workload", help="the workload the plan is for (tensile forecast --save)")
     parser.add_argument("--plan", help="a plan for that workload (tensile forecast --save-plan); default: plan in-process")
     parser.add_argument("--agent", help="node agent URL; without it the hook plans in-process")
     parser.add_argument("--token", help="the job's token for the agent")
-    parser.add_argument("--max-swap-rate", type=float)
+    parser.add_argument("--max-swap-rate", type=float, help="the share of the GPU's swap traffic in (0, 1] plans may use")
     parser.add_argument("--report", help="write the hook's JSON report here")
     parser.add_argument("--plan-events", choices=PLAN_EVENTS,
                         help="which events plans use (TENSILE_PLAN_EVENTS); default auto: activation swaps only on CUDA")
@@ -62,14 +65,25 @@ def hook_environment(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _check(args: argparse.Namespace) -> list[str]:
+    """Everything the hook would refuse in the child, refused here before the command starts; the command
+    with a leading `python` as `tensile local` runs it: this Python, the one that has the hook."""
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise TensileUserError("tensile run needs a command after '--', e.g. tensile run -- python train.py")
+    command, problem = local_command(command)
+    if problem:
+        raise TensileUserError(f"{problem}; check the command after '--'")
     if args.memory_budget:
+        option_value(parse_budget, args.memory_budget, "--memory-budget")
+    if args.max_swap_rate is not None:
+        option_value(parse_swap_rate, str(args.max_swap_rate), "--max-swap-rate")
+    if args.agent:
         try:
-            parse_budget(args.memory_budget, "--memory-budget")
+            Http(args.agent)  # the client's own check of the URL, before the hook in the child meets it
         except ValueError as exc:
-            raise TensileUserError(str(exc)) from None
+            raise TensileUserError(f"--agent: {exc}") from None
+    if args.report:
+        output_file(args.report, "--report")
     if args.plan and not args.workload:
         raise TensileUserError("--plan needs --workload: the workload the plan was made for")
     if args.workload:
@@ -83,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
     report = args.report
     if report is None:
         report = args.report = str(Path(tempfile.mkdtemp(prefix="tensile-")) / "report.json")
-    returncode = subprocess.call(command, env=hook_environment(args))
+    try:
+        returncode = subprocess.call(command, env=hook_environment(args))
+    except OSError as exc:  # e.g. a file marked executable that is no program ("Exec format error")
+        raise TensileUserError(f"cannot start '{command[0]}': {exc.strerror}; check the command after '--'") from None
     if Path(report).exists():
         data = json.loads(Path(report).read_text())
         totals = RunTotals.of(data)

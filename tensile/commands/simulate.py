@@ -10,12 +10,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from tensile.commands import option_value
 from tensile.compare import POLICIES, Comparison, compare
 from tensile.devices import PRESETS, device_preset
 from tensile.errors import TensileUserError
 from tensile.forecast import trace_workload
 from tensile.latency import assign_latencies
-from tensile.planner import JobSpec, resolve_budget
+from tensile.planner import JobSpec
+from tensile.runtime_hook.settings import budget_bytes, parse_budget
+from tensile.user_model import is_user_model
 from tensile.workload import Workload
 
 MIB = 1024**2
@@ -41,7 +44,11 @@ def _parse_jobs(texts: list[str]) -> list[tuple[str, str, int]]:
     jobs = []
     counts: dict[str, int] = {}
     for text in texts:
-        model, _, batch = text.rpartition(":") if text.rpartition(":")[2].isdigit() else (text, "", "16")
+        model, sep, batch = text.rpartition(":")
+        if not sep or (is_user_model(text) and not is_user_model(model)):  # no batch, or FILE.py:FUNC alone
+            model, batch = text, "16"
+        if not (batch.isascii() and batch.isdigit()) or int(batch) < 1:
+            raise TensileUserError(f"--job '{text}': the batch '{batch}' must be a positive integer (MODEL[:BATCH], e.g. resnet50:16)")
         base = f"{model}:{batch}"
         counts[base] = counts.get(base, 0) + 1
         jobs.append((base if counts[base] == 1 else f"{base}#{counts[base]}", model, int(batch)))
@@ -152,13 +159,14 @@ def run(args: argparse.Namespace) -> int:
     jobs = _parse_jobs(args.job)
     names = [name for name, _, _ in jobs]
     rates = _swap_rates(args.max_swap_rate, names)
+    budget_value = option_value(parse_budget, args.memory_budget, "--memory-budget") if args.memory_budget else None
     traced, source = _load(jobs, args.gpu, args.optimizer, console)
     specs = [JobSpec(name, traced[(model, batch)], rates.get(name, 1.0)) for name, model, batch in jobs]
     budget = None
-    if args.memory_budget:
+    if budget_value is not None:  # as `tensile forecast` and `tensile run` take budgets
         from tensile.peak import analyze_vanilla
 
-        budget = resolve_budget(args.memory_budget, sum(analyze_vanilla(s.workload).peak_bytes for s in specs))
+        budget = budget_bytes(budget_value, sum(analyze_vanilla(s.workload).peak_bytes for s in specs))
     with console.status("simulating...") as status:
         comparison = compare(specs, device, policies, args.overlap, args.iterations, budget, progress=lambda text: status.update(text + "..."))
     plots = _plot(comparison, args.plot) if args.plot else []
