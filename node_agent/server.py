@@ -14,6 +14,7 @@ from tensile.agent_contract import DEFAULT_PORT
 from tensile.errors import TensileUserError, print_user_error
 
 from tensile.node_agent.cluster import ClusterPublisher, in_cluster
+from tensile.node_agent.expiry import DEFAULT_SILENT_SECONDS, SilentJobExpiry
 from tensile.node_agent.gpus import DEFAULT_HEADROOM, Inventory, parse_bytes
 from tensile.node_agent.metrics import make_registry
 from tensile.node_agent.planning import DEFAULT_THRESHOLD, PlanningService, ProcessPlanner
@@ -37,6 +38,7 @@ class AgentConfig:
     threshold: float = DEFAULT_THRESHOLD
     planning: str = "process"  # "process": plan in a child process (requests keep the GIL); "thread": in-process
     freeze_gc: bool = False  # gc.freeze() after each planning round (the agent process: `serve`)
+    expire_silent: float = DEFAULT_SILENT_SECONDS  # seconds without a call before an external job is dropped; 0: never
 
 
 class Agent:
@@ -51,6 +53,7 @@ class Agent:
         planner = ProcessPlanner() if config.planning == "process" else plan_gpu
         self.planning = PlanningService(self.state, config.threshold, planner=planner, freeze_gc=config.freeze_gc)
         self.service = AgentService(self.state, self.planning)
+        self.expiry = SilentJobExpiry(self.service, config.expire_silent)
         self.registry = make_registry(self.state)
         self.publisher: ClusterPublisher | None = None
         if cluster_api is not None or in_cluster(config.node):
@@ -65,6 +68,7 @@ class Agent:
                 return
             self._started = True
             self.planning.start()
+            self.expiry.start()
             if self.publisher is not None:
                 self.publisher.start()
         if not self.inventory.gpus:
@@ -80,6 +84,7 @@ class Agent:
                 return
             self._started = False
         self.planning.stop()
+        self.expiry.stop()
         if self.publisher is not None:
             self.publisher.stop()
 
@@ -107,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="re-plan when a job's op latencies drift by more than this share (|s'-s|/s)")
     parser.add_argument("--planning", choices=("process", "thread"), default="process",
                         help="plan in a child process (default: requests stay fast during a round) or in a thread")
+    parser.add_argument("--expire-silent-jobs", type=float, default=DEFAULT_SILENT_SECONDS, metavar="SECONDS",
+                        help="drop a job registered by its own hook (not placed by the operator) after this many seconds "
+                             "without a call: its process died unregistered (default %(default)s; 0: never)")
     parser.add_argument("--log-level", default=os.environ.get("TENSILE_LOG_LEVEL", "info"))
 
 
@@ -117,10 +125,12 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise TensileUserError(f"--replan-threshold must be positive (was {args.replan_threshold})")
     if not 0 <= args.port < 65536:
         raise TensileUserError(f"--port must be 0-65535 (was {args.port})")
+    if not 0 <= args.expire_silent_jobs:
+        raise TensileUserError(f"--expire-silent-jobs must be 0 (never) or a number of seconds (was {args.expire_silent_jobs})")
     return AgentConfig(host=args.host, port=args.port, simulate=list(args.simulate_gpu), node=args.node_name,
                        advertise=args.advertise_url, headroom=args.headroom,
                        context_bytes=parse_bytes(args.context_bytes) if args.context_bytes else None,
-                       threshold=args.replan_threshold, planning=args.planning)
+                       threshold=args.replan_threshold, planning=args.planning, expire_silent=args.expire_silent_jobs)
 
 
 def serve(config: AgentConfig, log_level: str = "info") -> None:

@@ -9,6 +9,7 @@ latencies) runs in the caller's worker thread; planning runs in the planning thr
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import secrets
 import time
@@ -35,6 +36,8 @@ from tensile.workload_io import workload_from_dict, workload_to_dict
 from tensile.node_agent.gpus import preset_for
 from tensile.node_agent.planning import PlanningService
 from tensile.node_agent.state import AgentState, Job
+
+log = logging.getLogger("tensile.node_agent.service")
 
 # catch_warnings is not thread-safe; a module filter is (the warning is attributed to this module)
 warnings.filterwarnings("ignore", message="no calibrated latency model", module=__name__)
@@ -97,6 +100,7 @@ class AgentService:
             raise Problem(401, "missing_token", "this call needs the job's token in the X-Tensile-Token header")
         if not job.check_token(token):
             raise Problem(403, "wrong_token", f"the token does not match job {key}'s")
+        job.seen_at = time.monotonic()
         return job
 
     def _gpu(self, ref: str | None) -> str:
@@ -252,6 +256,19 @@ class AgentService:
         self.planning.request(job.gpu, "unregister")
         self.state.changed.set()
         return {"removed": True, "job": job.ref.name, "namespace": job.ref.namespace}
+
+    def expire_silent(self, seconds: float) -> list[str]:
+        """Unregister external jobs (a hook the operator did not place: `tensile run --agent`) that made no call
+        for `seconds`: their process died before it could unregister (SIGKILL, a crash), and their scheduled
+        peak would hold the GPU's room for good. The operator unregisters the jobs it placed when their pods go;
+        a hook that was only silent registers again at its next call (its client does so on 404)."""
+        now = time.monotonic()
+        with self.state.lock:
+            silent = [job for job in self.state.jobs.values() if job.external and now - job.seen_at > seconds]
+        for job in silent:
+            log.warning("job %s made no call for %.0f s (its process is gone?): unregistered", job.key, now - job.seen_at)
+            self.unregister(job)
+        return [job.key for job in silent]
 
     def workload_dict(self, job: Job) -> dict:
         if job.workload is None:

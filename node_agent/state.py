@@ -73,6 +73,7 @@ class Job:
     body: bytes | None = None  # the plan response, serialized once per version
     observed: Observed = field(default_factory=Observed)
     registered_at: float = field(default_factory=time.time)
+    seen_at: float = field(default_factory=time.monotonic)  # its last call with its token (silent-job expiry)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards `ewma`
 
     @property

@@ -233,7 +233,7 @@ class AgentLink:
                 self._note(f"node agent unreachable ({client.last_error}); keeping plan version {client.plan_version}")
         if client.registrations > self._registrations:
             if self._registrations:
-                self._note(f"registered again with the node agent (it restarted): registration {client.registrations}")
+                self._note(f"registered again with the node agent (it restarted, or dropped the job after a silence): registration {client.registrations}")
             self._registrations = client.registrations
         if client.reachable and client.last_error != self._last_error:
             self._last_error = client.last_error

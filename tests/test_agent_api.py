@@ -400,3 +400,27 @@ def test_a_failing_planner_fails_the_round_not_the_agent(agent_server, tiny_work
     answer = client.wait_for_plan(30)
     assert answer.status == "failed" and "planner exploded" in answer.message and answer.plan is None
     assert get(server.url, "/healthz")[0] == 200 and get(server.url, "/metrics")[0] == 200
+
+
+def test_an_external_job_silent_for_too_long_is_dropped_and_comes_back_when_it_calls(agent_server, tiny_workload):
+    """A hook that registered by itself and was killed (SIGKILL) before it could unregister left its job, and the
+    job's scheduled peak on the GPU, for the agent's life (helper-30's finding). Now an external job silent for
+    `expire_silent` seconds is dropped; a live hook's polls keep it, the operator's jobs are never dropped so,
+    and a hook that was only silent registers again at its next call."""
+    agent = agent_server(expire_silent=0.4)
+    workload = tiny_workload()
+    clients = {name: AgentClient(agent.url, f"ns/{name}", max_backoff=0.2) for name in ("polling", "killed", "placed")}
+    for name, client in clients.items():
+        assert client.register(workload=workload, external=name != "placed") is not None
+
+    def listed() -> set[str]:
+        return {job["job"] for job in get(agent.url, "/v1/jobs")[1]["jobs"]}
+
+    deadline = time.monotonic() + 10
+    while "killed" in listed():  # the polling hook calls every 50 ms meanwhile
+        assert time.monotonic() < deadline, "the silent external job was never dropped"
+        assert clients["polling"].fetch_plan() is not None
+        time.sleep(0.05)
+    assert listed() == {"polling", "placed"}
+    assert clients["killed"].fetch_plan() is not None  # only silent after all: registered again
+    assert "killed" in listed() and clients["killed"].registrations == 2
