@@ -71,6 +71,7 @@ def test_unknown_model_lists_the_known_ones(capsys):
         (["--model", MLP, "--micro-batches", "0"], "--micro-batches must be a positive integer (was 0)"),
         (["--model", MLP, "--micro-batches", "-1"], "--micro-batches must be a positive integer (was -1)"),
         (["--model", MLP, "--memory-budget", "1.5"], "fractions of the vanilla peak must be in (0, 1]"),
+        (["--workload", "w.json", "--batch-size", "8", "--dtype", "bfloat16"], "--batch-size, --dtype: how to trace --model"),
     ],
 )
 def test_user_errors_exit_2_with_a_message(capsys, args, message):

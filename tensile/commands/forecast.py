@@ -30,14 +30,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="zoo model name (resnet50, bert_base, ...) or FILE.py:FUNC")
     source.add_argument("--workload", help="a workload saved with --save")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, help="default 16")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=None, help="default: adam (zoo) or the model's own make_optimizer")
-    parser.add_argument("--foreach", choices=("auto", "on", "off"), default="auto",
+    parser.add_argument("--foreach", choices=("auto", "on", "off"),
                         help="optimizer kernels, for a FILE.py:FUNC model's own optimizer too; "
                              "auto: what --device defaults to (foreach on cuda, per-parameter loops on cpu)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="bfloat16/float16: autocast mixed precision")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="bfloat16/float16: autocast mixed precision (default float32)")
     parser.add_argument("--device", choices=DEVICES, default="cuda", help="the device the forecast is for")
-    parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per optimizer step")
+    parser.add_argument("--micro-batches", type=int, help="gradient accumulation steps per optimizer step (default 1)")
     parser.add_argument("--live", action="store_true", help="trace a real CPU iteration instead of the meta device")
     parser.add_argument("--gpu", choices=sorted(PRESETS), help="device preset for latencies and PCIe (default: a6000 for cuda, cpu for cpu)")
     parser.add_argument("--plan-events", choices=PLAN_EVENTS, default="auto",
@@ -55,9 +55,10 @@ def _load(args: argparse.Namespace) -> Workload:
     if args.workload:
         return load_workload(args.workload)
     optimizer = args.optimizer or ("adam" if ".py:" not in args.model else None)
-    foreach = {"auto": None, "on": True, "off": False}[args.foreach]
+    foreach = {"auto": None, "on": True, "off": False}[args.foreach or "auto"]
     return trace_workload(
-        args.model, args.batch_size, optimizer, args.dtype, args.device, args.live, foreach, args.micro_batches
+        args.model, 16 if args.batch_size is None else args.batch_size, optimizer, args.dtype or "float32", args.device,
+        args.live, foreach, args.micro_batches or 1,
     )
 
 
@@ -142,7 +143,13 @@ def make_forecast(workload: Workload, preset: str, memory_budget: str | None = N
 
 def _check(args: argparse.Namespace) -> None:
     """Bad options refused before tracing, and output folders made, so that nothing fails after the work."""
-    if args.micro_batches < 1:
+    tracing = [option for option, value in (("--batch-size", args.batch_size), ("--optimizer", args.optimizer),
+               ("--foreach", args.foreach), ("--dtype", args.dtype), ("--micro-batches", args.micro_batches),
+               ("--live", args.live or None)) if value is not None]
+    if args.workload and tracing:
+        raise TensileUserError(f"{', '.join(tracing)}: how to trace --model; a saved --workload keeps what it was traced "
+                               "with (its batch size, optimizer and dtype): trace again with --model to change them")
+    if args.micro_batches is not None and args.micro_batches < 1:
         raise TensileUserError(f"--micro-batches must be a positive integer (was {args.micro_batches}): "
                                "the gradient accumulation steps per optimizer step")
     if args.memory_budget:
