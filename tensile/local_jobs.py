@@ -83,7 +83,10 @@ def load_job(path: str | Path) -> LocalJob:
         first = errors[0]
         field = ".".join(map(str, first.absolute_path)) or "(top level)"
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise TensileUserError(f"{path}: {field}: {first.message}{more}")
+        # "is not valid under any of the given schemas" says nothing of the fix: the field's own description does
+        expected = first.schema.get("description") if isinstance(first.schema, dict) else None
+        hint = f"; expected {expected}" if expected else ""
+        raise TensileUserError(f"{path}: {field}: {first.message}{hint}{more}")
     name = (doc.get("metadata") or {}).get("name")
     if not name:
         raise TensileUserError(f"{path}: metadata.name is required")

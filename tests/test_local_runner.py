@@ -97,7 +97,8 @@ def test_two_jobs_share_a_gpu_too_small_for_both_one_waits_queued(tmp_path, monk
     (lambda t: t.replace("batchSize: 64", "batchSize: 0"), "spec.workload.batchSize"),
     (lambda t: t.replace("batchSize: 64", "batchSize: 64\n    optimiser: adam"), "spec.workload"),
     (lambda t: t.replace("kind: TrainingJob", "kind: Job"), "apiVersion/kind"),
-    (lambda t: t + "  memoryBudget: lots\n", "spec.memoryBudget"),
+    (lambda t: t + "  memoryBudget: lots\n", "spec.memoryBudget: 'lots' is not valid under any of the given schemas; "
+                                              "expected most device memory the job may hold (bytes or a quantity like 6Gi)"),
     (lambda t: t.replace("  workload:", "  workload: [", 1), "not valid YAML"),
     (lambda t: t.replace("  template:", "  scheduling:\n    planEvents: swaps\n  template:"), "spec.scheduling.planEvents"),
     (lambda t: t.replace("metadata:\n", "metadata:\n  annotations:\n    tensile.dev/plan-events: swaps\n"),
