@@ -47,13 +47,20 @@ def plot_peaks(runs: list[JobRun], path: str | Path, title: str) -> Path:
     series = (("forecast vanilla", "vanilla_peak", "#bbbbbb"), ("forecast scheduled", "scheduled_peak", "#4c72b0"),
               ("observed", "observed_peak", "#dd8452"), ("observed under plan", "observed_planned_peak", "#55a868"))
     width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.8 * len(runs) + 2), 4))
+    figure_width = max(4.0, 1.8 * len(runs) + 2)
+    fig, ax = plt.subplots(figsize=(figure_width, 4))
     for i, (label, attr, color) in enumerate(series):
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(runs))]
         ax.bar(xs, [(getattr(r, attr) or 0) / MIB for r in runs], width, label=label, color=color)
+    for j, run in enumerate(runs):  # a job that failed before any figure: say so where its bars would be
+        if not any(getattr(run, attr) for _, attr, _ in series):
+            ax.text(j, 0, f"{run.phase}: no figures", ha="center", va="bottom", fontsize="small", color="#888888")
+    highest = max(((getattr(r, attr) or 0) / MIB for r in runs for _, attr, _ in series), default=0.0)
+    ax.set_ylim(0, highest * 1.15 or 1.0)  # from 0 even with no figure at all (it was centred on 0)
     ax.set_xticks(range(len(runs)), [r.name for r in runs])
     ax.set_ylabel("memory peak (MiB)")
-    ax.set_title(textwrap.fill(title, 60), fontsize="medium")  # the GPU and agent line is long
+    # the GPU and agent line is long: wrapped to the figure's width (at 60 characters a one-job chart cut it)
+    ax.set_title(textwrap.fill(title, int(figure_width * 10)), fontsize="medium")
     ax.legend()
     fig.tight_layout()
     path = Path(path)

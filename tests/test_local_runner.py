@@ -267,3 +267,14 @@ def test_a_job_with_a_max_swap_rate_is_admitted_at_the_peak_its_plan_reaches(tmp
     report = json.loads(run.report.read_text())
     assert report["memory_budget_bytes"] == limited and report["scheduled_peak_bytes"] <= limited, report["messages"]
     assert not any("against a memory budget" in m for m in report["messages"]), report["messages"]
+
+
+def test_a_failed_job_is_named_once_at_the_end_and_its_reason_said_once(tmp_path, capsys):
+    """The reason stays under the table (the job's note); the end names the jobs that did not succeed. It was
+    said twice, the second time as 'NAME: Failed: reason'."""
+    from tensile.cli import main
+
+    assert main(["local", str(_write(tmp_path, "broken", script="examples/no_such_script.py"))]) == 1
+    out = capsys.readouterr().out
+    assert out.count("no_such_script.py does not exist") == 1, out
+    assert "1 of 1 jobs did not succeed: broken (Failed)" in out, out

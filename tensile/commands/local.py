@@ -77,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
         runner.http.close()
         agent.stop()
     failed = [r for r in runner.runs if r.phase != "Succeeded"]
-    for r in failed:
-        console.print(f"[red]{r.name}:[/] {r.phase}: {r.message}", highlight=False)
+    if failed:  # why is each one's note under the table: named here, not said twice
+        console.print(f"[red]{len(failed)} of {len(runner.runs)} jobs did not succeed:[/] "
+                      + ", ".join(f"{r.name} ({r.phase})" for r in failed), highlight=False)
     return 1 if failed else 0
 
 
