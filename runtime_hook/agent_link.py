@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from tensile.agent_client import AgentClient, AgentError
 from tensile.agent_contract import FAILED, ContractError, Measurements, PlanResponse
-from tensile.plan import Plan
+from tensile.plan import Plan, rebind
 from tensile.runtime_hook.executor import Planner
 from tensile.runtime_hook.report import HookReport, IterationStats
 from tensile.runtime_hook.settings import HookSettings, budget_bytes, native_plans
@@ -44,6 +44,10 @@ class AgentLink:
         self._todo: _Registration | None = None
         self._pending: list[IterationStats] = []
         self._signature: str | None = None  # the workload whose plans the hook applies
+        # the workload the agent plans on (registered or uploaded) and the live one the executor binds plans
+        # with: equal signatures, but a forecast numbers its tensors in its own order (see tensile.plan.rebind)
+        self._planned_on: Workload | None = None
+        self._live: Workload | None = None
         self._response: PlanResponse | None = None  # the latest plan response for that signature
         self._handed: int | None = None  # the plan version last given to the executor
         self._refused: str | None = None  # the agent refused the job: no more calls
@@ -71,6 +75,7 @@ class AgentLink:
             budget = budget_bytes(self.settings.memory_budget, _vanilla_peak(workload)) if self.settings.memory_budget else None
             self._todo = _Registration(workload, budget, upload=False)
             self._signature = workload.signature
+            self._planned_on = workload
         self._thread.start()
         return self
 
@@ -79,6 +84,7 @@ class AgentLink:
         """The agent's plan for the live workload, waited for at most `agent_wait` seconds; else the
         fallback's plan (version 0, so the agent's plan replaces it as soon as it comes)."""
         with self._lock:
+            self._live = live
             if self._signature is not None:  # registered with the forecast workload: did it match?
                 self._matched = self._match_posted = self._signature == live.signature
             if self._signature != live.signature:
@@ -87,6 +93,7 @@ class AgentLink:
                 upload = self._signature is not None and not unsent
                 self._todo = _Registration(live, budget, upload=upload)
                 self._signature = live.signature
+                self._planned_on = live
                 self._response = None
             self._waiting = True
             self._lock.notify_all()
@@ -96,6 +103,7 @@ class AgentLink:
             self._lock.wait_for(lambda: self._plan_ready(again=True) or self._given_up(), timeout=self.settings.agent_wait)
             self._waiting = False
             plan = self._take_plan(again=True)
+        plan = self._onto_live(plan)
         if plan is not None:
             self._source = "agent"
             return plan
@@ -121,8 +129,8 @@ class AgentLink:
             report.signature_match, self._matched = self._matched, None
         with self._lock:
             self._pending.append(stats)
+            plan = self._onto_live(self._take_plan())
             notes, self._notes = self._notes, []
-            plan = self._take_plan()
         for note in notes:
             log.warning("tensile: %s", note)
             report.messages.append(f"iteration {stats.iteration}: {note}")
@@ -163,6 +171,17 @@ class AgentLink:
         assert self._response is not None
         self._handed = self._response.version
         return self._response.plan_object()
+
+    def _onto_live(self, plan: Plan | None) -> Plan | None:
+        """The agent's plan in the live iteration's tensor ids, once the executor has matched it (before, or with
+        a plan file, the executor binds plans with the workload they were made for)."""
+        if plan is None or self._live is None or self._planned_on is None:
+            return plan
+        rebound = rebind(plan, self._planned_on, self._live)
+        if rebound is None:
+            self._notes.append(f"the agent's plan version {plan.version} does not map onto the live iteration's "
+                               "tensors: ignored")
+        return rebound
 
     def _note(self, message: str) -> None:
         with self._lock:

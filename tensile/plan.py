@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tensile.workload import Workload
 
 EVENT_KINDS = ("swap_out", "swap_in", "release", "recompute")
 # which events a job's plans may use (TENSILE_PLAN_EVENTS, a TrainingJob's spec.scheduling.planEvents):
@@ -97,3 +101,28 @@ class Plan:
             forecast=Forecast(**forecast) if forecast else None,
             memory_budget_bytes=data.get("memory_budget_bytes"),
         )
+
+
+def rebind(plan: Plan, made_for: Workload, onto: Workload) -> Plan | None:
+    """`plan`, made for `made_for`, in the tensor ids of `onto`: another recording of the same iteration (equal
+    signatures), whose ids can differ (a forecast traced on the meta device numbers its tensors in its own
+    order: mlp-wide's forecast and live iteration differed at 185 of their op operands, so an agent's plan for
+    the forecast swapped the wrong tensors in the live one). Tensors correspond by their place among the ops'
+    operands where both recorded them (a trace on the meta device leaves out what stays on the host, such as
+    Adam's step counters, which a live CPU iteration records); None where the two do not map one to one."""
+    if made_for is onto:
+        return plan
+    if made_for.signature != onto.signature or len(made_for.ops) != len(onto.ops):
+        return None
+    ids: dict[int, int] = {}
+    taken: dict[int, int] = {}
+    for a, b in zip(made_for.ops, onto.ops):
+        here, there = [*a.inputs, *a.outputs], [*b.inputs, *b.outputs]
+        if len(here) != len(there):
+            continue
+        for x, y in zip(here, there):
+            if ids.setdefault(x, y) != y or taken.setdefault(y, x) != x:
+                return None
+    if any(event.tensor not in ids for event in plan.events):
+        return None
+    return replace(plan, events=[replace(event, tensor=ids[event.tensor]) for event in plan.events])

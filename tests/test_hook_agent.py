@@ -18,6 +18,7 @@ from agent_harness import ROOT, AgentProcess, free_port, get
 
 import tracing_models
 from tensile.agent_client import AgentClient, update_knobs
+from tensile.forecast import trace_workload
 from tensile.peak import analyze_vanilla
 from tensile.runtime_hook import activate, deactivate
 from tensile.runtime_hook.agent_link import AgentLink
@@ -25,7 +26,8 @@ from tensile.runtime_hook.plan_source import local_planner
 from tensile.runtime_hook.report import HookReport, IterationStats
 from tensile.runtime_hook.settings import HookSettings
 from tensile.workload import Workload
-from test_hook_correctness import STEPS, assert_identical, deterministic, fit, fit_model, state_of, train  # noqa: F401
+from test_hook_correctness import (  # noqa: F401
+    STEPS, _import_example, assert_identical, deterministic, fit, fit_model, state_of, train)
 
 SCRIPT = str(ROOT / "examples" / "train_mlp.py")
 FAST = {"TENSILE_AGENT_MAX_BACKOFF": "0.3", "TENSILE_AGENT_INTERVAL": "0.1", "TENSILE_AGENT_TIMEOUT": "0.5"}
@@ -271,3 +273,40 @@ def test_a_budget_the_operator_lowers_while_the_job_runs_holds_the_hooks_guard(a
     assert report.memory_budget_bytes == budget
     assert any(f"memory budget of {budget} bytes" in m for m in report.messages), report.messages
     assert all(it.peak_bytes <= budget + report.guard_slack_bytes for it in report.iterations[4:])
+
+
+def _train_mlp(steps: int, batch_size: int = 64) -> None:
+    """examples/train_mlp.py's loop: the iteration `tensile forecast --model examples/tiny_mlp.py:build` traces."""
+    model, data, loss_fn, make_optimizer = _import_example("tiny_mlp")(batch_size)
+    optimizer = make_optimizer(model.parameters())
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model, data).backward()
+        optimizer.step()
+
+
+def test_the_agents_plan_for_the_forecast_is_applied_to_the_same_tensors_of_the_live_iteration(agent_server):
+    """A forecast traced on the meta device has the live iteration's signature but numbers its tensors in its own
+    order (and leaves out Adam's step counters): the agent's plan for it, bound with the live iteration's ids,
+    swapped and released other tensors than planned. tensile local's mlp-wide applied 2 of its 3 swap-outs and
+    1 of its 3 swap-ins and evicted a storage every iteration; the link now maps the plan onto the live ids."""
+    forecast = trace_workload("examples/tiny_mlp.py:build", 64, optimizer=None, device="cpu")
+    agent = agent_server()
+    settings = HookSettings(job="ns/mapped", agent_url=agent.url, agent_wait=30.0, agent_interval=0.05, agent_timeout=0.5,
+                            agent_max_backoff=0.3, memory_budget=0.8)
+    link = AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2), local_planner(settings, torch.device("cpu")))
+    link.start(forecast)
+    executor = activate(settings, planner=link.planner, device=torch.device("cpu"), listener=link.listener)
+    try:
+        _train_mlp(6)
+    finally:
+        deactivate()
+        link.close()
+    report = executor.report
+    assert (report.plan_source, report.signature_match) == ("agent", True), report.messages
+    plan = link.client.current_plan
+    planned = {kind: sum(e.kind == kind for e in plan.events) for kind in ("swap_out", "swap_in")}
+    assert planned["swap_out"] > 0
+    steady = [it for it in report.iterations if it.mode == "planned"][1:]  # the first starts from an unplanned state
+    assert steady and all({kind: it.events[kind] for kind in planned} == planned for it in steady), \
+        ([it.events for it in steady], planned)
