@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tensile.agent_contract import REPLAN_REASONS
 from tensile.node_agent.state import AgentState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -48,7 +49,7 @@ class AgentCollector(Collector):
         jobs_g = GaugeMetricFamily("tensile_gpu_jobs", "Jobs registered on the GPU", labels=["gpu"])
         round_s = GaugeMetricFamily("tensile_gpu_last_planning_seconds", "Duration of the GPU's last planning round", labels=["gpu"])
         planning = CounterMetricFamily("tensile_agent_planning_seconds", "Time spent planning this GPU", labels=["gpu"])
-        replans = CounterMetricFamily("tensile_agent_replans", "Planning rounds by reason (register, unregister, knobs, drift, workload)",
+        replans = CounterMetricFamily("tensile_agent_replans", f"Planning rounds by reason ({', '.join(REPLAN_REASONS)})",
                                       labels=["gpu", "reason"])
 
         job_metrics = {
@@ -57,7 +58,7 @@ class AgentCollector(Collector):
             "observed": GaugeMetricFamily("tensile_job_observed_peak_bytes", "Highest memory peak the hook measured", labels=JOB_LABELS),
             "observed_planned": GaugeMetricFamily(
                 "tensile_job_observed_planned_peak_bytes",
-                "Highest memory peak the hook measured in iterations under a plan: compare with the forecast scheduled peak",
+                "Highest memory peak the hook measured in iterations under the current plan: compare with the forecast scheduled peak",
                 labels=JOB_LABELS),
             "iteration": GaugeMetricFamily("tensile_job_iteration_seconds", "Mean iteration time in the hook's last report", labels=JOB_LABELS),
             "predicted": GaugeMetricFamily("tensile_job_predicted_iteration_seconds", "Vanilla iteration time the plan was made with", labels=JOB_LABELS),
@@ -98,7 +99,9 @@ class AgentCollector(Collector):
             if last is not None:
                 round_s.add_metric([uuid], last.seconds)
                 planning.add_metric([uuid], last.rounds_seconds_total)
-        for (uuid, reason), count in sorted(replan_counts.items()):
+        # every reason of every GPU from 0: rate()/increase() need a sample before the first re-plan to count it
+        zeros = {(uuid, reason): 0 for uuid in inventory.gpus for reason in REPLAN_REASONS}
+        for (uuid, reason), count in sorted((zeros | replan_counts).items()):
             replans.add_metric([uuid, reason], count)
         for labels, forecast, version, budget, obs in rows:
             if forecast is not None:

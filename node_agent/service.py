@@ -229,7 +229,7 @@ class AgentService:
             o = job.observed
             o.iterations += m.iterations
             o.peak_bytes = higher(o.peak_bytes, m.peak_bytes)
-            o.planned_peak_bytes = higher(o.planned_peak_bytes, m.planned_peak_bytes)
+            o.fold_planned_peak(m.planned_peak_bytes, m.plan_version, job.version)
             if m.iteration_seconds is not None:
                 o.iteration_seconds = m.iteration_seconds
                 busy = m.iteration_seconds - m.stall_seconds / m.iterations

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tensile.agent_contract import FAILED, NEEDS_WORKLOAD, PLANNED, PLANNING, JobRef
+from tensile.agent_contract import FAILED, NEEDS_WORKLOAD, PLANNED, PLANNING, JobRef, higher
 from tensile.latency import LatencyEWMA
 from tensile.lru import Lru
 from tensile.plan import Plan
@@ -31,7 +31,8 @@ class Observed:
 
     iterations: int = 0
     peak_bytes: int | None = None  # of every iteration, the unplanned first ones too: what the device held
-    planned_peak_bytes: int | None = None  # of the iterations measured under a plan: what the forecast predicts
+    planned_peak_bytes: int | None = None  # of the iterations measured under the current plan: what its forecast predicts
+    planned_peak_version: int | None = None  # the plan version planned_peak_bytes was measured under
     iteration_seconds: float | None = None
     eor: float | None = None
     stall_seconds: float = 0.0
@@ -42,8 +43,20 @@ class Observed:
     signature_match: bool | None = None
     updated_at: float | None = None
 
+    def fold_planned_peak(self, peak: int | None, version: int | None, current: int) -> None:
+        """Keep the highest peak measured under the job's current plan `current`: a re-plan changes the
+        forecast, so a peak of an earlier plan would skew the observed/forecast ratio. A post under an older
+        plan is ignored, one under another version starts over; one without a version (an older hook) folds in."""
+        if peak is None or (version is not None and version < current):
+            return
+        if version is None or version == self.planned_peak_version:
+            self.planned_peak_bytes = higher(self.planned_peak_bytes, peak)
+        else:
+            self.planned_peak_bytes, self.planned_peak_version = peak, version
+
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        """The reported figures (API's ObservedOut); planned_peak_version is bookkeeping, left out."""
+        return {k: v for k, v in self.__dict__.items() if k != "planned_peak_version"}
 
 
 @dataclass(eq=False)

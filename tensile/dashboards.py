@@ -123,13 +123,14 @@ DATASOURCE_VARIABLE = {
 
 
 def _layout(panels: tuple[Panel, ...]) -> list[dict]:
-    """Left to right, top to bottom on Grafana's 24-column grid; ids 1, 2, ... in that order."""
+    """Left to right, top to bottom on Grafana's 24-column grid; ids 1, 2, ... in that order. A repeated
+    panel gets rows of its own: Grafana fills its row with the copies and allows no other panel there."""
     out, x, y, row_height = [], 0, 0, 0
     for panel_id, panel in enumerate(panels, start=1):
-        if x + panel.width > GRID_COLUMNS:
+        if x + panel.width > GRID_COLUMNS or (panel.repeat and x):
             x, y, row_height = 0, y + row_height, 0
         out.append(_panel(panel, panel_id, x, y))
-        x += panel.width
+        x = GRID_COLUMNS if panel.repeat else x + panel.width
         row_height = max(row_height, panel.height)
     return out
 
@@ -178,8 +179,9 @@ def gpus_dashboard() -> Dashboard:
     )
     jobs = Panel("Jobs per GPU", "Jobs registered with the node agent on each GPU.", "short",
                  (Target(sel("tensile_gpu_jobs", *gpu), "{{gpu}}"),))
-    queued = Panel("Queued jobs", "Jobs waiting for GPU memory (local mode; a cluster's queue is in the TrainingJob statuses).",
-                   "short", (Target("tensile_queued_jobs", "{{instance}}"),))
+    queued = Panel("Queued jobs", "Jobs waiting for GPU memory: in a cluster the operator's count of TrainingJobs in "
+                   "phase Queued, in local mode the local runner's (node agents export 0).",
+                   "short", (Target("sum(tensile_queued_jobs)", "queued"),))
     replans = Panel(
         "Re-plans by reason",
         "Planning rounds per second: register, unregister, knobs, drift (latency model), workload (upload).",
@@ -199,7 +201,7 @@ def jobs_dashboard() -> Dashboard:
         "Peaks: forecast against observed",
         "Each job's forecast peak without scheduling (vanilla) and under its current plan (scheduled), "
         "against the highest peak the hook measured in any iteration (the first ones run unplanned, at the "
-        "vanilla peak) and in the iterations under a plan (what the scheduled forecast predicts).",
+        "vanilla peak) and in the iterations under its current plan (what the scheduled forecast predicts).",
         "bytes",
         (Target(sel("tensile_job_forecast_vanilla_peak_bytes", *JOB_LABELS), f"{who} forecast vanilla"),
          Target(sel("tensile_job_forecast_scheduled_peak_bytes", *JOB_LABELS), f"{who} forecast scheduled"),

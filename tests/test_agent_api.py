@@ -13,7 +13,7 @@ from agent_harness import call, get
 
 from tensile import agent_client
 from tensile.agent_client import AgentClient
-from tensile.agent_contract import MAX_SMALL_BYTES, ContractError, Measurements
+from tensile.agent_contract import MAX_SMALL_BYTES, REPLAN_REASONS, ContractError, Measurements
 from tensile.node_agent.gpus import Inventory
 from tensile.node_agent.server import Agent, AgentConfig
 from tensile.peak import analyze_vanilla
@@ -257,8 +257,36 @@ def test_the_peak_under_plan_is_folded_apart_from_the_peak_of_every_iteration(ag
     metrics = get(server.url, "/metrics")[1]
     assert _gauge(metrics, "tensile_job_observed_peak_bytes", "a") == 9e6
     assert _gauge(metrics, "tensile_job_observed_planned_peak_bytes", "a") == 6e6
-    assert ("# HELP tensile_job_observed_planned_peak_bytes Highest memory peak the hook measured in iterations under a "
-            "plan: compare with the forecast scheduled peak") in metrics
+    assert ("# HELP tensile_job_observed_planned_peak_bytes Highest memory peak the hook measured in iterations under the "
+            "current plan: compare with the forecast scheduled peak") in metrics
+
+
+def test_the_peak_under_plan_is_that_of_the_current_plan_version(agent_server, tiny_workload):
+    """After a re-plan the figure compared with the new forecast starts over from the first post under the new
+    version (not the max since registration); a late post under the older plan is ignored."""
+    server = agent_server()
+    client = register(server.url, tiny_workload(1024))
+    forecast = client.wait_for_plan(30).plan["forecast"]
+    client.post_measurements(Measurements(plan_version=1, planned_peak_bytes=9_000_000))
+    assert client.update_knobs(memory_budget_bytes=int(forecast["scheduled_peak_bytes"] * 0.7))["replanning"]
+    assert client.wait_for_plan(30, min_version=2).version == 2
+    client.post_measurements(Measurements(plan_version=2, planned_peak_bytes=5_000_000))
+    client.post_measurements(Measurements(plan_version=1, planned_peak_bytes=8_000_000))  # late, under plan 1
+    assert _gauge(get(server.url, "/metrics")[1], "tensile_job_observed_planned_peak_bytes", "a") == 5e6
+    client.post_measurements(Measurements(plan_version=2, planned_peak_bytes=6_000_000))
+    (view,) = get(server.url, "/v1/jobs")[1]["jobs"]
+    assert view["observed"]["planned_peak_bytes"] == 6_000_000
+
+
+def test_replan_counters_start_at_zero_for_every_reason(agent_server):
+    """A series that appears at 1 is invisible to rate()/increase(): every reason of every GPU is there at 0."""
+    server = agent_server(simulate=["a:1GiB", "b:1GiB"])
+    text = get(server.url, "/metrics")[1]
+    gpus = list(server.agent.state.inventory.gpus)
+    assert len(gpus) == 2
+    for gpu in gpus:
+        for reason in REPLAN_REASONS:
+            assert f'tensile_agent_replans_total{{gpu="{gpu}",reason="{reason}"}} 0.0' in text, (gpu, reason)
 
 
 def test_knobs_replan_and_reregister_is_idempotent(agent_server, tiny_workload):

@@ -75,6 +75,18 @@ def test_every_panel_has_an_id_a_title_a_unit_and_targets():
     assert {"gpu", "namespace", "job"} <= set(variables(dashboards["tensile-jobs.json"]))
 
 
+def test_a_repeated_panel_has_its_rows_to_itself():
+    """Grafana fills a horizontally repeated panel's row with its copies and allows no other panel there."""
+    for name, dashboard in shipped().items():
+        panels = dashboard["panels"]
+        for repeated in (p for p in panels if p.get("repeat")):
+            top, bottom = repeated["gridPos"]["y"], repeated["gridPos"]["y"] + repeated["gridPos"]["h"]
+            beside = [p["title"] for p in panels if p is not repeated and p["gridPos"]["y"] < bottom
+                      and p["gridPos"]["y"] + p["gridPos"]["h"] > top]
+            assert not beside, f"{name}: {beside} on the rows of the repeated panel {repeated['title']!r}"
+    assert any(p.get("repeat") for p in shipped()["tensile-gpus.json"]["panels"])
+
+
 def test_the_jobs_observed_peak_under_plan_is_plotted_against_the_forecasts():
     """The peak of every iteration includes the unplanned first ones at the vanilla peak: read alone against the
     scheduled forecast it looks like a miss, so the peak measured under a plan stands beside it."""
