@@ -24,11 +24,11 @@ from tensile.operator import model
 from tensile.operator.agent import AgentLink
 from tensile.operator.forecasting import Forecaster, ForecastError, JobForecast
 from tensile.operator.heap import freeze_long_lived
-from tensile.operator.kube import Conflict, Kube, NotFound
+from tensile.operator.kube import Conflict, Kube, KubeError, NotFound
 from tensile.operator.metrics import OperatorMetrics
 from tensile.operator.placement import (MIB, Booking, Candidate, Gpu, JointPlanner, Ledger, choose, fit_unchanged,
                                         gpus_from_tensilenode, matching)
-from tensile.operator.pods import DEFAULT_IMAGE, JOB_LABEL, build_pod, job_token, pod_name
+from tensile.operator.pods import DEFAULT_IMAGE, JOB_LABEL, build_pod, job_token, owner_of, pod_name
 
 log = logging.getLogger("tensile.operator")
 PROFILE_POLL_SECONDS = 1.0  # how often the live workload of a running job admitted by its budget is asked for
@@ -339,11 +339,17 @@ class Admission:
             await self.commit(pending, decision.gpu, decision.peaks)
 
     async def commit(self, pending: Pending, gpu: Gpu, peaks: dict[str, int]) -> None:
+        """Books the placement `place` decided, unless the job left the queue meanwhile (deleted while the joint
+        planner ran on its thread, or while a write awaited): booked anyway, it got a pod and kept its GPU."""
         key = pending.key
+        if self.pending.get(key) is not pending:
+            return
         reserved = peaks[key]
         changes = {j: p for j, p in peaks.items() if j != key and j in self.ledger.bookings and self.ledger.bookings[j].reserved_bytes != p}
         lower = {j: p for j, p in changes.items() if p < self.ledger.bookings[j].reserved_bytes}
         await self._repeak(lower)
+        if self.pending.get(key) is not pending:  # lowered peaks stay valid: the channels only got freer
+            return
         profile = pending.spec.workload.profile if pending.forecast is None else None
         booking = Booking(key, gpu.uuid, gpu.node, reserved, pending.forecast, pending.spec.memory_budget, pending.spec.max_swap_rate,
                           profile, pending.spec.plan_events, pending.spec.recompute)
@@ -402,18 +408,31 @@ class Admission:
         budget = booking.budget_bytes if booking.budget_bytes is not None else (booking.reserved_bytes if booking.forecast is None else None)
         pod = build_pod(body, booking.node, booking.gpu, gpu.agent if gpu else None, self.token(body), budget,
                         booking.max_swap_rate, signature, self.image, booking.plan_events, booking.recompute)
+        namespace, name = meta["namespace"], pod["metadata"]["name"]
         try:
-            await self.kube.create_pod(meta["namespace"], pod)
-        except Conflict:
-            pass  # created before a restart: the pod is the job's, keep following it
+            await self.kube.create_pod(namespace, pod)
+        except Conflict:  # created before a restart, or a pod of that name that is not this job's
+            existing = await self.kube.find_pod(namespace, name)
+            if existing is None or owner_of(existing) == (meta["name"], meta.get("uid", "")):
+                return  # ours: keep following it (None: gone meanwhile; if it was ours, its DELETED event ends the job)
+            await self.finish(namespace, meta["name"], "Failed", "PodRejected",
+                              f"pod {name} already exists and is not this TrainingJob's: delete that pod, or create the "
+                              "TrainingJob under another name")
+        except KubeError as exc:
+            if exc.status >= 500 or exc.status == 429:
+                raise  # the API server's trouble, not the pod's: a restarted operator creates it (resume)
+            # refused (invalid, PodSecurity, ResourceQuota): it never will be, so the job ends and frees its GPU
+            await self.finish(namespace, meta["name"], "Failed", "PodRejected",
+                              f"the API server refused pod {name} ({exc}): fix spec.template (or what the namespace "
+                              "enforces: PodSecurity, ResourceQuota) and create the TrainingJob again")
 
     # ---- follow ---------------------------------------------------------------------------------
     async def pod_changed(self, pod: dict, deleted: bool = False) -> None:
         meta = pod["metadata"]
-        job = (meta.get("labels") or {}).get("tensile.dev/job")
-        if not job or meta["name"] != pod_name(job):
+        owner = owner_of(pod)
+        if owner is None:
             return
-        namespace = meta["namespace"]
+        namespace, job = meta["namespace"], owner[0]
         key = f"{namespace}/{job}"
         phase = (pod.get("status") or {}).get("phase", "Pending")
         if deleted and phase not in model.FINISHED:
@@ -431,10 +450,23 @@ class Admission:
                 self._spawn(self._profile_while_running(key))
             await self.set_status(namespace, job, {"phase": "Running", "message": "training", "podName": meta["name"]},
                                   condition("PodRunning", True, "Running", f"pod {meta['name']} on {pod['spec'].get('nodeName')}"))
-        elif phase in ("Succeeded", "Failed"):
+        elif phase in ("Succeeded", "Failed") and not await self._ended(key):
             detail = _termination(pod)
             reason = "Completed" if phase == "Succeeded" else "PodFailed"
             await self.finish(namespace, job, phase, reason, detail)
+
+    async def _ended(self, key: str) -> bool:
+        """Whether the job's end is already written: an ended pod's events come again (an operator restart lists
+        every kept pod, a finished pod's deletion), and finishing again rewrote `finishedAt` and the message."""
+        if key in self.ledger.bookings:  # `finish` releases the booking once the end is written
+            return False
+        if (phase := self.phases.get(key)) is None:  # not seen yet (a restart's pod events can come first)
+            namespace, name = key.split("/", 1)
+            try:
+                phase = ((await self.kube.get_job(namespace, name)).get("status") or {}).get("phase")
+            except NotFound:
+                return True
+        return phase in model.FINISHED
 
     async def finish(self, namespace: str, name: str, phase: str, reason: str, message: str) -> None:
         """The job's end is written before its room is released. Released first, a placement made in the
@@ -497,11 +529,14 @@ class Admission:
         if key in self.ledger.bookings:  # else queued (no pod ever), ended, or its pod was found gone by a rebuild
             self.token(body)  # unregistering at the agent needs it (a restarted operator has not made it yet)
         freed = self._freed.setdefault(key, asyncio.Event())
+        pod_of_job = pod_name(namespace, name, meta.get("uid", ""))
         try:
-            await self.kube.delete_pod(namespace, pod_name(name))
+            pod = await self.kube.find_pod(namespace, pod_of_job)
+            if pod is not None and owner_of(pod) == (name, meta.get("uid", "")):  # never another job's pod
+                await self.kube.delete_pod(namespace, pod_of_job)
             while key in self.ledger.bookings:
                 freed.clear()
-                pod = await self.kube.find_pod(namespace, pod_name(name))
+                pod = await self.kube.find_pod(namespace, pod_of_job)
                 if pod is None or pod_holder(pod) != key:  # gone, or ended: its containers hold nothing
                     await self.finish(namespace, name, "Failed", "Deleted", "the TrainingJob was deleted and its pod is gone")
                 else:
@@ -545,11 +580,10 @@ class Admission:
 
 def pod_holder(pod: dict) -> str:
     """namespace/name of the TrainingJob a pod holds a GPU for ("" when it is not a training pod or has ended)."""
-    meta = pod["metadata"]
-    job = (meta.get("labels") or {}).get(JOB_LABEL, "")
-    if not job or meta["name"] != pod_name(job) or (pod.get("status") or {}).get("phase") in model.FINISHED:
+    owner = owner_of(pod)
+    if owner is None or (pod.get("status") or {}).get("phase") in model.FINISHED:
         return ""
-    return f"{meta['namespace']}/{job}"
+    return f"{pod['metadata']['namespace']}/{owner[0]}"
 
 
 def _termination(pod: dict) -> str:

@@ -20,8 +20,39 @@ DEFAULT_IMAGE = "ghcr.io/tensile/tensile:0.1.0"
 JOB_LABEL = "tensile.dev/job"
 
 
-def pod_name(job_name: str) -> str:
-    return f"{job_name[:50]}-tensile"
+SHORT_NAME = 40  # job names up to this long name their pod and label as they are
+
+
+def _fit(namespace: str, name: str, uid: str, limit: int) -> str:
+    """`name` if at most `limit` characters, else its first 40 (no trailing '.'/'-', which would end an invalid
+    name) and 8 hex of a hash of namespace/name/uid: cut alone, two long names sharing their start shared a pod."""
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(f"{namespace}/{name}/{uid}".encode()).hexdigest()[:8]
+    return f"{name[:SHORT_NAME].rstrip('.-')}-{digest}"
+
+
+def pod_name(namespace: str, name: str, uid: str) -> str:
+    """The job's pod: deterministic per job (a restarted operator finds it), unique, a valid name. A short name
+    keeps the `<name>-tensile` of earlier versions, so their running pods are still found after an upgrade."""
+    return f"{_fit(namespace, name, uid, SHORT_NAME)}-tensile"
+
+
+def job_label(namespace: str, name: str, uid: str) -> str:
+    """The pod's JOB_LABEL value: the job's name when it fits a label value (63 characters), else cut and hashed.
+    Only selected on by presence; the pod's job is its controller owner reference (`owner_of`)."""
+    return _fit(namespace, name, uid, 63)
+
+
+def owner_of(pod: dict) -> tuple[str, str] | None:
+    """(name, uid) of the TrainingJob a training pod belongs to: its controller owner reference, and only when the
+    pod has the name that job's pod gets (so a pod of another job, or someone else's, is never taken for it)."""
+    meta = pod["metadata"]
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("kind") == "TrainingJob" and ref.get("controller"):
+            name, uid = ref.get("name", ""), ref.get("uid", "")
+            return (name, uid) if name and meta.get("name") == pod_name(meta.get("namespace", ""), name, uid) else None
+    return None
 
 
 def job_token(key: bytes, namespace: str, name: str, uid: str) -> str:
@@ -65,7 +96,7 @@ def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, token: st
     pod_meta = template.get("metadata") or {}
     spec = template.get("spec") or {}
     labels = dict(pod_meta.get("labels") or {})
-    labels[JOB_LABEL] = name
+    labels[JOB_LABEL] = job_label(namespace, name, meta.get("uid", ""))
     spec["nodeName"] = node
     spec.setdefault("restartPolicy", "Never")
     volumes = [v for v in spec.get("volumes") or [] if v.get("name") != HOOK_VOLUME]
@@ -90,7 +121,7 @@ def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, token: st
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": pod_name(name),
+            "name": pod_name(namespace, name, meta.get("uid", "")),
             "namespace": namespace,
             "labels": labels,
             "annotations": dict(pod_meta.get("annotations") or {}) | {"tensile.dev/gpu": gpu_uuid},

@@ -501,6 +501,7 @@ def test_a_finished_job_frees_its_room_only_once_its_end_is_written():
     body = trainingjob("new", None, profile="p", memoryBudget="2Gi")
     body["metadata"] |= {"namespace": "default", "uid": "u-new"}
     pending = Pending("default/new", "default", "new", body, parse_spec(body["spec"]), None)
+    app.pending[pending.key] = pending
 
     async def scenario() -> None:
         ending = asyncio.create_task(app.finish("default", "old", "Succeeded", "Completed", "done"))
@@ -652,6 +653,7 @@ def test_a_rebuild_books_a_deleted_job_only_while_its_pod_holds_the_gpu():
 
     def pod(job: str, pod_phase: str) -> dict:
         return {"metadata": {"namespace": "default", "name": f"{job}-tensile", "labels": {JOB_LABEL: job},
+                             "ownerReferences": [{"kind": "TrainingJob", "name": job, "uid": "", "controller": True}],
                              "deletionTimestamp": "2026-01-01T00:00:00Z"}, "status": {"phase": pod_phase}}
 
     app = Admission()
@@ -685,3 +687,190 @@ def test_a_rebuild_books_a_deleted_job_only_while_its_pod_holds_the_gpu():
     app.ready.set()
     app.adopt(job("gone", True))  # a later event of the job whose pod was found gone books nothing
     assert "default/gone" not in app.ledger.bookings
+
+
+DNS_NAME = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+LABEL_VALUE = r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?"
+
+
+def test_jobs_whose_long_names_share_a_start_get_pods_of_their_own(tmp_path, forecaster):
+    """Cut to 50 characters, two such names shared one pod: the second job took the first's pod for its own, and
+    deleting it deleted the first's. Pod names and label values are valid (a cut may end in '-'; labels <= 63)."""
+    import re
+
+    from tensile.operator.pods import JOB_LABEL
+
+    a, b = "x" * 39 + "-" + "y" * 20 + "-alpha", "x" * 39 + "-" + "y" * 20 + "-beta"
+
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4), simulated_gpu("GPU-a1", 4)])
+            op = await start_operator(forecaster)
+            try:
+                await c.apply(trainingjob(a, None, profile="p", memoryBudget="3Gi"))
+                await c.apply(trainingjob(b, None, profile="p", memoryBudget="3Gi"))
+                await c.wait(lambda: len(c.pods()) == 2, 20, "a pod for each job")
+                for pod in c.pods():
+                    meta = pod["metadata"]
+                    assert len(meta["name"]) <= 63 and re.fullmatch(DNS_NAME, meta["name"]), meta["name"]
+                    label = meta["labels"][JOB_LABEL]
+                    assert len(label) <= 63 and re.fullmatch(LABEL_VALUE, label), label
+                owners = {p["metadata"]["ownerReferences"][0]["uid"] for p in c.pods()}
+                assert owners == {c.job(a)["metadata"]["uid"], c.job(b)["metadata"]["uid"]}
+                await c.delete(b)
+                await c.wait(lambda: c.job(b) is None, 20, "the second job gone")
+                assert [p["metadata"]["ownerReferences"][0]["uid"] for p in c.pods()] == [c.job(a)["metadata"]["uid"]]
+                assert set(op.app.ledger.bookings) == {f"default/{a}"} and phase(c.job(a)) == "Admitted"
+            finally:
+                await op.stop()
+
+    run(scenario())
+
+
+class _Calls:
+    """The API server for Admission unit tests: records status writes and pod creations."""
+
+    def __init__(self, existing: dict | None = None, job_phase: str = "Running"):
+        self.statuses: list[tuple[str, dict]] = []
+        self.created: list[dict] = []
+        self.existing, self.job_phase = existing, job_phase
+
+    async def patch_job_status(self, namespace: str, name: str, status: dict, resource_version: str | None = None) -> dict:
+        self.statuses.append((name, status))
+        return {}
+
+    async def get_job(self, namespace: str, name: str) -> dict:
+        return {"metadata": {"namespace": namespace, "name": name}, "status": {"phase": self.job_phase}}
+
+    async def create_pod(self, namespace: str, pod: dict) -> dict:
+        from tensile.operator.kube import Conflict
+
+        if self.existing is not None:
+            raise Conflict(409, "already exists")
+        self.created.append(pod)
+        return pod
+
+    async def find_pod(self, namespace: str, name: str) -> dict | None:
+        return self.existing
+
+    async def delete_pod(self, namespace: str, name: str) -> None:
+        self.existing = None
+
+
+def test_a_pod_of_its_name_that_another_job_owns_is_not_taken_for_the_jobs_own():
+    """A 409 was read as "created before a restart": a pod of another owner was followed as the job's, and
+    deleting the job deleted that pod by name."""
+    from tensile.operator.admission import Admission
+    from tensile.operator.pods import build_pod
+
+    body = trainingjob("same", None, profile="p", memoryBudget="1Gi")
+    body["metadata"] |= {"namespace": "default", "uid": "u-new"}
+    theirs = build_pod(body | {"metadata": body["metadata"] | {"uid": "u-old"}}, "node-a", "GPU-a0", None, "t", GIB, None, None)
+    app = Admission()
+    app.kube = _Calls(existing=theirs)
+    booking = Booking("default/same", "GPU-a0", "node-a", GIB)
+    app.ledger.book(booking)
+    asyncio.run(app.ensure_pod(body, booking))
+    ended = app.kube.statuses[-1][1]
+    assert ended["phase"] == "Failed" and not app.ledger.bookings
+    assert {c["type"]: c["reason"] for c in ended["conditions"]}["Finished"] == "PodRejected"
+    assert "already exists and is not this TrainingJob's" in ended["message"]
+    app.ready.set()
+    asyncio.run(app.deleted(body))
+    assert app.kube.existing is theirs, "deleting the job deleted a pod it does not own"
+
+
+def test_a_pod_the_api_server_refuses_fails_its_job_and_frees_the_gpu(tmp_path, forecaster):
+    """A refused pod (invalid, PodSecurity, ResourceQuota) was only logged: the job stayed Admitted holding its
+    GPU, and the queue behind it never moved."""
+    from tensile.operator.kube import KubeError
+
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4)])
+            op = await start_operator(forecaster)
+            create = op.app.kube.create_pod
+
+            async def refuse(namespace: str, pod: dict) -> dict:
+                if pod["metadata"]["name"].startswith("bad"):
+                    raise KubeError(422, 'Pod "bad-tensile" is invalid: spec.containers[0].image: Required value')
+                return await create(namespace, pod)
+
+            op.app.kube.create_pod = refuse
+            try:
+                await c.apply(trainingjob("bad", None, profile="p", memoryBudget="3Gi"))
+                await c.wait(lambda: phase(c.job("bad")) == "Failed", 20, "the job whose pod was refused failed")
+                status = c.job("bad")["status"]
+                assert {x["type"]: x["reason"] for x in status["conditions"]}["Finished"] == "PodRejected"
+                assert "spec.containers[0].image: Required value" in status["message"] and "spec.template" in status["message"]
+                await c.apply(trainingjob("next", None, profile="p", memoryBudget="3Gi"))  # fits only in its room
+                await c.wait(lambda: c.pods(), 20, "the next job placed in its room")
+                assert [p["metadata"]["name"] for p in c.pods()] == ["next-tensile"] and phase(c.job("next")) == "Admitted"
+            finally:
+                await op.stop()
+
+    run(scenario())
+
+
+def test_a_job_deleted_while_the_joint_planner_places_it_gets_no_pod_and_no_room(monkeypatch):
+    """The joint planner runs on a thread; a job deleted meanwhile was booked and given a pod when it returned."""
+    import threading
+
+    import tensile.operator.admission as admission
+    from tensile.operator.model import parse_spec
+    from tensile.operator.placement import Decision, Gpu
+
+    planning, planned = threading.Event(), threading.Event()
+
+    def choose(gpus, ledger, candidate, planner):  # type: ignore[no-untyped-def]
+        planning.set()
+        planned.wait(10)
+        return Decision(gpus[0], {candidate.job: GIB})
+
+    monkeypatch.setattr(admission, "choose", choose)
+    app = admission.Admission()
+    app.ready.set()
+    app.kube = _Calls()
+    app.inventory["node-a"] = [Gpu("node-a", "GPU-a0", "Simulated GPU", 3 * GIB, 3 * GIB, simulated=True)]
+    app.ledger.book(Booking("default/old", "GPU-a0", "node-a", 2 * GIB))  # no vanilla fit: the planner runs
+    body = trainingjob("new", None, profile="p", memoryBudget="2Gi")
+    body["metadata"] |= {"namespace": "default", "uid": "u-new"}
+    pending = admission.Pending("default/new", "default", "new", body, parse_spec(body["spec"]), None)
+    app.pending[pending.key] = pending
+
+    async def scenario() -> None:
+        placing = asyncio.create_task(app.place(pending))
+        await asyncio.to_thread(planning.wait, 10)
+        await app.deleted(body)
+        planned.set()
+        await placing
+        await asyncio.gather(*app._background)
+
+    asyncio.run(scenario())
+    assert set(app.ledger.bookings) == {"default/old"} and not app.kube.created
+    assert not any(s.get("phase") == "Admitted" for _, s in app.kube.statuses)
+
+
+def test_an_ended_pod_seen_again_does_not_rewrite_its_jobs_end():
+    """An operator restart lists every kept pod (and a finished pod's deletion is an event too): each ended one
+    finished its job again, rewriting `finishedAt` and the message of jobs long over."""
+    from tensile.operator.admission import Admission
+    from tensile.operator.pods import build_pod
+
+    def ended_pod(name: str) -> dict:
+        body = trainingjob(name, None, profile="p", memoryBudget="1Gi")
+        body["metadata"] |= {"namespace": "default", "uid": f"u-{name}"}
+        return build_pod(body, "node-a", "GPU-a0", None, "t", GIB, None, None) | {"status": {"phase": "Succeeded"}}
+
+    app = Admission()
+    app.kube = _Calls(job_phase="Succeeded")
+    app.remember_conditions({"metadata": {"namespace": "default", "name": "known"}, "status": {"phase": "Failed"}})
+    app.ledger.book(Booking("default/running", "GPU-a0", "node-a", GIB))
+
+    async def scenario() -> None:
+        for name in ("unseen", "known", "running"):  # ended before the restart (read, or seen) / ending now
+            await app.pod_changed(ended_pod(name))
+        await app.pod_changed(ended_pod("running"), deleted=True)  # its deletion, once it has ended
+
+    asyncio.run(scenario())
+    assert [(name, s["phase"]) for name, s in app.kube.statuses] == [("running", "Succeeded")]

@@ -30,8 +30,9 @@ def test_knobs_reach_the_agent_and_release_unregisters(tmp_path, tiny_workload):
 
     async def hook_for(c, name: str) -> AgentClient:  # type: ignore[no-untyped-def]
         """Register the job as its hook would, from what the operator put in the pod."""
-        await c.wait(lambda: c.emu.get("v1/pods", "default", pod_name(name)), 30, f"{name}'s pod")
-        env = pod_env(c.emu.get("v1/pods", "default", pod_name(name)))
+        pod = pod_name("default", name, c.job(name)["metadata"]["uid"])
+        await c.wait(lambda: c.emu.get("v1/pods", "default", pod), 30, f"{name}'s pod")
+        env = pod_env(c.emu.get("v1/pods", "default", pod))
         hook = AgentClient.from_env(env, max_backoff=0.2)
         registered = await asyncio.to_thread(hook.register, workload=workload,
                                              memory_budget_bytes=int(env["TENSILE_MEMORY_BUDGET"]))

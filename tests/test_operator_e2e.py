@@ -81,7 +81,8 @@ def test_two_agents_two_jobs_train_under_their_agents_plans(tmp_path):
                 await c.wait(lambda: all(not g.get("jobs") for n in NODES for g in c.node(n)["status"]["gpus"]), 30,
                              "TensileNodes without jobs")
                 pods = {p["metadata"]["name"]: p for p in c.pods()}
-                return {n: c.job(n) | {"env": pod_env(pods[pod_name(n)]), "agent": agents[c.job(n)["status"]["placement"]["node"]].url}
+                return {n: c.job(n) | {"env": pod_env(pods[pod_name("default", n, c.job(n)["metadata"]["uid"])]),
+                                       "agent": agents[c.job(n)["status"]["placement"]["node"]].url}
                         for n in JOBS}
             finally:
                 watcher.cancel()
@@ -108,12 +109,12 @@ def test_two_agents_two_jobs_train_under_their_agents_plans(tmp_path):
         assert job["env"]["TENSILE_AGENT"] == job["agent"] and job["env"]["TENSILE_GPU"] == job["status"]["placement"]["gpu"]
         assert key in seen[node] and all(key not in jobs_ for other, jobs_ in seen.items() if other != node)
         report = json.loads((tmp_path / f"{name}.json").read_text())
-        assert report["plan_source"] == "agent", (report["messages"], logs[pod_name(name)][-2000:])
+        assert report["plan_source"] == "agent", (report["messages"], logs[pod_name("default", name, job["metadata"]["uid"])][-2000:])
         assert report["plan_version"] >= 1 and len(report["iterations"]) == 16
         assert any(it["mode"] == "planned" for it in report["iterations"]), report["iterations"][:3]
         observed = job["status"]["observed"]
         assert observed["iterations"] >= 1 and observed["peakBytes"] > 0 and observed["planVersion"] >= 1
-        assert "tensile hook installed" in logs[pod_name(name)]
+        assert "tensile hook installed" in logs[pod_name("default", name, job["metadata"]["uid"])]
         assert report["live_signature"] == profile.signature  # the profile is what the hooks traced live
 
 
