@@ -558,14 +558,17 @@ class Admission:
         booking = self.ledger.bookings.get(key)
         if booking is None:
             return  # not running yet: the pod starts with the knobs in its environment
+        # a knob forwarded before that neither annotation nor spec sets now goes back to its default: the agent
+        # reads a missing knob as unchanged, so an annotation removed from a job whose spec has no value held for good
+        forwarded_before = (body.get("status") or {}).get("knobs") or {}
         knobs: dict = {"recompute": spec.recompute}
+        if spec.max_swap_rate is not None or "maxSwapRate" in forwarded_before:
+            knobs["maxSwapRate"] = spec.max_swap_rate or 1.0  # 1.0: no cap, as the planner reads none
+        if spec.memory_budget is not None or "memoryBudgetBytes" in forwarded_before:  # the job's reservation
+            knobs["memoryBudgetBytes"] = min(spec.memory_budget or booking.reserved_bytes, booking.reserved_bytes)
         booking.recompute = spec.recompute
-        if spec.max_swap_rate is not None:
-            knobs["maxSwapRate"] = spec.max_swap_rate
-            booking.max_swap_rate = spec.max_swap_rate
-        if spec.memory_budget is not None:
-            knobs["memoryBudgetBytes"] = min(spec.memory_budget, booking.reserved_bytes)
-            booking.budget_bytes = spec.memory_budget
+        booking.max_swap_rate = spec.max_swap_rate
+        booking.budget_bytes = spec.memory_budget
         gpu = next((g for g in self.gpus if g.uuid == booking.gpu), None)
         forwarded = await self.agent.update_knobs(gpu.agent if gpu else None, key, self.token(body), knobs)
         note = "forwarded to the node agent" if forwarded else "recorded; no agent reachable to forward to"

@@ -96,6 +96,31 @@ def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster)
     run(scenario())
 
 
+def test_a_knob_annotation_removed_goes_back_to_its_default_where_the_spec_has_none(tmp_path, forecaster):
+    """The agent reads a knob left out as unchanged: a max-swap-rate or memory-budget annotation removed from a job
+    whose spec sets neither kept its value on the agent for good (helper-34's finding). Now the rate goes back to
+    no cap (1.0) and the budget to the job's reservation."""
+    async def scenario():  # type: ignore[no-untyped-def]
+        async with cluster(tmp_path) as c:
+            await c.publish_node("node-a", [simulated_gpu("GPU-a0", 8)], agent="http://127.0.0.1:9")
+            op = await start_operator(forecaster)
+            try:
+                await c.apply(trainingjob("free", "vgg16", 1))
+                await c.wait(lambda: phase(c.job("free")) == "Admitted" and c.pods(), 60, "admitted with a pod")
+                annotations = {"tensile.dev/max-swap-rate": "0.1", "tensile.dev/memory-budget": "1Gi"}
+                await c.annotate("free", annotations)
+                await c.wait(lambda: op.app.agent.sent and op.app.agent.sent[-1][2].get("maxSwapRate") == 0.1, 10, "knobs sent")
+                await c.wait(lambda: (c.job("free")["status"].get("knobs") or {}).get("maxSwapRate") == 0.1, 10, "knobs recorded")
+                await c.annotate("free", {name: None for name in annotations})
+                await c.wait(lambda: op.app.agent.sent[-1][2].get("maxSwapRate") == 1.0, 10, "the rate back to no cap")
+                reserved = op.app.ledger.bookings["default/free"].reserved_bytes
+                assert op.app.agent.sent[-1][2]["memoryBudgetBytes"] == reserved
+            finally:
+                await op.stop()
+
+    run(scenario())
+
+
 def test_forecast_failure_and_budget_only_jobs(tmp_path, forecaster):
     async def scenario():  # type: ignore[no-untyped-def]
         async with cluster(tmp_path) as c:
