@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensile.operator import model
-from tensile.operator.agent import AgentLink
+from tensile.operator.agent import FORWARDED, UNREGISTERED, AgentLink
 from tensile.operator.forecasting import Forecaster, ForecastError, JobForecast
 from tensile.operator.heap import freeze_long_lived
 from tensile.operator.kube import Conflict, Kube, KubeError, NotFound
@@ -101,6 +101,7 @@ class Admission:
         self._committing = asyncio.Lock()
         self._profiling: set[str] = set()  # jobs whose live workload is being fetched
         self._creating: dict[str, asyncio.Task] = {}  # key -> the task creating the job's pod
+        self._knob_retries: dict[str, asyncio.Task] = {}  # key -> the task sending knobs until the hook registers
         self._freed: dict[str, asyncio.Event] = {}  # key -> set when a deleted job's booking is released
 
     # ---- inventory ------------------------------------------------------------------------------
@@ -368,6 +369,31 @@ class Admission:
         # the placement is durable now; the scheduler goes on to the next job while the pod is created
         self._creating[key] = self._spawn(self._start_pod(pending.body, booking))
 
+    def _knobs_retry(self, namespace: str, name: str, agent: str | None, token: str, knobs: dict) -> None:
+        """Knobs the agent could not take because the job's hook has not registered yet (404): until the
+        nineteenth session they were marked as sent to no reachable agent and never sent again, so the hook
+        registered with the knobs of its pod's environment. One retry task per job; a newer change replaces it."""
+        key = f"{namespace}/{name}"
+        previous = self._knob_retries.pop(key, None)
+        if previous is not None:
+            previous.cancel()
+        self._knob_retries[key] = self._spawn(self._send_knobs_again(namespace, name, agent, token, knobs))
+
+    async def _send_knobs_again(self, namespace: str, name: str, agent: str | None, token: str, knobs: dict) -> None:
+        key = f"{namespace}/{name}"
+        try:
+            for delay in KNOBS_RETRY_DELAYS:
+                await asyncio.sleep(delay)
+                if key not in self.ledger.bookings:
+                    return  # ended or deleted
+                outcome = await self.agent.update_knobs(agent, key, token, knobs)
+                if outcome != UNREGISTERED:
+                    await self.set_status(namespace, name, {}, _knobs_condition(outcome))
+                    return
+        finally:
+            if self._knob_retries.get(key) is asyncio.current_task():
+                del self._knob_retries[key]
+
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
@@ -570,15 +596,29 @@ class Admission:
         booking.max_swap_rate = spec.max_swap_rate
         booking.budget_bytes = spec.memory_budget
         gpu = next((g for g in self.gpus if g.uuid == booking.gpu), None)
-        forwarded = await self.agent.update_knobs(gpu.agent if gpu else None, key, self.token(body), knobs)
-        note = "forwarded to the node agent" if forwarded else "recorded; no agent reachable to forward to"
-        conditions = [condition("KnobsApplied", forwarded, "Forwarded" if forwarded else "NoAgent", note)]
+        agent, token = gpu.agent if gpu else None, self.token(body)
+        outcome = await self.agent.update_knobs(agent, key, token, knobs)
+        if outcome == UNREGISTERED:
+            self._knobs_retry(meta["namespace"], meta["name"], agent, token, knobs)
+        conditions = [_knobs_condition(outcome)]
         if spec.plan_events != booking.plan_events:  # the pod's TENSILE_PLAN_EVENTS is set when it is created
             conditions.append(condition(
                 "PlanEventsApplied", False, "FixedAtAdmission",
                 f"planEvents is now {spec.plan_events}, but the pod runs with {booking.plan_events} (its hook and its "
                 "forecast were set up with it when it was placed): delete and create the TrainingJob again to change it"))
         await self.set_status(meta["namespace"], meta["name"], {"knobs": knobs}, *conditions)
+
+
+KNOBS_RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 15.0) + (30.0,) * 18  # seconds: about ten minutes for a pod to start
+
+
+def _knobs_condition(outcome: str) -> dict:
+    if outcome == FORWARDED:
+        return condition("KnobsApplied", True, "Forwarded", "forwarded to the node agent")
+    if outcome == UNREGISTERED:
+        return condition("KnobsApplied", False, "WaitingForHook", "the job's hook has not registered with its node "
+                         "agent yet (its pod is starting): sent again until it has")
+    return condition("KnobsApplied", False, "NoAgent", "recorded; no agent reachable to forward to")
 
 
 def pod_holder(pod: dict) -> str:

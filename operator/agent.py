@@ -15,6 +15,7 @@ from typing import Any
 from tensile import agent_client
 
 log = logging.getLogger("tensile.operator.agent")
+FORWARDED, UNREGISTERED, NOT_FORWARDED = "forwarded", "unregistered", "not forwarded"
 
 
 class AgentLink:
@@ -28,11 +29,23 @@ class AgentLink:
             log.warning("agent call %s failed: %s", function.__name__, exc)
             return None
 
-    async def update_knobs(self, agent: str | None, job: str, token: str, knobs: dict) -> bool:
+    async def update_knobs(self, agent: str | None, job: str, token: str, knobs: dict) -> str:
+        """FORWARDED; UNREGISTERED when the agent does not know the job yet (its hook registers once its pod
+        runs, and a job's knobs can change before that); else NOT_FORWARDED (no agent, unreachable, refused)."""
         self.sent.append((agent or "", job, dict(knobs)))
         if not agent:
-            return False
-        return await self._call(agent_client.update_knobs, agent, job, token, knobs) is not None
+            return NOT_FORWARDED
+        try:
+            await asyncio.to_thread(agent_client.update_knobs, agent, job, token, knobs)
+        except agent_client.AgentError as exc:
+            if exc.status == 404 and exc.code == "unknown_job":
+                return UNREGISTERED
+            log.warning("agent call update_knobs failed: %s", exc)
+            return NOT_FORWARDED
+        except Exception as exc:  # noqa: BLE001 - an unreachable agent must not stop admission
+            log.warning("agent call update_knobs failed: %s", exc)
+            return NOT_FORWARDED
+        return FORWARDED
 
     async def unregister(self, agent: str | None, job: str, token: str) -> None:
         if agent:
