@@ -583,7 +583,13 @@ class Admission:
             return
         booking = self.ledger.bookings.get(key)
         if booking is None:
-            return  # not running yet: the pod starts with the knobs in its environment
+            pending = self.pending.get(key)
+            if pending is not None and spec.scope == pending.spec.scope:
+                # queued: placed (and its pod made) by the knobs as they are now; they were parsed once, at admission,
+                # so a budget lowered to fit beside the running jobs left the job queued by the old one
+                pending.spec, pending.body = spec, body
+                self.wake.set()
+            return  # not placed yet: its pod starts with the knobs in its environment
         # a knob forwarded before that neither annotation nor spec sets now goes back to its default: the agent
         # reads a missing knob as unchanged, so an annotation removed from a job whose spec has no value held for good
         forwarded_before = (body.get("status") or {}).get("knobs") or {}

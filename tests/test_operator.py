@@ -121,6 +121,29 @@ def test_a_knob_annotation_removed_goes_back_to_its_default_where_the_spec_has_n
     run(scenario())
 
 
+def test_a_queued_job_is_placed_by_the_knobs_annotated_while_it_waits(tmp_path, forecaster):
+    """A queued job's budget annotation lowered so that it fits beside the running job: it was parsed once, at
+    admission, so the job stayed queued by its old budget and its pod got the old knobs (helper-34's finding)."""
+    async def scenario():  # type: ignore[no-untyped-def]
+        async with cluster(tmp_path) as c:
+            await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4)])
+            op = await start_operator(forecaster)
+            try:
+                await c.apply(trainingjob("big", None, profile="p", memoryBudget="3Gi"))
+                await c.wait(lambda: phase(c.job("big")) == "Admitted", 20, "big admitted")
+                await c.apply(trainingjob("waiting", None, profile="p", memoryBudget="3Gi"))
+                await c.wait(lambda: phase(c.job("waiting")) == "Queued", 20, "waiting queued")
+                await c.annotate("waiting", {"tensile.dev/memory-budget": "512Mi", "tensile.dev/max-swap-rate": "0.1"})
+                await c.wait(lambda: phase(c.job("waiting")) == "Admitted", 20, "waiting placed by its new budget")
+                pod = next(p for p in c.pods() if p["metadata"]["ownerReferences"][0]["name"] == "waiting")
+                env = pod_env(pod)
+                assert (env["TENSILE_MEMORY_BUDGET"], env["TENSILE_MAX_SWAP_RATE"]) == (str(512 * 2**20), "0.1")
+            finally:
+                await op.stop()
+
+    run(scenario())
+
+
 def test_forecast_failure_and_budget_only_jobs(tmp_path, forecaster):
     async def scenario():  # type: ignore[no-untyped-def]
         async with cluster(tmp_path) as c:
