@@ -13,15 +13,13 @@ import socket
 import threading
 from dataclasses import dataclass
 
-from tensile.devices import PRESETS, DeviceSpec
+from tensile.devices import PRESETS, DeviceSpec, parse_bytes
 from tensile.errors import TensileUserError
 
 log = logging.getLogger("tensile.node_agent.gpus")
 DEFAULT_HEADROOM = 0.05  # share of device memory admission leaves free
 DEFAULT_CONTEXT_BYTES = 600 * 1024**2
 DEFAULT_BANDWIDTH = 25e9
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "t": 1000**4, "tb": 1000**4}
 
 
 @dataclass(slots=True)
@@ -39,13 +37,6 @@ class GpuInfo:
         return {"uuid": self.uuid, "index": self.index, "name": self.name, "memory_bytes": self.memory_bytes,
                 "capacity_bytes": self.capacity_bytes, "context_bytes": self.context_bytes,
                 "host_link_bandwidth": self.bandwidth, "simulated": self.simulated}
-
-
-def parse_bytes(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise TensileUserError(f"'{text}' is not an amount of memory: give e.g. 48GiB, 80GB or 16000000000")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def preset_for(name: str) -> DeviceSpec | None:

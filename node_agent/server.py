@@ -15,7 +15,8 @@ from tensile.errors import TensileUserError, print_user_error
 
 from tensile.node_agent.cluster import ClusterPublisher, in_cluster
 from tensile.node_agent.expiry import DEFAULT_SILENT_SECONDS, SilentJobExpiry
-from tensile.node_agent.gpus import DEFAULT_HEADROOM, Inventory, parse_bytes
+from tensile.devices import parse_bytes
+from tensile.node_agent.gpus import DEFAULT_HEADROOM, Inventory
 from tensile.node_agent.metrics import make_registry
 from tensile.node_agent.planning import DEFAULT_THRESHOLD, PlanningService, ProcessPlanner
 from tensile.planner import plan_gpu

@@ -47,7 +47,7 @@ log = logging.getLogger("tensile.hook")
 MIN_EVICT_BYTES = 4096  # smaller storages are not worth a transfer
 # nor is an overshoot smaller than that worth an eviction: the forecast a budget comes from can miss a few
 # bytes (a CPU forecast leaves out Adam's 4-byte step counters; mlp-wide, admitted at its forecast exactly, ran
-# 24 bytes over at one op and evicted a 1 MiB storage every iteration, stalling on it later)
+# 24 bytes over at one op and evicted a storage every iteration, stalling on it later)
 BUDGET_TOLERANCE_BYTES = MIN_EVICT_BYTES
 MAX_DIVERGED = 3  # iterations in a row that leave the plan before it is made again
 FREED_SOON_OPS = 8  # a release this close to PyTorch's own free of the tensor is left to PyTorch

@@ -6,6 +6,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tensile.devices import parse_bytes
+from tensile.errors import TensileUserError
 from tensile.plan import PLAN_EVENTS, native_plan_events
 
 
@@ -107,11 +109,8 @@ def parse_budget(text: str, field: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        from tensile.errors import TensileUserError
-        from tensile.planner import resolve_budget  # the byte units `tensile forecast` always took
-
         try:
-            value = float(resolve_budget(text, 0))  # a quantity never reads the vanilla peak
+            value = float(parse_bytes(text))
         except TensileUserError:
             raise ValueError(f"{field}: '{text}' is not a number of bytes or a fraction of the vanilla peak; {expected}") from None
     if not value > 0:

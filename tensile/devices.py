@@ -6,6 +6,7 @@ link bandwidth as typically achieved with pinned memory, and the memory a proces
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from tensile.errors import TensileUserError
@@ -37,3 +38,15 @@ def device_preset(name: str) -> DeviceSpec:
         return PRESETS[name.lower()]
     except KeyError:
         raise TensileUserError(f"unknown GPU preset '{name}'; known: {', '.join(PRESETS)}") from None
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "t": 1000**4, "tb": 1000**4}
+
+
+def parse_bytes(text: str) -> int:
+    """An amount of memory: bytes, or a number with a unit (48GiB, 80GB, 600MiB, 2e9): GPU sizes, budgets."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise TensileUserError(f"'{text}' is not an amount of memory: give e.g. 48GiB, 80GB or 16000000000")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])

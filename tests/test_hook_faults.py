@@ -95,7 +95,7 @@ def test_an_undersized_budget_evicts_passively_and_stays_under_it(budget):
 
 def test_a_peak_a_few_bytes_over_the_budget_evicts_nothing():
     """A budget is a forecast, which can miss a few bytes (a CPU forecast leaves out Adam's 4-byte step counters):
-    mlp-wide, admitted at its forecast exactly, ran 24 bytes over at one op and evicted a 1 MiB storage every
+    mlp-wide, admitted at its forecast exactly, ran 24 bytes over at one op and evicted a storage every
     iteration, to fetch it back later. An overshoot under the least the guard would evict is tolerated."""
     plain, _ = train(tracing_models.views, 16)
     _, unbudgeted = train(tracing_models.views, 16, planner=lambda workload, b: None)

@@ -9,6 +9,7 @@ import torch
 from tensile.commands.forecast import make_forecast
 from tensile.runtime_hook import activate, deactivate
 from tensile.runtime_hook.plan_source import local_planner
+from tensile.runtime_hook.report import HookReport, IterationStats
 from tensile.runtime_hook.settings import HookSettings
 from tensile.zoo import build_zoo_parts
 from test_hook_correctness import _import_example, assert_identical, deterministic, train  # noqa: F401
@@ -42,13 +43,10 @@ def test_budget_0_6_holds_and_the_forecast_is_what_runs(model):
         assert it.swap_out_bytes > 0
 
 
-def test_with_native_plans_the_forecast_is_what_the_native_path_measures():
-    """CUDA's default plans (activation swaps only), carried natively and measured there (observe_native):
-    the peak the job is admitted by is what its native iterations reach. These plans used to swap gradients
-    too, made in backward, which the native path cannot carry: this ResNet-50 was forecast at 345 MB and
-    measured 428 MB natively, 16 of its 37 swaps dropped; now 424 MB against 428 MB, every swap carried."""
+def _native_plans_observed(model, batch, loss_fn, make_optimizer) -> tuple[HookReport, list[IterationStats]]:  # type: ignore[no-untyped-def]
+    """Five steps under CUDA's default plans (activation swaps only) from the in-process planner, the native path
+    observed (its CPU peak measured): the report and its planned native iterations."""
     settings = HookSettings(job="job", plan_events="native")
-    model, batch, loss_fn, make_optimizer = build_zoo_parts("resnet50", 2, device="cpu", input_shape=(3, 128, 128))
     optimizer = make_optimizer(model.parameters())
     executor = activate(settings, planner=local_planner(settings, torch.device("cpu")), device=torch.device("cpu"))
     executor.observe_native = True
@@ -60,7 +58,15 @@ def test_with_native_plans_the_forecast_is_what_the_native_path_measures():
     finally:
         deactivate()
     report = executor.report
-    native = [it for it in report.iterations if it.path == "native" and it.mode == "planned"]
+    return report, [it for it in report.iterations if it.path == "native" and it.mode == "planned"]
+
+
+def test_with_native_plans_the_forecast_is_what_the_native_path_measures():
+    """CUDA's default plans (activation swaps only), carried natively and measured there (observe_native):
+    the peak the job is admitted by is what its native iterations reach. These plans used to swap gradients
+    too, made in backward, which the native path cannot carry: this ResNet-50 was forecast at 345 MB and
+    measured 428 MB natively, 16 of its 37 swaps dropped; now 424 MB against 428 MB, every swap carried."""
+    report, native = _native_plans_observed(*build_zoo_parts("resnet50", 2, device="cpu", input_shape=(3, 128, 128)))
     assert len(native) >= 2 and not any("do not align" in m for m in report.messages), report.messages
     for it in native:
         assert it.peak_source == "measured" and it.events["swap_out"] > 0
@@ -77,20 +83,7 @@ def test_a_native_plan_counts_no_release_pytorch_does_not_make_there():
         model, data, loss_fn, _ = _import_example("tiny_mlp")(batch)
         return model, data, loss_fn, lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True)
 
-    settings = HookSettings(job="job", plan_events="native")
-    model, data, loss_fn, make_optimizer = build(32)
-    optimizer = make_optimizer(model.parameters())
-    executor = activate(settings, planner=local_planner(settings, torch.device("cpu")), device=torch.device("cpu"))
-    executor.observe_native = True
-    try:
-        for _ in range(5):
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model, data).backward()
-            optimizer.step()
-    finally:
-        deactivate()
-    report = executor.report
-    native = [it for it in report.iterations if it.path == "native" and it.mode == "planned"]
+    report, native = _native_plans_observed(*build(32))
     assert native and all(it.peak_source == "measured" for it in native), report.iterations
     assert all(it.peak_bytes <= report.scheduled_peak_bytes * 1.05 for it in native), \
         ([it.peak_bytes for it in native], report.scheduled_peak_bytes)

@@ -11,7 +11,9 @@ from dag_workloads import chain_workload, random_workload
 from tensile.devices import device_preset
 from tensile.peak import absent_ranges, analyze_plan, analyze_vanilla, plan_timeline
 from tensile.plan import Plan
-from tensile.planner import GpuPlan, JobSpec, co_run_slowdown, plan_gpu, plan_job, resolve_budget
+from tensile.commands import option_value
+from tensile.planner import GpuPlan, JobSpec, co_run_slowdown, plan_gpu, plan_job
+from tensile.runtime_hook.settings import budget_bytes, parse_budget
 from tensile.recompute import chain_inputs
 from tensile.simulator import SimJob, simulate
 from tensile.errors import TensileUserError
@@ -201,12 +203,17 @@ def test_stopping_rule_reads_each_jobs_own_peak():
         assert four.scheduled_peak_bytes <= 4 * alone * 1.05, seed
 
 
-def test_resolve_budget():
-    assert resolve_budget("0.5", 1000) == 500
-    assert resolve_budget("2GiB", 1) == 2 * 1024**3
-    assert resolve_budget("1500", 1000) == 1500
+def test_a_budget_is_a_fraction_of_the_vanilla_peak_or_an_amount_of_memory():
+    """As every command and the hook take it (`parse_budget`, the CLI's errors through `option_value`)."""
+
+    def resolve(text: str, vanilla_peak_bytes: int) -> int | None:
+        return budget_bytes(option_value(parse_budget, text, "--memory-budget"), vanilla_peak_bytes)
+
+    assert resolve("0.5", 1000) == 500
+    assert resolve("2GiB", 1) == 2 * 1024**3
+    assert resolve("1500", 1000) == 1500
     with pytest.raises(TensileUserError):
-        resolve_budget("lots", 1000)
+        resolve("lots", 1000)
 
 
 @pytest.mark.parametrize("model", ZOO)
