@@ -589,6 +589,8 @@ class Admission:
                 # so a budget lowered to fit beside the running jobs left the job queued by the old one
                 pending.spec, pending.body = spec, body
                 self.wake.set()
+            elif pending is not None:
+                await self._forecast_again(pending, body)
             return  # not placed yet: its pod starts with the knobs in its environment
         # a knob forwarded before that neither annotation nor spec sets now goes back to its default: the agent
         # reads a missing knob as unchanged, so an annotation removed from a job whose spec has no value held for good
@@ -613,6 +615,17 @@ class Admission:
                 f"planEvents is now {spec.plan_events}, but the pod runs with {booking.plan_events} (its hook and its "
                 "forecast were set up with it when it was placed): delete and create the TrainingJob again to change it"))
         await self.set_status(meta["namespace"], meta["name"], {"knobs": knobs}, *conditions)
+
+    async def _forecast_again(self, pending: Pending, body: dict) -> None:
+        """A queued job whose plan scope changed (`plan-events`, `recompute`): its forecast counted on the peak
+        of plans made with the old events, which its hook's plans may not reach. It is admitted again (forecast
+        by the new scope, or failed if its budget is now out of reach) and keeps its place in the queue; a commit
+        already under way for it sees it left the queue and books nothing."""
+        del self.pending[pending.key]
+        await self.admit(body)
+        again = self.pending.get(pending.key)
+        if again is not None:
+            again.enqueued = pending.enqueued
 
 
 KNOBS_RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 15.0) + (30.0,) * 18  # seconds: about ten minutes for a pod to start

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import sys
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -14,7 +16,7 @@ import kopf
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from operator_harness import (GIB, cluster, fake_kubelet, jitter, phase, pod_env, process_kubelet, serve_pods, simulated_gpu,
+from operator_harness import (GIB, Cluster, cluster, fake_kubelet, jitter, phase, pod_env, process_kubelet, serve_pods, simulated_gpu,
                               start_operator, trainingjob)
 from tensile.errors import TensileUserError
 from tensile.operator.forecasting import Forecaster
@@ -121,25 +123,51 @@ def test_a_knob_annotation_removed_goes_back_to_its_default_where_the_spec_has_n
     run(scenario())
 
 
+@contextlib.asynccontextmanager
+async def gpu_held_by_big(tmp_path: Path, forecaster: Forecaster) -> AsyncIterator[Cluster]:
+    """A cluster of one 4 GiB GPU, the operator running, and job "big" admitted with 3 GiB of it."""
+    async with cluster(tmp_path) as c:
+        await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4)])
+        op = await start_operator(forecaster)
+        try:
+            await c.apply(trainingjob("big", None, profile="p", memoryBudget="3Gi"))
+            await c.wait(lambda: phase(c.job("big")) == "Admitted", 20, "big admitted")
+            yield c
+        finally:
+            await op.stop()
+
+
 def test_a_queued_job_is_placed_by_the_knobs_annotated_while_it_waits(tmp_path, forecaster):
     """A queued job's budget annotation lowered so that it fits beside the running job: it was parsed once, at
     admission, so the job stayed queued by its old budget and its pod got the old knobs (helper-34's finding)."""
     async def scenario():  # type: ignore[no-untyped-def]
-        async with cluster(tmp_path) as c:
-            await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4)])
-            op = await start_operator(forecaster)
-            try:
-                await c.apply(trainingjob("big", None, profile="p", memoryBudget="3Gi"))
-                await c.wait(lambda: phase(c.job("big")) == "Admitted", 20, "big admitted")
-                await c.apply(trainingjob("waiting", None, profile="p", memoryBudget="3Gi"))
-                await c.wait(lambda: phase(c.job("waiting")) == "Queued", 20, "waiting queued")
-                await c.annotate("waiting", {"tensile.dev/memory-budget": "512Mi", "tensile.dev/max-swap-rate": "0.1"})
-                await c.wait(lambda: phase(c.job("waiting")) == "Admitted", 20, "waiting placed by its new budget")
-                pod = next(p for p in c.pods() if p["metadata"]["ownerReferences"][0]["name"] == "waiting")
-                env = pod_env(pod)
-                assert (env["TENSILE_MEMORY_BUDGET"], env["TENSILE_MAX_SWAP_RATE"]) == (str(512 * 2**20), "0.1")
-            finally:
-                await op.stop()
+        async with gpu_held_by_big(tmp_path, forecaster) as c:
+            await c.apply(trainingjob("waiting", None, profile="p", memoryBudget="3Gi"))
+            await c.wait(lambda: phase(c.job("waiting")) == "Queued", 20, "waiting queued")
+            await c.annotate("waiting", {"tensile.dev/memory-budget": "512Mi", "tensile.dev/max-swap-rate": "0.1"})
+            await c.wait(lambda: phase(c.job("waiting")) == "Admitted", 20, "waiting placed by its new budget")
+            pod = next(p for p in c.pods() if p["metadata"]["ownerReferences"][0]["name"] == "waiting")
+            env = pod_env(pod)
+            assert (env["TENSILE_MEMORY_BUDGET"], env["TENSILE_MAX_SWAP_RATE"]) == (str(512 * 2**20), "0.1")
+
+    run(scenario())
+
+
+def test_a_queued_job_whose_plan_events_change_is_forecast_again_by_them(tmp_path, forecaster):
+    """plan-events annotated on a queued job: it kept the forecast of its old scope (activation swaps only) and
+    its pod was made with the old TENSILE_PLAN_EVENTS, so admission counted on plans its hook would not make."""
+    async def scenario():  # type: ignore[no-untyped-def]
+        async with gpu_held_by_big(tmp_path, forecaster) as c:
+            await c.apply(trainingjob("waiting", "vgg16", 1, memoryBudget="3Gi"))
+            await c.wait(lambda: phase(c.job("waiting")) == "Queued", 60, "waiting queued")
+            assert c.job("waiting")["status"]["forecast"]["activationsOnly"] is True  # CUDA under auto
+            await c.annotate("waiting", {"tensile.dev/plan-events": "all"})
+            await c.wait(lambda: phase(c.job("waiting")) == "Queued"
+                         and c.job("waiting")["status"]["forecast"]["activationsOnly"] is False, 60, "forecast by every event")
+            await c.delete("big")
+            await c.wait(lambda: phase(c.job("waiting")) == "Admitted" and c.pods(), 20, "waiting placed")
+            assert c.job("waiting")["status"]["placement"]["planEvents"] == "all"
+            assert pod_env(c.pods()[0])["TENSILE_PLAN_EVENTS"] == "all"
 
     run(scenario())
 
