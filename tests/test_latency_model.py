@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tensile.errors import TensileUserError
-from tensile.latency import UncalibratedWarning, assign_latencies, iteration_seconds, predict_iteration_seconds
+from tensile.latency import QuickCalibrationWarning, UncalibratedWarning, assign_latencies, iteration_seconds, predict_iteration_seconds
 from tensile.latency.device import cpu_key
 from tensile.latency.families import feature_count
 from tensile.latency.mlp import FamilyMLP
@@ -88,6 +88,16 @@ def test_calibrated_model_applies_its_correction(tmp_path):
     assert view.latency == pytest.approx(1e-6 + 1e-5)  # the measured view constant
     assert nll.latency == pytest.approx(ROOF.op_overhead + 100 / 1e10 + 1e-5)  # no family: the prior
     assert iteration_seconds(workload) == pytest.approx(sum(op.latency for op in workload.ops))
+
+
+def test_a_quick_grid_model_is_used_and_said_to_be_rough(tmp_path):
+    """A model of `tensile calibrate --quick` (made for tests) priced ResNet-50 at 9.7 s and 91.7 s an iteration
+    (0.65 s measured) while the forecast called its latencies "calibrated": it now says how rough they are."""
+    model = synthetic_model(cpu_key())
+    model.meta["grid"] = "quick"
+    save_model(model, tmp_path)
+    with pytest.warns(QuickCalibrationWarning, match="calibrate --device cpu"):
+        assert assign_latencies(small_workload(), "cpu", tmp_path) == "calibrated"
 
 
 def test_an_op_calibration_measured_is_predicted_by_its_measurement(tmp_path):

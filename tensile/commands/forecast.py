@@ -14,7 +14,7 @@ from tensile.commands import option_value, output_file
 from tensile.devices import PRESETS, device_preset
 from tensile.errors import TensileUserError
 from tensile.forecast import DEVICES, DTYPES, OPTIMIZERS, trace_workload
-from tensile.latency import UncalibratedWarning, assign_latencies, iteration_seconds
+from tensile.latency import QuickCalibrationWarning, UncalibratedWarning, assign_latencies, iteration_seconds
 from tensile.peak import PeakResult, analyze_plan, analyze_vanilla
 from tensile.plan import PLAN_EVENTS, Plan, native_plan_events
 from tensile.planner import GpuPlan, plan_job
@@ -127,6 +127,7 @@ def make_forecast(workload: Workload, preset: str, memory_budget: str | None = N
     the strictest the agent's joint plan can hold it to)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UncalibratedWarning)
+        warnings.simplefilter("always", QuickCalibrationWarning)
         latency_source = assign_latencies(workload, device=preset if workload.device == "cuda" else "cpu")
     for warning in caught:
         Console(stderr=True).print(f"[yellow]note:[/] {warning.message}", highlight=False)

@@ -6,6 +6,7 @@ Importing this package does not import torch: predicting needs numpy only; `tens
 
 from tensile.latency.online import LatencyEWMA, op_key
 from tensile.latency.predict import (
+    QuickCalibrationWarning,
     UncalibratedWarning,
     assign_latencies,
     find_model,
@@ -16,6 +17,7 @@ from tensile.latency.predict import (
 
 __all__ = [
     "LatencyEWMA",
+    "QuickCalibrationWarning",
     "UncalibratedWarning",
     "assign_latencies",
     "find_model",

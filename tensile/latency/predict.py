@@ -24,6 +24,11 @@ class UncalibratedWarning(UserWarning):
     """No calibrated latency model for the device: latencies come from the roofline prior."""
 
 
+class QuickCalibrationWarning(UserWarning):
+    """The device's model was fitted on the `--quick` grid, made for tests: its latencies are calibrated, but
+    roughly, and a forecast that says "calibrated" must not be read as the default grid's accuracy."""
+
+
 _CACHE: dict[tuple[str, int, int], LatencyModel] = {}
 
 
@@ -90,7 +95,8 @@ def assign_latencies(workload: Workload, device: str = "cpu", model_dir: str | o
     """Fill op.latency (seconds) for every op; return "calibrated" or "prior" (which one was used).
 
     `device`: "cpu", "cuda" or a GPU preset name. Without a model file for it, the roofline prior is
-    used and an UncalibratedWarning says how to calibrate; a damaged file raises TensileUserError.
+    used and an UncalibratedWarning says how to calibrate; a model of the quick grid is used with a
+    QuickCalibrationWarning; a damaged file raises TensileUserError.
     `utilization` (0..1) defaults to the GPU's current NVML reading, 0 on a CPU or without NVML.
     """
     model, path, prior = find_model(device, model_dir)
@@ -100,6 +106,13 @@ def assign_latencies(workload: Workload, device: str = "cpu", model_dir: str | o
             f"from the roofline prior. Run `tensile calibrate --device {'cuda' if device != 'cpu' else 'cpu'}` "
             f"on that device to calibrate",
             UncalibratedWarning,
+            stacklevel=2,
+        )
+    elif model.meta.get("grid") == "quick":
+        warnings.warn(
+            f"the latency model {path} was calibrated on the quick grid (`tensile calibrate --quick`, made for tests): "
+            f"its op latencies are rough. Run `tensile calibrate --device {model.kind}` for the default grid",
+            QuickCalibrationWarning,
             stacklevel=2,
         )
     if utilization is None:
