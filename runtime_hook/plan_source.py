@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import functools
-import json
 
 import torch
 
-from tensile.plan import Plan
+from tensile.plan import Plan, load_plan
 from tensile.runtime_hook.agent_link import AgentLink
 from tensile.runtime_hook.executor import Planner
 from tensile.runtime_hook.settings import HookSettings, native_plans
@@ -21,9 +20,9 @@ def load_plan_files(settings: HookSettings) -> tuple[Plan | None, Workload | Non
         return None, None
     if not settings.workload_path:
         raise ValueError("TENSILE_PLAN needs TENSILE_WORKLOAD: the workload the plan was made for")
-    with open(settings.plan_path) as handle:
-        plan = Plan.from_dict(json.load(handle))
-    return plan, load_workload(settings.workload_path)
+    workload = load_workload(settings.workload_path)
+    plan = load_plan(settings.plan_path, workload, "TENSILE_PLAN")
+    return plan, workload
 
 
 def agent_link(settings: HookSettings, fallback: Planner) -> AgentLink | None:

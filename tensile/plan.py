@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -101,6 +103,41 @@ class Plan:
             forecast=Forecast(**forecast) if forecast else None,
             memory_budget_bytes=data.get("memory_budget_bytes"),
         )
+
+
+def plan_problems(plan: Plan, workload: Workload) -> list[str]:
+    """What in `plan` cannot belong to a plan for `workload` (events of unknown kinds, on tensors it does not
+    have, triggered by ops it does not have, or delayed by a negative or endless time): a plan file edited or
+    saved for another trace, refused before it runs rather than carried as far as it goes."""
+    problems = []
+    for number, event in enumerate(plan.events):
+        where = f"event {number} ({event.kind} of tensor {event.tensor})"
+        if event.kind not in EVENT_KINDS:
+            problems.append(f"{where}: kind '{event.kind}' is not one of {', '.join(EVENT_KINDS)}")
+        elif event.tensor not in workload.tensors:
+            problems.append(f"{where}: the workload has no tensor {event.tensor}")
+        elif not 0 <= event.trigger < len(workload.ops):
+            problems.append(f"{where}: trigger op {event.trigger} is not one of the workload's ops 0-{len(workload.ops) - 1}")
+        elif not (math.isfinite(event.delay) and event.delay >= 0):
+            problems.append(f"{where}: delay {event.delay} s is not a time after its trigger op")
+    return problems
+
+
+def load_plan(path: str, workload: Workload, what: str) -> Plan:
+    """A plan file (`tensile forecast --save-plan`) for `workload`, or a ValueError that names it (`what`: the
+    option or variable it was given by) and what is wrong with it."""
+    try:
+        with open(path) as handle:
+            plan = Plan.from_dict(json.load(handle))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{what} {path} is not a readable plan file ({type(exc).__name__}: {exc}); "
+                         "save one with tensile forecast --save-plan") from None
+    problems = plan_problems(plan, workload)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(f"{what} {path} is no plan for the workload given with it: {'; '.join(problems[:3])}{more}; "
+                         "save the plan with the workload it was made for (tensile forecast --save W.json --save-plan P.json)")
+    return plan
 
 
 def rebind(plan: Plan, made_for: Workload, onto: Workload) -> Plan | None:

@@ -15,7 +15,7 @@ import tracing_models
 from tensile.plan import EVENT_KINDS, Event, Plan
 from tensile.runtime_hook.settings import HookSettings, native_plans
 from tensile.workload import Workload
-from test_hook_correctness import aggressive_plan, assert_identical, deterministic, fit, train  # noqa: F401
+from test_hook_correctness import EXAMPLES, aggressive_plan, assert_identical, deterministic, fit, train  # noqa: F401
 
 
 def wrong_plan(workload: Workload, budget: int | None = None) -> Plan:
@@ -183,6 +183,40 @@ def test_tensile_run_refuses_bad_input_before_starting_the_command(capsys, optio
     assert named in " ".join(capsys.readouterr().err.split())
 
 
+def test_a_plan_file_that_cannot_belong_to_its_workload_is_refused_naming_the_event(capsys, tmp_path, tiny_workload):
+    """A plan with events on a tensor the workload lacks, triggers past its last op and negative delays ran as far
+    as it went, taking the job 22% over its vanilla peak with no word (helper-38's finding)."""
+    import dataclasses
+    import json
+
+    from tensile.planner import plan_job
+    from tensile.runtime_hook.plan_source import load_plan_files
+    from tensile.workload_io import save_workload
+
+    workload = tiny_workload()
+    save_workload(workload, tmp_path / "w.json")
+    plan = plan_job(workload, 2e10).plans["job"]  # as much saved as it can: events of every kind
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(plan.to_dict()))
+    assert _tensile_run("--workload", str(tmp_path / "w.json"), "--plan", str(good), "--", sys.executable, "-c", "pass") == 0
+    last = len(workload.ops)
+    for bad_event, named in ((Event("job", "swap_out", 99999, 3), "event 0 (swap_out of tensor 99999): the workload has no tensor 99999"),
+                             (Event("job", "swap_in", 0, last), f"trigger op {last} is not one of the workload's ops 0-{last - 1}"),
+                             (Event("job", "release", 0, 1, -1.0), "delay -1.0 s is not a time after its trigger op"),
+                             (Event("job", "evict", 0, 1), "kind 'evict' is not one of swap_out, swap_in, release, recompute")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(dataclasses.replace(plan, events=[bad_event, *plan.events]).to_dict()))
+        capsys.readouterr()
+        assert _tensile_run("--workload", str(tmp_path / "w.json"), "--plan", str(bad), "--", sys.executable, "-c", "pass") == 2
+        said = " ".join(capsys.readouterr().err.split())
+        assert f"--plan {bad} is no plan for the workload given with it: event 0 (" in said and named in said, said
+        with pytest.raises(ValueError, match=f"TENSILE_PLAN {bad} is no plan"):
+            load_plan_files(HookSettings.from_env({"TENSILE_JOB": "j", "TENSILE_PLAN": str(bad), "TENSILE_WORKLOAD": str(tmp_path / "w.json")}))
+    (tmp_path / "bad.json").write_text("{not json")
+    assert _tensile_run("--workload", str(tmp_path / "w.json"), "--plan", str(tmp_path / "bad.json"), "--", sys.executable, "-c", "pass") == 2
+    assert "is not a readable plan file" in capsys.readouterr().err
+
+
 def test_tensile_run_names_a_command_that_cannot_start(capsys, tmp_path):
     """A file marked executable that is no program: the exec fails (ENOEXEC) after the checks."""
     script = tmp_path / "notes.txt"
@@ -286,6 +320,22 @@ def test_a_reports_run_totals_count_the_omitted_iterations_too():
     totals = RunTotals.of(report.to_dict())
     assert totals == RunTotals(iterations=total, planned=total - 1, peak_bytes=5, planned_peak_bytes=5, stall_seconds=0.5 * total)
     assert RunTotals.of(HookReport("job", "cpu").to_dict()).iterations == 0
+
+
+def test_the_summary_says_where_the_peak_under_plan_went_over_the_budget(tmp_path, capfd):
+    """A 1 MB budget on a job whose one op needs more than that at once ended 14x over it, and the summary named
+    neither the budget nor the guard's slack that allows it (helper-38's finding)."""
+    import json
+
+    report = tmp_path / "report.json"
+    assert _tensile_run("--memory-budget", "1000000", "--report", str(report), "--", sys.executable,
+                        str(EXAMPLES / "train_mlp.py"), "--steps", "5") == 0
+    data = json.loads(report.read_text())
+    peak = max(it["peak_bytes"] for it in data["iterations"] if it["mode"] == "planned")
+    assert peak > 1000000 and peak - 1000000 <= data["guard_slack_bytes"]
+    said = " ".join(capfd.readouterr().err.split())
+    assert (f"the peak under plan, {peak / 2**20:,.1f} MiB, went over the memory budget of 1.0 MiB by "
+            f"{(peak - 1000000) / 2**20:,.2f} MiB: within the guard's slack of {data['guard_slack_bytes'] / 2**20:,.1f} MiB") in said, said
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from tensile.agent_client import Http
 from tensile.commands import option_value, output_file
 from tensile.errors import TensileUserError
 from tensile.local_jobs import local_command
-from tensile.plan import PLAN_EVENTS
+from tensile.plan import PLAN_EVENTS, load_plan
 from tensile.runtime_hook.report import RunTotals
 from tensile.runtime_hook.settings import parse_budget, parse_swap_rate
 from tensile.workload_io import load_workload
@@ -87,7 +87,12 @@ def _check(args: argparse.Namespace) -> list[str]:
     if args.plan and not args.workload:
         raise TensileUserError("--plan needs --workload: the workload the plan was made for")
     if args.workload:
-        load_workload(args.workload)  # a malformed file is reported here, not in the child
+        workload = load_workload(args.workload)  # a malformed file is reported here, not in the child
+        if args.plan:
+            try:
+                load_plan(args.plan, workload, "--plan")
+            except ValueError as exc:
+                raise TensileUserError(str(exc)) from None
     return command
 
 
@@ -109,9 +114,29 @@ def run(args: argparse.Namespace) -> int:
             f"(source: {data['plan_source'] or 'none'}), peak {totals.peak_bytes / 2**20:,.1f} MiB"
             f"{_under_plan(totals, data.get('scheduled_peak_bytes'))}; report: {report}"
         )
+        over = _over_budget(totals, data.get("memory_budget_bytes"), data.get("guard_slack_bytes"))
+        if over:
+            console.print(f"[yellow]tensile: {over}[/]")
         if data.get("stood_down"):
             console.print(f"[yellow]tensile: the hook stood down: {data['stood_down']}[/]")
     return returncode
+
+
+def _over_budget(totals: RunTotals, budget: int | None, slack: int | None) -> str:
+    """The peak under plan against the memory budget, said where it went over: the guard keeps the job under the
+    budget plus what one op needs at once (its inputs and outputs, which it cannot evict), and the summary said
+    neither. (The iterations before the plan run at the vanilla peak: a fractional budget needs it measured.)"""
+    peak = totals.planned_peak_bytes
+    if not budget or peak is None or peak <= budget:
+        return ""
+    mib = 2**20
+    over = peak - budget
+    said = f"the peak under plan, {peak / mib:,.1f} MiB, went over the memory budget of {budget / mib:,.1f} MiB by {over / mib:,.2f} MiB"
+    if slack is None:
+        return said
+    if over <= slack:
+        return f"{said}: within the guard's slack of {slack / mib:,.1f} MiB (what one op needs on the device at once)"
+    return f"{said}: more than the guard's slack of {slack / mib:,.1f} MiB; the report's messages say why"
 
 
 def _under_plan(totals: RunTotals, scheduled: int | None) -> str:
