@@ -41,7 +41,7 @@ from tensile.runtime_hook.settings import HookSettings, budget_bytes, native_pla
 from tensile.runtime_hook.storages import Slot, StorageRegistry
 from tensile.runtime_hook.storages import tensors_in as _tensors
 from tensile.tracer import Recorder, classify_roles, written_values
-from tensile.workload import Op, Workload
+from tensile.workload import Workload
 
 log = logging.getLogger("tensile.hook")
 MIN_EVICT_BYTES = 4096  # smaller storages are not worth a transfer
@@ -211,6 +211,7 @@ class PlanExecutor(TorchDispatchMode):
         self.op_timer = CudaOpTimer() if device.type == "cuda" else None  # the recorded ops' kernel times
         self.planner = planner
         self.report = HookReport(job=settings.job, device=str(device))
+        self.said: set[str] = set()  # messages said so far (`_say`)
         self.report_writer = ReportWriter(settings.report_path, settings.report_interval) if settings.report_path else None
         self.iteration = 0
         self.stats = IterationStats(0)
@@ -276,8 +277,16 @@ class PlanExecutor(TorchDispatchMode):
         self.report.memory_budget_bytes = self.budget
 
     def _say(self, message: str, level: int = logging.WARNING) -> None:
+        """Said once, with the iteration it was first said in; a repeat is only counted (a GAN's other step
+        diverging every second iteration said the same warning, and added it to the report, each time)."""
+        report = self.report
+        if message in self.said:
+            report.repeated[message] = report.repeated.get(message, 0) + 1
+            log.debug("tensile: (again) %s", message)
+            return
+        self.said.add(message)
         log.log(level, "tensile: %s", message)
-        self.report.messages.append(f"iteration {self.iteration}: {message}")
+        report.messages.append(f"iteration {self.iteration}: {message}")
 
     def _match(self, live: Workload) -> None:
         """After a steady iteration: compare signatures; on a mismatch, plan from the live workload."""
@@ -823,7 +832,7 @@ class PlanExecutor(TorchDispatchMode):
         regenerated tensor alone; any other write makes the recipes that read the tensor invalid."""
         for key in written:
             recipe = self.recipes.get(key)
-            if recipe is not None and len(written) == 1 and self._chains(recipe, key, func, args, kwargs):
+            if recipe is not None and len(written) == 1 and self._chains(recipe, func, args, kwargs):
                 recipe.then.append(Step(func, args, kwargs, rng))
                 for value in _tensors((args, kwargs)):
                     if id(value.untyped_storage()) != key:
@@ -834,7 +843,7 @@ class PlanExecutor(TorchDispatchMode):
                 self.recipes.pop(dependent, None)
 
     @staticmethod
-    def _chains(recipe: Recipe, key: int, func: Any, args: tuple, kwargs: dict) -> bool:
+    def _chains(recipe: Recipe, func: Any, args: tuple, kwargs: dict) -> bool:
         if _replayable(func, args) is not None or "batch_norm" in str(func):
             return False  # not in place, or in place on more than it says
         written = [t for t in _tensors(written_values(func, args, kwargs))]

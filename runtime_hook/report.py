@@ -81,7 +81,8 @@ class HookReport:
     signature_match: bool | None = None
     live_signature: str | None = None
     stood_down: str | None = None
-    messages: list[str] = field(default_factory=list)
+    messages: list[str] = field(default_factory=list)  # each said once, from the iteration it was first said in
+    repeated: dict[str, int] = field(default_factory=dict)  # message -> how many more times it was said
     omitted: OmittedIterations = field(default_factory=OmittedIterations)
     iterations: list[IterationStats] = field(default_factory=list)
 
