@@ -18,9 +18,9 @@ import logging
 import os
 import threading
 import time
-from datetime import datetime, timezone
 from typing import Any
 
+from tensile.agent_contract import utc_timestamp
 from tensile.node_agent.state import AgentState
 
 log = logging.getLogger("tensile.node_agent.cluster")
@@ -34,10 +34,6 @@ RBAC = [
 
 def in_cluster(node: str | None) -> bool:
     return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and bool(node)
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def tensilenode_status(state: AgentState, agent_url: str | None) -> dict:
@@ -62,7 +58,7 @@ def tensilenode_status(state: AgentState, agent_url: str | None) -> dict:
         if s["utilization"] is not None:
             entry["utilization"] = s["utilization"]
         gpus.append(entry)
-    status: dict[str, Any] = {"gpus": gpus, "updatedAt": _now()}
+    status: dict[str, Any] = {"gpus": gpus, "updatedAt": utc_timestamp()}
     if agent_url:
         status["agentAddress"] = agent_url
     if state.inventory.reason:
@@ -75,7 +71,7 @@ def observed_status(job: Any) -> dict:
     fields = {"peakBytes": o.peak_bytes, "plannedPeakBytes": o.planned_peak_bytes, "iterations": o.iterations,
               "iterationSeconds": o.iteration_seconds, "stallSeconds": o.stall_seconds, "planVersion": o.plan_version,
               "signatureMatch": o.signature_match}
-    return {k: v for k, v in fields.items() if v is not None} | {"updatedAt": _now()}
+    return {k: v for k, v in fields.items() if v is not None} | {"updatedAt": utc_timestamp()}
 
 
 class ClusterPublisher:

@@ -66,7 +66,8 @@ def simulated_gpus(specs: list[str], node: str | None = None, headroom: float = 
         name, sep, memory = text.rpartition(":")
         if not sep or not name:
             raise TensileUserError(f"--simulate-gpu '{text}': give NAME:MEMORY, e.g. a6000:48GiB")
-        gpus.append(_make(f"SIM-{host}-{index}", index, name, parse_bytes(memory), True, headroom, context_bytes))
+        gpus.append(_make(f"SIM-{host}-{index}", index, name, parse_bytes(memory, f"--simulate-gpu '{text}'"), True, headroom,
+                          context_bytes))
     return gpus
 
 

@@ -6,7 +6,7 @@ at once with the core planner (`tensile.planner.plan_gpu`, Algorithm 3). Changes
 round runs coalesce into the next round. Requests never wait for planning: they see the previous plan
 until the round commits, and a hook picks the new plan up at its next iteration boundary.
 
-Latency drift is the core's plan-updating rule (TENSILE IV-E, `tensile.plan_update`): measured op
+Latency drift is the core's plan-updating rule (TENSILE IV-E, `tensile.plan_update.drifted`): measured op
 latencies feed an EWMA per job (`tensile.latency.LatencyEWMA`); when |s' - s| / s passes the
 threshold the GPU is re-planned with the corrected latencies of all its jobs. s is moved to s' when
 the re-plan is requested, so one drift triggers exactly one re-plan.
@@ -26,6 +26,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from tensile.agent_contract import FAILED, PLANNED
+from tensile.plan_update import DEFAULT_THRESHOLD, drifted
 from tensile.planner import GpuPlan, JobSpec, plan_gpu
 from tensile.workload import Workload
 
@@ -33,7 +34,6 @@ from tensile.node_agent.state import AgentState, GpuRound, Job
 
 log = logging.getLogger("tensile.node_agent.planning")
 PLANNER_NICE = 19  # the planning process's niceness, relative to the agent
-DEFAULT_THRESHOLD = 0.1  # the plan-updating threshold on |s' - s| / s (tensile.plan_update's default)
 
 
 def gpu_budget(state: AgentState, uuid: str, jobs: list[Job]) -> int:
@@ -220,8 +220,7 @@ class PlanningService:
             for index, seconds in samples:
                 ewma.observe(int(index), float(seconds))
             corrected = ewma.corrected_sum()
-            s = job.planned_sum
-            if not s or abs(corrected - s) / s <= self.threshold:
+            if not drifted(corrected, job.planned_sum, self.threshold):
                 return False
             job.planned_sum = corrected  # this drift is now being planned for: it cannot trigger twice
         self.request(job.gpu, "drift")

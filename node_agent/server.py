@@ -18,7 +18,8 @@ from tensile.node_agent.expiry import DEFAULT_SILENT_SECONDS, SilentJobExpiry
 from tensile.devices import parse_bytes
 from tensile.node_agent.gpus import DEFAULT_HEADROOM, Inventory
 from tensile.node_agent.metrics import make_registry
-from tensile.node_agent.planning import DEFAULT_THRESHOLD, PlanningService, ProcessPlanner
+from tensile.node_agent.planning import PlanningService, ProcessPlanner
+from tensile.plan_update import DEFAULT_THRESHOLD
 from tensile.planner import plan_gpu
 from tensile.node_agent.service import AgentService
 from tensile.node_agent.state import AgentState
@@ -130,7 +131,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise TensileUserError(f"--expire-silent-jobs must be 0 (never) or a number of seconds (was {args.expire_silent_jobs})")
     return AgentConfig(host=args.host, port=args.port, simulate=list(args.simulate_gpu), node=args.node_name,
                        advertise=args.advertise_url, headroom=args.headroom,
-                       context_bytes=parse_bytes(args.context_bytes) if args.context_bytes else None,
+                       context_bytes=parse_bytes(args.context_bytes, "--context-bytes") if args.context_bytes else None,
                        threshold=args.replan_threshold, planning=args.planning, expire_silent=args.expire_silent_jobs)
 
 

@@ -136,9 +136,6 @@ class Job:
                     "memory_budget_bytes": plan.memory_budget_bytes}
         return json.dumps(data | {"plan": body}, separators=(",", ":")).encode()
 
-    def plan_dict(self) -> dict:
-        return json.loads(self.encode_plan(self.plan_dict_shallow()))
-
     def plan_body(self) -> bytes:
         if self.body is None:
             self.body = self.encode_plan(self.plan_dict_shallow())

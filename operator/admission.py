@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
 import os
 import secrets
@@ -20,6 +19,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from tensile.agent_contract import utc_timestamp
 from tensile.operator import model
 from tensile.operator.agent import FORWARDED, UNREGISTERED, AgentLink
 from tensile.operator.forecasting import Forecaster, ForecastError, JobForecast
@@ -36,17 +36,13 @@ RESYNC_SECONDS = 30.0  # the ledger is checked against the statuses at most this
 POD_CHECK_SECONDS = 5.0  # a deleted job's terminating pod is looked up again this often (its DELETED event may be missed)
 
 
-def now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def job_key(body: dict) -> str:
     """namespace/name: how the ledger, the queue and the statuses name a TrainingJob."""
     return f"{body['metadata']['namespace']}/{body['metadata']['name']}"
 
 
 def condition(type_: str, ok: bool, reason: str, message: str = "") -> dict:
-    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message, "lastTransitionTime": now()}
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message, "lastTransitionTime": utc_timestamp()}
 
 
 def merge_conditions(old: list[dict], *new: dict) -> list[dict]:
@@ -333,7 +329,7 @@ class Admission:
                 pending.queued_reason = reason
                 await self.set_status(pending.namespace, pending.name, {
                     "phase": "Queued", "message": reason,
-                    "queue": {"reason": reason, "shortfallBytes": decision.shortfall_bytes, "since": now()},
+                    "queue": {"reason": reason, "shortfallBytes": decision.shortfall_bytes, "since": utc_timestamp()},
                 }, condition("Admitted", False, "Queued", f"{reason}; retried when capacity frees"))
             return
         async with self._committing:
@@ -358,7 +354,7 @@ class Admission:
         fstatus = (pending.forecast.to_status() if pending.forecast else {"source": "budget"}) | {
             "scheduledPeakBytes": reserved, "reservedBytes": reserved, "plannedWith": sum(1 for j in peaks if j != key)}
         placement = {"node": gpu.node, "gpu": gpu.uuid, "gpuName": gpu.name, "simulated": gpu.simulated,
-                     "agent": gpu.agent or "", "planEvents": pending.spec.plan_events, "admittedAt": now()}
+                     "agent": gpu.agent or "", "planEvents": pending.spec.plan_events, "admittedAt": utc_timestamp()}
         await self.set_status(pending.namespace, pending.name, {
             "phase": "Admitted", "message": f"placed on {gpu.node} GPU {gpu.uuid}", "placement": placement,
             "forecast": fstatus, "queue": None}, condition("Admitted", True, "Placed", f"{reserved / MIB:,.0f} MiB on {gpu.node}/{gpu.uuid}"))
@@ -502,7 +498,7 @@ class Admission:
         key = f"{namespace}/{name}"
         self.pending.pop(key, None)
         try:
-            await self.set_status(namespace, name, {"phase": phase, "message": message, "finishedAt": now()},
+            await self.set_status(namespace, name, {"phase": phase, "message": message, "finishedAt": utc_timestamp()},
                                   condition("PodRunning", False, reason, message), condition("Finished", True, reason, message))
         finally:  # a failed write still frees the room: the pod has ended
             booking = self.release(key)

@@ -7,9 +7,11 @@ still reports the same messages (as a Failed phase with a condition).
 
 from __future__ import annotations
 
-import re
+import math
 from dataclasses import dataclass, field
 
+from tensile.devices import parse_bytes
+from tensile.errors import TensileUserError
 from tensile.forecast import DTYPES, OPTIMIZERS
 from tensile.plan import PLAN_EVENTS, native_plan_events
 
@@ -23,11 +25,6 @@ ANNOTATIONS = {
 PHASES = ("Pending", "Forecasting", "Queued", "Admitted", "Running", "Succeeded", "Failed")
 FINISHED = ("Succeeded", "Failed")
 HOLDS_GPU = ("Admitted", "Running")
-
-_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)\s*(Ki|Mi|Gi|Ti|Pi|k|K|M|G|T|P)?\s*$")
-_UNITS = {None: 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
-
 
 class SpecError(ValueError):
     """One or more problems with a TrainingJob; str() lists each as 'field: message'."""
@@ -47,20 +44,25 @@ class SpecProblem:
 
 
 def parse_quantity(value: object, field_name: str) -> int:
-    """Bytes from an int or a Kubernetes quantity ('6Gi', '512Mi', '2e9')."""
-    if isinstance(value, bool):
-        raise SpecError([SpecProblem(field_name, f"'{value}' is not a memory size; write bytes or a quantity like 6Gi")])
-    if isinstance(value, (int, float)):
+    """Bytes from an int or a memory quantity: Kubernetes' ('6Gi', '512Mi', '2e9') or the CLI's ('6GiB', '80GB'),
+    parsed as the hook and the CLI parse them (`tensile.devices.parse_bytes`)."""
+    hint = "write bytes or a quantity like 6Gi"
+    not_memory = SpecError([SpecProblem(field_name, f"'{value}' is not a memory size; {hint}")])
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise not_memory
+    try:
         number = float(value)
-    else:
-        match = _QUANTITY.match(str(value))
-        if not match:
-            raise SpecError([SpecProblem(field_name, f"'{value}' is not a memory size; write bytes or a quantity like 6Gi")])
-        number = float(match.group(1)) * _UNITS[match.group(2)]
-    if number <= 0:
-        raise SpecError([SpecProblem(field_name, f"must be positive (was {value}); write bytes or a quantity like 6Gi")])
+    except ValueError:  # a number with a unit
+        try:
+            number = float(parse_bytes(str(value)))
+        except TensileUserError:
+            raise not_memory from None
+    if not math.isfinite(number):
+        raise not_memory
+    if not number > 0:
+        raise SpecError([SpecProblem(field_name, f"must be positive (was {value}); {hint}")])
     if number < 1:  # 0.6 is no budget of 0 bytes: the user meant a fraction, which only the CLI's --memory-budget takes
-        raise SpecError([SpecProblem(field_name, f"'{value}' is under one byte: write bytes or a quantity like 6Gi "
+        raise SpecError([SpecProblem(field_name, f"'{value}' is under one byte: {hint} "
                                      "(a fraction of the vanilla peak is for the CLI's --memory-budget, not a TrainingJob)")])
     return int(number)
 

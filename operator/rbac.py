@@ -1,8 +1,9 @@
-"""Every Kubernetes API call the operator makes, as data: the chart's ClusterRole is generated from it.
+"""Every Kubernetes API call the operator makes, as data.
 
 `tensile.operator.kube.Kube` refuses any call not listed here, and Kopf's own calls (watching,
-patching its handlers' progress, peering, posting events) are listed with it, so the chart's role
-is exactly what the code needs. `cluster_role()` renders the rules as a Kubernetes ClusterRole.
+patching its handlers' progress, peering, posting events) are listed with it. The chart's ClusterRole
+(charts/tensile/templates/operator-rbac.yaml) is written by hand; tests/test_chart.py checks that it
+grants exactly these rules, so the role is what the code needs.
 """
 
 from __future__ import annotations
@@ -25,15 +26,3 @@ RULES: list[tuple[str, str, tuple[str, ...], str]] = [
 def allowed(group: str, resource: str, verb: str) -> bool:
     return any(g == group and r == resource and verb in verbs for g, r, verbs, _ in RULES)
 
-
-def cluster_role(name: str = "tensile-operator") -> dict:
-    """The ClusterRole the chart installs for the operator's service account."""
-    merged: dict[tuple[str, str], set[str]] = {}
-    for group, resource, verbs, _ in RULES:
-        merged.setdefault((group, resource), set()).update(verbs)
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRole",
-        "metadata": {"name": name},
-        "rules": [{"apiGroups": [g], "resources": [r], "verbs": sorted(v)} for (g, r), v in merged.items()],
-    }

@@ -103,9 +103,9 @@ def parse_swap_rate(text: str, field: str) -> float:
 
 
 def parse_budget(text: str, field: str) -> float:
-    """'0.6' is 60% of the vanilla peak; '2e9', '2000000000' or '12GiB' is bytes. A number above 1 with a
+    """'0.6' is 60% of the vanilla peak; '2e9', '2000000000', '12Gi' or '12GiB' is bytes. A number above 1 with a
     fraction ('1.5') is refused: it is a mistaken fraction, which read as bytes was a 1-byte budget."""
-    expected = "give whole bytes (2000000000, 2e9, 12GiB) or a fraction of the vanilla peak in (0, 1] (e.g. 0.6)"
+    expected = "give whole bytes (2000000000, 2e9, 12Gi, 12GiB) or a fraction of the vanilla peak in (0, 1] (e.g. 0.6)"
     try:
         value = float(text)
     except ValueError:

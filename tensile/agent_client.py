@@ -433,11 +433,3 @@ def live_workload(agent: str, job: str, token: str):  # type: ignore[no-untyped-
         link.close()
     return workload_from_dict(payload, f"agent {agent} workload of {job}") if payload else None
 
-
-def get_plan(agent: str, job: str, token: str) -> PlanResponse:
-    link = _one_shot(agent)
-    try:
-        _, payload, _ = link.request("GET", job_path(JobRef.parse(job), "plan"), None, token)
-    finally:
-        link.close()
-    return PlanResponse.from_dict(payload or {})

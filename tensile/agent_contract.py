@@ -29,6 +29,7 @@ import re
 import zlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
+from datetime import UTC, datetime
 from typing import Any
 
 API_VERSION = "v1"
@@ -60,9 +61,14 @@ PLANNING = "planning"  # registered; its GPU's planning round has not finished y
 PLANNED = "planned"  # a plan is ready (it may still not fit: see `fits` and the message)
 NEEDS_WORKLOAD = "needs_workload"  # registered by signature the agent does not know: PUT the workload
 FAILED = "failed"  # planning raised; the message says why (the hook runs guarded)
-JOB_STATUSES = (PLANNING, PLANNED, NEEDS_WORKLOAD, FAILED)
 
 REPLAN_REASONS = ("register", "unregister", "knobs", "drift", "workload")
+
+
+def utc_timestamp() -> str:
+    """Now, as Kubernetes writes times (UTC, to the second): one format for the agent's TensileNode and
+    the operator's TrainingJob statuses."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class ContractError(ValueError):

@@ -40,13 +40,24 @@ def device_preset(name: str) -> DeviceSpec:
         raise TensileUserError(f"unknown GPU preset '{name}'; known: {', '.join(PRESETS)}") from None
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "t": 1000**4, "tb": 1000**4}
+# units of an amount of memory, matched without case: SI (80GB, 80G) and binary (48GiB), with Kubernetes' own
+# spellings of both (6Gi, 512Mi, 2e9) so that a budget written for a TrainingJob works as well in a flag or
+# `TENSILE_MEMORY_BUDGET` ("m" is mega here: a thousandth of a byte is never what is meant)
+_UNITS = {"": 1, "b": 1} | {
+    prefix + suffix: base**power
+    for power, (decimal, binary) in enumerate((("k", "ki"), ("m", "mi"), ("g", "gi"), ("t", "ti"), ("p", "pi")), start=1)
+    for prefix, base in ((decimal, 1000), (binary, 1024))
+    for suffix in ("", "b")
+}
+_AMOUNT = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+]?[0-9]+)?)\s*([A-Za-z]*)\s*")
 
 
-def parse_bytes(text: str) -> int:
-    """An amount of memory: bytes, or a number with a unit (48GiB, 80GB, 600MiB, 2e9): GPU sizes, budgets."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+def parse_bytes(text: str, field: str | None = None) -> int:
+    """An amount of memory: bytes, or a number with a unit (48GiB, 6Gi, 80GB, 600MiB, 2e9): GPU sizes, budgets.
+    `field` names where it was written, for the error."""
+    match = _AMOUNT.fullmatch(text)
     if not match or match.group(2).lower() not in _UNITS:
-        raise TensileUserError(f"'{text}' is not an amount of memory: give e.g. 48GiB, 80GB or 16000000000")
+        where = f"{field}: " if field else ""
+        raise TensileUserError(f"{where}'{text}' is not an amount of memory: write bytes or a number with a unit, "
+                               "e.g. 6Gi, 48GiB, 80GB or 16000000000")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])

@@ -126,7 +126,7 @@ def plan_timeline(workload: Workload, events: Iterable[Event], slowdown: float =
 
 
 def absent_ranges(
-    workload: Workload, events: Iterable[Event], bandwidth: float, timeline: Timeline, slots: dict[int, Slot]
+    events: Iterable[Event], bandwidth: float, timeline: Timeline, slots: dict[int, Slot]
 ) -> dict[int, list[tuple[int, int]]]:
     """Per slot root, the op ranges (folded into one iteration) the plan keeps it off the device.
 
@@ -218,5 +218,5 @@ def analyze_plan(workload: Workload, events: Iterable[Event], bandwidth: float, 
     events = list(events)
     slots = build_slots(workload)
     timeline = plan_timeline(workload, events, slowdown, slots)
-    changes, initial = plan_changes(workload, slots, absent_ranges(workload, events, bandwidth, timeline, slots))
+    changes, initial = plan_changes(workload, slots, absent_ranges(events, bandwidth, timeline, slots))
     return sweep(workload, changes, initial)

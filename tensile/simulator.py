@@ -48,13 +48,11 @@ class JobResult:
     name: str
     iteration_seconds: list[float]
     peak_bytes: int  # steady state (iterations after the first)
-    first_iteration_peak_bytes: int
     stall_seconds: float = 0.0
     recompute_seconds: float = 0.0
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     passive_swap_ins: int = 0
-    evictions: int = 0
 
     @property
     def steady_iteration_seconds(self) -> float:
@@ -66,7 +64,6 @@ class JobResult:
 class SimResult:
     jobs: dict[str, JobResult]
     timeline: list[tuple[float, str, int]]  # (time, job, bytes in use by that job) after each change
-    observed_gpu_peak_bytes: int  # highest sum over jobs at any instant
 
 
 class _Transfer:
@@ -106,7 +103,7 @@ class _JobRun:
         self.peaks: list[int] = [0]
         self.plan = spec.plan
         self.by_trigger, self.next_by_trigger = _index(spec.plan)
-        self.result = JobResult(spec.name, [], 0, 0)
+        self.result = JobResult(spec.name, [], 0)
         self.frees: dict[int, list[int]] = {}  # op -> slots PyTorch frees after it (by their last name)
         for slot in self.slots.values():
             freed = self.tensors[slot.names[-1]].freed_after
@@ -144,8 +141,6 @@ class Simulator:
         self.channels: dict[str, deque[_Transfer]] = {"d2h": deque(), "h2d": deque()}
         self.busy: dict[str, _Transfer | None] = {"d2h": None, "h2d": None}
         self.timeline: list[tuple[float, str, int]] = []
-        self.gpu_used = sum(j.used for j in self.jobs)
-        self.gpu_peak = self.gpu_used
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -180,8 +175,6 @@ class Simulator:
     # -- memory -------------------------------------------------------------------------------
     def _change(self, job: _JobRun, delta: int) -> None:
         job.used += delta
-        self.gpu_used += delta
-        self.gpu_peak = max(self.gpu_peak, self.gpu_used)
         job.peaks[-1] = max(job.peaks[-1], job.used)
         self.timeline.append((self.now, job.name, job.used))
 
@@ -211,7 +204,6 @@ class Simulator:
             if need <= 0:
                 break
             self._request(job, root, "d2h", passive=True)
-            job.result.evictions += 1
             need -= job.slots[root].size
         # nothing left to evict: the allocation goes through over budget (the guard cannot do better)
         return need > 0 and not victims and not pending
@@ -423,10 +415,9 @@ class Simulator:
         for job in self.jobs:
             result = job.result
             result.iteration_seconds = result.iteration_seconds[: self.iterations]
-            result.first_iteration_peak_bytes = job.peaks[0]
             result.peak_bytes = max(job.peaks[1 : self.iterations]) if len(job.peaks) > 1 else job.peaks[0]
             results[job.name] = result
-        return SimResult(results, self.timeline, self.gpu_peak)
+        return SimResult(results, self.timeline)
 
 
 def simulate(jobs: list[SimJob], device: DeviceSpec, overlap: float = 0.1, iterations: int = 3) -> SimResult:

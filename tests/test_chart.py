@@ -485,7 +485,7 @@ def test_byte_amounts_the_schema_accepts_parse_in_the_agent() -> None:
 
     schema = json.loads((CHART_DIR / "values.schema.json").read_text())
     pattern = schema["properties"]["agent"]["properties"]["contextBytes"]["pattern"]
-    for text in ("600MiB", "48GiB", "80GB", "16000000000", "1.5G", "512k", "100b"):
+    for text in ("600MiB", "48GiB", "80GB", "16000000000", "1.5G", "512k", "100b", "5Gi", "512Mi", "2e9"):
         assert re.search(pattern, text), text
         assert parse_bytes(text) > 0
 

@@ -205,14 +205,14 @@ def _measured(ops_seconds, phase_seconds):
 def test_gap_fit_is_led_by_many_cheap_ops_not_one_noisy_big_op():
     """Gap 10 us per op: a probe of 1000 1-us ops shows it; a probe with one 1 s op timed 5% off must not
     move it (its residual of 50 ms over 3 ops would be a 17 ms 'gap')."""
-    from tensile.latency.calibrate import fit_gaps
+    from tensile.latency.calibrate import fit_phases
 
     def ops(n, phase):
         return [Op(i, "aten.add.Tensor", phase, (), (), shapes=((4,),)) for i in range(n)]
 
     many = _measured([(o, 1e-6) for o in ops(1000, "forward")], {"forward": 1000 * 11e-6})
     noisy = _measured([(o, s) for o, s in zip(ops(3, "forward"), (1.0, 1e-6, 1e-6))], {"forward": 1.05 + 3e-5})
-    gaps = fit_gaps([many, noisy])
+    gaps = fit_phases([many, noisy])[0]
     assert gaps["forward"] == pytest.approx(10e-6, rel=0.05)
     assert gaps["backward"] == 0.0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -23,7 +24,7 @@ from tensile.operator.forecasting import Forecaster
 from tensile.operator.metrics import OperatorMetrics, metrics_port
 from tensile.operator.model import PlanScope, SpecError, parse_spec
 from tensile.operator.placement import Booking, JointPlanner, Ledger, gpus_from_tensilenode
-from tensile.operator.rbac import RULES, cluster_role
+from tensile.operator.rbac import RULES
 from tensile.plan import PLAN_EVENTS
 from tensile.planner import plan_job
 
@@ -170,6 +171,23 @@ def test_a_queued_job_whose_plan_events_change_is_forecast_again_by_them(tmp_pat
             assert pod_env(c.pods()[0])["TENSILE_PLAN_EVENTS"] == "all"
 
     run(scenario())
+
+
+def test_an_amount_of_memory_reads_alike_in_a_trainingjob_a_flag_and_the_hook():
+    """6Gi (Kubernetes' spelling) and 6GiB (the CLI's) are one amount wherever a budget is written: the hook's
+    TENSILE_MEMORY_BUDGET, `--memory-budget` and the agent's `--context-bytes` refused 6Gi, and annotations 6GiB."""
+    from tensile.devices import parse_bytes
+    from tensile.node_agent.server import add_arguments, config_from_args
+    from tensile.runtime_hook.settings import budget_bytes, parse_budget
+
+    for text, expected in (("6Gi", 6 * GIB), ("6GiB", 6 * GIB), ("512Mi", 512 * 2**20), ("2e9", 2 * 10**9), ("80GB", 80 * 10**9)):
+        spec = parse_spec(trainingjob("x", "vgg16", 1)["spec"], {"tensile.dev/memory-budget": text})
+        assert spec.memory_budget == budget_bytes(parse_budget(text, "TENSILE_MEMORY_BUDGET"), 1) == parse_bytes(text) == expected
+    agent_flags = argparse.ArgumentParser()
+    add_arguments(agent_flags)
+    assert config_from_args(agent_flags.parse_args(["--context-bytes", "5Gi"])).context_bytes == 5 * GIB
+    with pytest.raises(TensileUserError, match="--context-bytes: '5Gx' is not an amount of memory"):
+        config_from_args(agent_flags.parse_args(["--context-bytes", "5Gx"]))
 
 
 def test_forecast_failure_and_budget_only_jobs(tmp_path, forecaster):
@@ -475,13 +493,6 @@ def test_external_capacity_is_what_no_booking_holds():
     assert ledger.external(gpu) == 4 * GIB
     ledger.book(Booking("default/placed", gpu.uuid, "node-a", 3 * GIB))
     assert ledger.external(gpu) == GIB and ledger.committed(gpu) == 4 * GIB
-
-
-def test_rbac_renders_a_cluster_role():
-    role = cluster_role()
-    resources = {r for rule in role["rules"] for r in rule["resources"]}
-    assert {"trainingjobs", "trainingjobs/status", "tensilenodes", "pods", "clusterkopfpeerings"} <= resources
-    assert all("*" not in rule["verbs"] for rule in role["rules"])
 
 
 if __name__ == "__main__":

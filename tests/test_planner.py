@@ -36,7 +36,7 @@ def check_invariants(result: GpuPlan, workloads: dict[str, Workload], bandwidth:
                 writers.setdefault(t, []).append(op.index)
         replayed = Plan.from_dict(plan.to_dict())
         timeline = plan_timeline(workload, replayed.events, slowdown)
-        absent = absent_ranges(workload, replayed.events, bandwidth, timeline, slots)
+        absent = absent_ranges(replayed.events, bandwidth, timeline, slots)
         # no event overlaps an access of its tensor: the slot is on the device for every access
         for root, ranges in absent.items():
             for lo, hi in ranges:

@@ -13,8 +13,9 @@ from tensile.baselines.vdnn import vdnn_job
 from tensile.cli import main
 from tensile.compare import compare
 from tensile.devices import device_preset
+from tensile.latency import LatencyEWMA
 from tensile.peak import analyze_vanilla
-from tensile.plan_update import PlanUpdater
+from tensile.plan_update import change_rate, drifted
 from tensile.planner import JobSpec
 from tensile.simulator import SimJob, simulate
 
@@ -47,16 +48,19 @@ def test_compare_rows_and_gpu_row():
     assert tensile["*"]["msr"] > 0 and tensile["*"]["eor"] >= 1.0 - 1e-9
 
 
-def test_plan_updater_replans_on_drift_only():
+def test_latencies_drifted_past_the_threshold_call_for_a_new_plan():
+    """TENSILE IV-E's |s' - s| / s, as the node agent applies it to each job's corrected op latencies."""
     workload = random_workload(6)
-    updater = PlanUpdater([JobSpec("a", workload)], 2e9, threshold=0.1)
-    assert updater.plan("a").version == 1
     latencies = [op.latency for op in workload.ops]
-    assert not updater.observe("a", [x * 1.05 for x in latencies])
-    assert updater.observe("a", [x * 2.0 for x in latencies])
-    assert updater.plan("a").version == 2
-    assert updater.plan("a").forecast.predicted_iteration_seconds > sum(latencies) * 1.3
-    assert sum(op.latency for op in workload.ops) == pytest.approx(sum(latencies))  # the caller's workload is untouched
+    for factor, expected in ((1.05, False), (0.95, False), (2.0, True), (0.5, True)):
+        ewma = LatencyEWMA(workload, alpha=1.0)  # alpha 1: the newest iteration is the estimate
+        ewma.observe_iteration(latencies)
+        planned = ewma.corrected_sum()  # s: what the current plan was made with
+        ewma.observe_iteration([x * factor for x in latencies])
+        assert change_rate(ewma.corrected_sum(), planned) == pytest.approx(abs(factor - 1.0))
+        assert drifted(ewma.corrected_sum(), planned) is expected
+        assert drifted(ewma.corrected_sum(), planned, threshold=abs(factor - 1.0) + 0.01) is False
+    assert not drifted(1.0, 0.0)  # no latencies planned with yet: nothing to drift from
 
 
 def test_simulate_cli_json(capsys, tmp_path):

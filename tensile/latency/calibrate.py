@@ -138,11 +138,6 @@ def fit_phases(measured: list[Measured]) -> tuple[dict[str, float], dict[str, fl
     return gaps, scales
 
 
-def fit_gaps(measured: list[Measured]) -> dict[str, float]:
-    """Host seconds per op in each phase (see fit_phases)."""
-    return fit_phases(measured)[0]
-
-
 # ops, seconds, utilizations, the preceding op's bytes, the bytes of the iteration each op ran in
 Samples = tuple[list, list[float], list[float], list[float], list[float]]
 

@@ -85,6 +85,7 @@ class LatencyEWMA:
         return float(sum(self.latencies()))
 
     def predicted_sum(self) -> float:
+        """The cold-start sum (s before any measurement), kept however `apply` rewrites the ops."""
         return float(sum(self.predicted))
 
     def apply(self, workload: Workload | None = None) -> None:
