@@ -24,7 +24,6 @@ ANNOTATIONS = {
 }
 PHASES = ("Pending", "Forecasting", "Queued", "Admitted", "Running", "Succeeded", "Failed")
 FINISHED = ("Succeeded", "Failed")
-HOLDS_GPU = ("Admitted", "Running")
 
 class SpecError(ValueError):
     """One or more problems with a TrainingJob; str() lists each as 'field: message'."""
