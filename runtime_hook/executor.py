@@ -23,7 +23,6 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ from tensile.runtime_hook.compiled import COMPILE_SKIPPED, dynamo_frames
 from tensile.runtime_hook.movers import CpuMover, CudaMover
 from tensile.runtime_hook.native_map import NativeMap, map_plan
 from tensile.runtime_hook.native_swaps import NativeSwaps
+from tensile.runtime_hook.recipes import Recipe, RecipeBook
 from tensile.runtime_hook.report import HookReport, IterationStats, ReportWriter
 from tensile.runtime_hook.settings import HookSettings, budget_bytes, native_plans
 from tensile.runtime_hook.storages import Slot, StorageRegistry
@@ -60,75 +60,6 @@ Planner = Callable[[Workload, "int | None"], "Plan | None"]
 # Called after every iteration with its figures and the run's report; returns a newer plan for the
 # same workload (the agent re-planned: drift, knobs, a neighbour came or went) or None.
 IterationListener = Callable[[IterationStats, HookReport], "Plan | None"]
-
-
-@dataclass
-class Step:
-    """One op to replay, with the random state just before it first ran."""
-
-    func: Any
-    args: tuple
-    kwargs: dict
-    rng: torch.Tensor | None
-
-    def replay(self, executor: PlanExecutor, key: int | None = None, result: torch.Tensor | None = None) -> Any:
-        """Run it again; with `key`, the storage it wrote is replaced by `result` (no version bump
-        on the user's tensor, which autograd may have saved)."""
-        args, kwargs = self.args, self.kwargs
-        if key is not None:
-            args, kwargs = _substitute((args, kwargs), key, result)
-        if self.rng is not None:
-            current = executor._rng_state()
-            executor._set_rng_state(self.rng)
-        try:
-            return self.func(*args, **kwargs)
-        finally:
-            if self.rng is not None:
-                executor._set_rng_state(current)
-
-
-@dataclass
-class Recipe:
-    """How to regenerate a released tensor: the op that made it, then the in-place ops that wrote
-    it afterwards (batch norm then an in-place ReLU), each with its random state."""
-
-    producer: Step
-    position: int  # which tensor of the producer's result
-    geometry: tuple  # (shape, stride, storage offset) of that tensor
-    then: list[Step] = field(default_factory=list)
-
-    def inputs(self, own_key: int | None = None) -> list[torch.Tensor]:
-        """The tensors the replay reads, other than the regenerated one itself."""
-        tensors = _tensors([(step.args, step.kwargs) for step in (self.producer, *self.then)])
-        return [t for t in tensors if id(t.untyped_storage()) != own_key]
-
-
-def _substitute(values: Any, key: int, replacement: Any) -> Any:
-    if isinstance(values, torch.Tensor):
-        return replacement if id(values.untyped_storage()) == key else values
-    if isinstance(values, (list, tuple)):
-        return type(values)(_substitute(v, key, replacement) for v in values)
-    if isinstance(values, dict):
-        return {k: _substitute(v, key, replacement) for k, v in values.items()}
-    return values
-
-
-def _geometry(tensor: torch.Tensor) -> tuple:
-    return (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
-
-
-def _replayable(func: Any, args: tuple) -> tuple[Any, tuple] | None:
-    """The op and arguments that regenerate an output without side effects, or None.
-
-    Batch norm in training updates its running statistics in place without saying so in its
-    schema; replayed without them it computes the same output and leaves the statistics alone.
-    """
-    name = str(func)
-    if name == "aten.native_batch_norm.default":
-        return func, (*args[:3], None, None, *args[5:])
-    if "batch_norm" in name or any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
-        return None
-    return func, args
 
 
 class _OpFailed(Exception):
@@ -227,8 +158,7 @@ class PlanExecutor(TorchDispatchMode):
         self.ready: ActivePlan | None = None  # a plan matched and waiting for the next iteration
         self.previous_planned = False
         self.keys: dict[int, int] = {}  # plan tensor id -> id(storage), positional each iteration
-        self.recipes: dict[int, Recipe] = {}  # id(storage) -> recipe, this iteration
-        self.recipe_inputs: dict[int, set[int]] = defaultdict(set)  # id(input storage) -> recipes using it
+        self.recipes = RecipeBook()  # this iteration's, by id(storage)
         # a budget in bytes (what the job was admitted with) holds from the first op; a fraction waits
         # for the vanilla peak
         self.budget: int | None = budget_bytes(settings.memory_budget, 0) if (settings.memory_budget or 0) > 1 else None
@@ -543,7 +473,6 @@ class PlanExecutor(TorchDispatchMode):
         self.iteration += 1
         self.step_done = False
         self.recipes.clear()
-        self.recipe_inputs.clear()
         self.op_index = 0
         if self.iteration == self.match_at:
             self.recorder = _LiveRecorder(self.device.type, self.registry)
@@ -652,7 +581,7 @@ class PlanExecutor(TorchDispatchMode):
         if self.swaps.learner is not None and active is not None:
             self.swaps.learner.on_op(index)
         written: list[int] = []
-        if self.recipes or self.recipe_inputs:
+        if self.recipes:
             written = [id(t.untyped_storage()) for t in _tensors(written_values(func, args, kwargs))]
             self._recompute_before_write(written)
         wants_rng = (active is not None and index in active.capture and active.recompute) or any(k in self.recipes for k in written)
@@ -678,7 +607,7 @@ class PlanExecutor(TorchDispatchMode):
                     self.registry.watch(storage)
                     new_keys.append(id(storage))
         if written:
-            self._update_recipes(written, func, args, kwargs, rng)
+            self.recipes.update(written, func, args, kwargs, rng)
         if active is not None:
             self._bind(active, index, arg_keys, new_keys, func, args, kwargs, out, rng)
             events = active.by_trigger.get(index, [])
@@ -716,7 +645,7 @@ class PlanExecutor(TorchDispatchMode):
                 continue
             self.keys[tensor] = key
             if tensor in active.recompute and where == "out":
-                self._keep_recipe(key, func, args, kwargs, out, rng)
+                self.recipes.keep(key, func, args, kwargs, out, rng)
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run the op; on CUDA an out-of-memory error evicts passively (never the op's own inputs, which
@@ -805,53 +734,13 @@ class PlanExecutor(TorchDispatchMode):
             torch.set_rng_state(state)
 
     # -- events -------------------------------------------------------------------------------
-    def _keep_recipe(self, key: int, func: Any, args: tuple, kwargs: dict, out: Any, rng: torch.Tensor | None) -> None:
-        """Only ops that write nothing in place can be replayed; their inputs are kept referenced."""
-        replay = _replayable(func, args)
-        if replay is None:
-            return
-        func, args = replay
-        for position, tensor in enumerate(_tensors(out)):
-            if id(tensor.untyped_storage()) == key:
-                recipe = Recipe(Step(func, args, kwargs, rng), position, _geometry(tensor))
-                self.recipes[key] = recipe
-                for value in recipe.inputs():
-                    self.recipe_inputs[id(value.untyped_storage())].add(key)
-                return
-
     def _recompute_before_write(self, written: list[int]) -> None:
         """A released tensor whose input is about to change in place is regenerated first."""
         for key in written:
-            for dependent in list(self.recipe_inputs.get(key, ())):
+            for dependent in self.recipes.readers_of(key):
                 slot = self.registry.slots.get(dependent)
                 if slot is not None and slot.recipe is not None and dependent != key:
                     self._fetch(slot)
-
-    def _update_recipes(self, written: list[int], func: Any, args: tuple, kwargs: dict, rng: torch.Tensor | None) -> None:
-        """An in-place op on a tensor with a recipe joins the recipe when it can be replayed on the
-        regenerated tensor alone; any other write makes the recipes that read the tensor invalid."""
-        for key in written:
-            recipe = self.recipes.get(key)
-            if recipe is not None and len(written) == 1 and self._chains(recipe, func, args, kwargs):
-                recipe.then.append(Step(func, args, kwargs, rng))
-                for value in _tensors((args, kwargs)):
-                    if id(value.untyped_storage()) != key:
-                        self.recipe_inputs[id(value.untyped_storage())].add(key)
-            else:
-                self.recipes.pop(key, None)
-            for dependent in self.recipe_inputs.pop(key, set()) - {key}:
-                self.recipes.pop(dependent, None)
-
-    @staticmethod
-    def _chains(recipe: Recipe, func: Any, args: tuple, kwargs: dict) -> bool:
-        if _replayable(func, args) is not None or "batch_norm" in str(func):
-            return False  # not in place, or in place on more than it says
-        written = [t for t in _tensors(written_values(func, args, kwargs))]
-        return (
-            len(written) == 1
-            and not any(isinstance(a, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in a) for a in args)
-            and _geometry(written[0]) == recipe.geometry
-        )
 
     def _apply(self, event: Event) -> None:
         """Fire one event. A release without a recipe keeps a host copy: if the plan is wrong and
@@ -928,7 +817,7 @@ class PlanExecutor(TorchDispatchMode):
         storage.resize_(slot.nbytes)
         storage.copy_(result.untyped_storage())
         slot.recipe = None
-        self.recipes.pop(slot.key, None)  # its inputs need not outlive this
+        self.recipes.pop(slot.key)  # its inputs need not outlive this
         self.stats.recompute_bytes += slot.nbytes
 
     # -- budget guard -------------------------------------------------------------------------
@@ -1034,6 +923,6 @@ class PlanExecutor(TorchDispatchMode):
         self.mover.settle()
 
     def _storage_freed(self, key: int) -> None:
-        self.recipes.pop(key, None)
+        self.recipes.pop(key)
         if self.iteration == self.match_at:
             self.recorder._on_free(key)

@@ -229,16 +229,16 @@ def test_zoo_models_train_bit_identically_under_an_aggressive_plan(model):
 
 def test_batch_norm_then_inplace_relu_is_recomputed_as_a_chain(monkeypatch):
     """The in-place ReLU that wrote the batch-norm output is replayed on the regenerated tensor."""
-    from tensile.runtime_hook import executor
+    from tensile.runtime_hook import recipes
 
     replayed: list[str] = []
-    original = executor.Step.replay
+    original = recipes.Step.replay
 
     def replay(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         replayed.append(str(self.func))
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(executor.Step, "replay", replay)
+    monkeypatch.setattr(recipes.Step, "replay", replay)
     plain, _ = train(tracing_models.views, 4)
     hooked, report = train(tracing_models.views, 4, planner=aggressive_plan)
     assert_identical(plain, hooked)
