@@ -66,8 +66,10 @@ def simulated_gpus(specs: list[str], node: str | None = None, headroom: float = 
         name, sep, memory = text.rpartition(":")
         if not sep or not name:
             raise TensileUserError(f"--simulate-gpu '{text}': give NAME:MEMORY, e.g. a6000:48GiB")
-        gpus.append(_make(f"SIM-{host}-{index}", index, name, parse_bytes(memory, f"--simulate-gpu '{text}'"), True, headroom,
-                          context_bytes))
+        memory_bytes = parse_bytes(memory, f"--simulate-gpu '{text}'")
+        if memory_bytes <= 0:  # a6000:0 gave a GPU with no room for any job
+            raise TensileUserError(f"--simulate-gpu '{text}': the memory must be positive, e.g. a6000:48GiB")
+        gpus.append(_make(f"SIM-{host}-{index}", index, name, memory_bytes, True, headroom, context_bytes))
     return gpus
 
 

@@ -22,12 +22,16 @@ class AgentLink:
     def __init__(self) -> None:
         self.sent: list[tuple[str, str, dict]] = []  # (agent, job, knobs): what was forwarded
 
-    async def _call(self, function: Callable[..., Any], *args: Any) -> Any:
+    async def _call(self, function: Callable[..., Any], *args: Any,
+                    expected: Callable[[Exception], bool] = lambda exc: False) -> tuple[Any, Exception | None]:
+        """(result, None), or (None, the error): logged unless `expected`, never raised (an unreachable agent
+        must not stop admission)."""
         try:
-            return await asyncio.to_thread(function, *args)
+            return await asyncio.to_thread(function, *args), None
         except Exception as exc:  # noqa: BLE001 - an unreachable agent must not stop admission
-            log.warning("agent call %s failed: %s", function.__name__, exc)
-            return None
+            if not expected(exc):
+                log.warning("agent call %s failed: %s", function.__name__, exc)
+            return None, exc
 
     async def update_knobs(self, agent: str | None, job: str, token: str, knobs: dict) -> str:
         """FORWARDED; UNREGISTERED when the agent does not know the job yet (its hook registers once its pod
@@ -35,17 +39,10 @@ class AgentLink:
         self.sent.append((agent or "", job, dict(knobs)))
         if not agent:
             return NOT_FORWARDED
-        try:
-            await asyncio.to_thread(agent_client.update_knobs, agent, job, token, knobs)
-        except agent_client.AgentError as exc:
-            if exc.status == 404 and exc.code == "unknown_job":
-                return UNREGISTERED
-            log.warning("agent call update_knobs failed: %s", exc)
-            return NOT_FORWARDED
-        except Exception as exc:  # noqa: BLE001 - an unreachable agent must not stop admission
-            log.warning("agent call update_knobs failed: %s", exc)
-            return NOT_FORWARDED
-        return FORWARDED
+        _, error = await self._call(agent_client.update_knobs, agent, job, token, knobs, expected=_unknown_job)
+        if error is None:
+            return FORWARDED
+        return UNREGISTERED if _unknown_job(error) else NOT_FORWARDED
 
     async def unregister(self, agent: str | None, job: str, token: str) -> None:
         if agent:
@@ -55,4 +52,10 @@ class AgentLink:
         """The workload the job's hook traced live (for a job admitted by its budget), or None."""
         if not agent:
             return None
-        return await self._call(agent_client.live_workload, agent, job, token)
+        workload, _ = await self._call(agent_client.live_workload, agent, job, token)
+        return workload
+
+
+def _unknown_job(error: Exception) -> bool:
+    """The agent does not know the job: its hook has not registered (yet)."""
+    return isinstance(error, agent_client.AgentError) and error.status == 404 and error.code == "unknown_job"

@@ -36,12 +36,13 @@ def run(args: argparse.Namespace) -> int:
     from tensile.local_agent import LocalAgent
     from tensile.local_runner import POLL_SECONDS, LocalRunner
     from tensile.local_view import job_view, plot_peaks
+    from tensile.node_agent.gpus import simulated_gpus
 
     if not 0 <= args.port < 65536:
         raise TensileUserError(f"--port must be 0-65535 (was {args.port})")
     if args.linger < 0:
         raise TensileUserError(f"--linger must be 0 or more seconds (was {args.linger})")
-    _check_simulated_gpus(args.simulate_gpu)
+    simulated_gpus(args.simulate_gpu)  # NAME:MEMORY as the agent reads it, refused before anything runs
     if args.plot:
         output_file(args.plot, "--plot")  # before the jobs run: a bad path once met only the plot, after them
     jobs = load_jobs(args.jobs)
@@ -82,11 +83,3 @@ def run(args: argparse.Namespace) -> int:
                       + ", ".join(f"{r.name} ({r.phase})" for r in failed), highlight=False)
     return 1 if failed else 0
 
-
-def _check_simulated_gpus(specs: list[str]) -> None:
-    """NAME:MEMORY as the agent reads it, and memory it can admit a job into: a6000:0 gave a GPU with no room."""
-    from tensile.node_agent.gpus import simulated_gpus
-
-    for text, gpu in zip(specs, simulated_gpus(specs), strict=True):
-        if gpu.memory_bytes <= 0:
-            raise TensileUserError(f"--simulate-gpu '{text}': the memory must be positive, e.g. a6000:48GiB")
