@@ -143,6 +143,9 @@ class PlanExecutor(TorchDispatchMode):
         self.planner = planner
         self.report = HookReport(job=settings.job, device=str(device))
         self.said: set[str] = set()  # messages said so far (`_say`)
+        # this iteration's divergence (op, what ran, what the plan expected), said at its step: an iteration that
+        # never reaches one is the script's code after its last step (an evaluation), said quietly at exit
+        self.divergence: tuple[int, str, str] | None = None
         self.report_writer = ReportWriter(settings.report_path, settings.report_interval) if settings.report_path else None
         self.iteration = 0
         self.stats = IterationStats(0)
@@ -258,6 +261,7 @@ class PlanExecutor(TorchDispatchMode):
         self.in_step = max(0, self.in_step - 1)
         self.step_done = True
         try:
+            self._say_divergence(stepped=True)
             self._at_step()
         except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
             self._stand_down(exc)
@@ -498,6 +502,7 @@ class PlanExecutor(TorchDispatchMode):
 
     def finish(self) -> None:
         """At exit: close the last iteration and write the report."""
+        self._say_divergence(stepped=False)
         if self.step_done:
             self._finish_iteration()
             self.step_done = False
@@ -688,15 +693,28 @@ class PlanExecutor(TorchDispatchMode):
     def _diverge(self, index: int, func: Any, expected: str) -> None:
         """The rest of this iteration runs guarded; the plan is tried again at the next one. At its first
         op this is most often the script's code after its last step (an evaluation, reading the weights
-        out): said quietly, not as a fault of the plan."""
+        out): said quietly, not as a fault of the plan. Later, it is said at the iteration's step (or, where
+        none comes, at exit: code after the last step that began as a training forward does)."""
         if index == 0:
             self._say(f"what runs after the step does not start as a planned iteration does (its first op is {func}, "
                       f"the plan's is {expected}): it runs guarded, outside the plan", logging.INFO)
         else:
-            self._say(f"the iteration diverged from the plan (op {index} is {func}, the plan expected {expected}); "
-                      "the rest of it runs guarded")
+            self.divergence = (index, str(func), expected)
         self.active = None
         self.stats.mode = "diverged"
+
+    def _say_divergence(self, stepped: bool) -> None:
+        if self.divergence is None:
+            return
+        index, func, expected = self.divergence
+        self.divergence = None
+        if stepped:
+            self._say(f"the iteration diverged from the plan (op {index} is {func}, the plan expected {expected}); "
+                      "the rest of it ran guarded")
+        else:
+            self._say(f"what ran after the last step followed the plan for {index} ops, then left it (op {index} is {func}, "
+                      f"the plan expected {expected}): code after training, not a training step; it ran guarded",
+                      logging.INFO)
 
     def _ensure_resident(self, leaves: list[Any]) -> None:
         device_type = self.device.type

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -39,15 +40,19 @@ def local_planner(settings: HookSettings, device: torch.device) -> Planner:
     live iteration's measured op latencies, within the job's max swapping rate as the agent would plan
     it. On CUDA the plan keeps to activation swaps by default:
     events only the dispatch path carries cost more per iteration in Python than a GPU iteration
-    takes (docs/runtime-hook.md, "On the GPU")."""
+    takes (docs/runtime-hook.md, "On the GPU"). Its plans are numbered 1, 2, ... as it makes them:
+    a re-plan after the iterations left the plan is a newer version in the report and the logs."""
     activations_only = native_plans(settings, device.type)
+    versions = itertools.count(1)
 
     def plan(workload: Workload, budget: int | None) -> Plan | None:
         from tensile.planner import plan_job
 
-        return plan_job(workload, host_link_bandwidth(device) * settings.link_share, budget, name=settings.job,
+        made = plan_job(workload, host_link_bandwidth(device) * settings.link_share, budget, name=settings.job,
                         activations_only=activations_only, recompute=settings.recompute,
                         max_swap_rate=settings.max_swap_rate or 1.0).plans[settings.job]
+        made.version = next(versions)
+        return made
 
     return plan
 

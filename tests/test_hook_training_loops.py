@@ -571,6 +571,33 @@ def test_reading_the_weights_out_after_the_last_step_is_no_warning(caplog: pytes
     assert any("does not start as a planned iteration" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
 
 
+def evaluation_with_grad_after_training() -> Results:
+    """After the last step the script evaluates with grad still on (no `no_grad`): a forward as the plan's
+    begins, then softmax where the plan has the training loss; no backward, no step."""
+    model = net()
+    optimizer = sgd(model)
+    for batch in batches([4] * STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        forward_backward(model, batch)
+        optimizer.step()
+    probabilities = model(batches([4], seed=1)[0][0]).softmax(1).detach()
+    return {"probabilities": probabilities, "state": final(model, optimizer)}
+
+
+@pytest.mark.parametrize("path", ["dispatch", "budget"])
+def test_an_evaluation_after_the_last_step_that_begins_as_a_forward_is_no_warning(
+        path: str, caplog: pytest.LogCaptureFixture) -> None:
+    """It follows the plan for the forward's ops, then leaves it, and never reaches a step: code after
+    training, said at INFO at exit, not warned about as an iteration that diverged from the plan."""
+    with caplog.at_level(logging.INFO, logger="tensile.hook"):
+        report = check(evaluation_with_grad_after_training, path)
+    after = [m for m in report.messages if "code after training" in m]
+    assert after and after[-1].startswith(f"iteration {STEPS}:"), report.messages
+    assert not [m for m in report.messages if "diverged from the plan" in m], report.messages
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [m for m in warned if "diverged" in m or "code after training" in m], warned
+
+
 def activation_logging_loop() -> Results:
     """A forward hook keeps the stem's output for logging; every third step (not step 1, the
     recorded one) the loop reads it between forward and backward, as activation statistics
@@ -962,6 +989,9 @@ def test_layers_frozen_mid_training(path: str) -> None:
     to anchor on), the plan is made again for the new iteration, and it runs on the path again."""
     report = check(freezing_loop, path, at_least=1)
     assert any("planning again" in m for m in report.messages), report.messages
+    if path == "budget":  # the in-process planner's second plan is version 2, in the report and its iterations
+        assert report.plan_version == 2 and report.iterations[-1].plan_version == 2, [
+            (it.iteration, it.mode, it.plan_version) for it in report.iterations]
     if path == "native":
         assert native_fell_back(report) and report.iterations[-1].path == "native", paths_and_modes(report)
 
