@@ -29,3 +29,18 @@ def test_installed_hook_runs_a_training_script(tmp_path):
     subprocess.run([sys.executable, str(EXAMPLES / "train_mlp.py"), "--steps", "4"], env=env, check=True, timeout=300)
     data = json.loads(report.read_text())
     assert data["job"] == "from-volume" and len(data["iterations"]) >= 3 and data["stood_down"] is None
+
+
+def test_the_init_containers_installer_does_not_load_torch(tmp_path):
+    """The operator's init container runs `python -m tensile.runtime_hook.install` under a 128Mi limit
+    (operator/pods.py): importing torch alone took 152 MB there, and the kernel killed it, so no training pod
+    started. It copies files; the modules it imports must leave torch out."""
+    probe = ("import runpy, sys\n"
+             f"sys.argv = ['install', {str(tmp_path / 'hook')!r}]\n"
+             "try:\n    runpy.run_module('tensile.runtime_hook.install', run_name='__main__')\n"
+             "except SystemExit as exit:\n    assert not exit.code, exit.code\n"
+             "print('torch loaded:', 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "torch loaded: False", done.stdout
+    assert (tmp_path / "hook" / "lib" / "tensile" / "runtime_hook" / "lifecycle.py").exists()

@@ -1,0 +1,100 @@
+"""Switching the hook on and off in this process: `activate`, `deactivate`, `activate_from_env`.
+
+Apart from the package's `__init__` so that importing `tensile.runtime_hook` (the init container's
+`python -m tensile.runtime_hook.install`, which only copies files) does not load torch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from tensile.plan import Plan
+from tensile.runtime_hook.executor import IterationListener, PlanExecutor, Planner
+from tensile.runtime_hook.outside_reads import guard_outside_reads
+from tensile.runtime_hook.settings import HookSettings
+
+log = logging.getLogger("tensile.hook")
+_active: PlanExecutor | None = None
+_undo: list[Callable[[], None]] = []
+
+
+def _forked_child() -> None:
+    """A process forked from a hooked one (a DataLoader worker) trains nothing of its own."""
+    if _active is not None:
+        _active.leave_in_forked_child()
+
+
+os.register_at_fork(after_in_child=_forked_child)
+
+
+def activate(
+    settings: HookSettings,
+    plan: Plan | None = None,
+    plan_workload=None,  # type: ignore[no-untyped-def]
+    planner: Planner | None = None,
+    device: torch.device | None = None,
+    listener: IterationListener | None = None,
+) -> PlanExecutor:
+    """Install the executor for this thread's PyTorch calls, with optimizer step hooks for iterations."""
+    global _active
+    if _active is not None:
+        raise RuntimeError("the Tensile hook is already active in this process")
+    if device is None:
+        device = _default_device()
+    executor = PlanExecutor(settings, device, plan, plan_workload, planner, listener)
+    pre = register_optimizer_step_pre_hook(executor.step_pre_hook)
+    post = register_optimizer_step_post_hook(executor.step_post_hook)
+    _undo.extend([pre.remove, post.remove])
+    _undo.extend(guard_outside_reads(executor))
+    executor.__enter__()
+    atexit.register(executor.finish)
+    _active = executor
+    return executor
+
+
+def deactivate() -> None:
+    """Leave the process as it was (tests run several hooked trainings in one process)."""
+    global _active
+    if _active is None:
+        return
+    executor, _active = _active, None
+    executor.restore_all()
+    executor.__exit__(None, None, None)
+    executor.finish()
+    atexit.unregister(executor.finish)
+    while _undo:
+        _undo.pop()()
+
+
+def activate_from_env() -> PlanExecutor:
+    """What sitecustomize calls: settings, plan and planner from TENSILE_* variables; with
+    TENSILE_AGENT the node agent plans (the local planner is the fallback while it cannot)."""
+    from tensile.runtime_hook.plan_source import agent_link, load_plan_files, local_planner
+
+    settings = HookSettings.from_env()
+    plan, workload = load_plan_files(settings)
+    device = _default_device()
+    planner = local_planner(settings, device)
+    link = agent_link(settings, planner)
+    if link is None:
+        return activate(settings, plan, workload, planner, device)
+    # registered before activate()'s own handler: atexit runs it after the executor's last report
+    atexit.register(link.close)
+    _undo.append(lambda: atexit.unregister(link.close))
+    try:
+        executor = activate(settings, plan, workload, link.planner, device, link.listener)
+    except Exception:
+        link.close()
+        raise
+    _undo.insert(0, link.close)  # deactivate(): after the executor's finish, before the rest is undone
+    return executor
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
