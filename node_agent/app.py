@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -42,6 +43,7 @@ from tensile.agent_contract import (
 
 from tensile.node_agent import metrics
 from tensile.node_agent.service import AgentService, Problem
+from tensile.node_agent.state import Job
 
 log = logging.getLogger("tensile.node_agent")
 BIG = 2**62
@@ -201,7 +203,7 @@ class Error(_Model):
     code: str
 
 
-ERRORS = {status: {"model": Error} for status in (401, 403, 404, 413, 415, 422)}
+ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": Error} for status in (401, 403, 404, 413, 415, 422)}
 
 
 # ---------------------------------------------------------------------- body limits
@@ -298,7 +300,7 @@ def create_app(agent: Any) -> FastAPI:
     service: AgentService = agent.service
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         agent.start()
         try:
             yield
@@ -326,7 +328,7 @@ def create_app(agent: Any) -> FastAPI:
                             headers=getattr(exc, "headers", None))
 
     def job_of(namespace: str = Path(pattern=NAME_PATTERN, max_length=253), job: str = Path(pattern=NAME_PATTERN, max_length=253),
-               token: str | None = Depends(token_header)):  # type: ignore[no-untyped-def]
+               token: str | None = Depends(token_header)) -> Job:
         return service.job(namespace, job, token)
 
     @app.get("/healthz", tags=["agent"])
@@ -375,22 +377,22 @@ def create_app(agent: Any) -> FastAPI:
         return RegisterOut.model_validate(result.to_dict())
 
     @app.get("/v1/jobs/{namespace}/{job}", tags=["jobs"], responses=ERRORS)
-    async def job_view(job=Depends(job_of)) -> JobOut:  # type: ignore[no-untyped-def]
+    async def job_view(job: Job = Depends(job_of)) -> JobOut:
         with agent.state.lock:
             view = job.view()
         return JobOut.model_validate(view)
 
     @app.delete("/v1/jobs/{namespace}/{job}", tags=["jobs"], responses=ERRORS)
-    async def unregister(job=Depends(job_of)) -> dict:  # type: ignore[no-untyped-def]
+    async def unregister(job: Job = Depends(job_of)) -> dict:
         return service.unregister(job)
 
-    def current_plan(job) -> tuple[str, bytes]:  # type: ignore[no-untyped-def]
+    def current_plan(job: Job) -> tuple[str, bytes]:
         with agent.state.lock:
             return plan_etag(agent.state.epoch, job.version, job.round), job.plan_body()
 
     @app.get("/v1/jobs/{namespace}/{job}/plan", tags=["plans"], response_model=PlanOut,
              responses=ERRORS | {304: {"description": "unchanged since the ETag in If-None-Match"}})
-    async def plan(request: Request, job=Depends(job_of)) -> Response:  # type: ignore[no-untyped-def]
+    async def plan(request: Request, job: Job = Depends(job_of)) -> Response:
         etag, body = current_plan(job)
         if request.headers.get("if-none-match") == etag:
             return Response(status_code=304, headers={"ETag": etag})
@@ -420,7 +422,7 @@ def create_app(agent: Any) -> FastAPI:
         await send({"type": "http.response.body", "body": body})
 
     @app.post("/v1/jobs/{namespace}/{job}/measurements", tags=["plans"], responses=ERRORS)
-    async def measurements(body: MeasurementsIn, job=Depends(job_of)) -> MeasurementsOut:  # type: ignore[no-untyped-def]
+    async def measurements(body: MeasurementsIn, job: Job = Depends(job_of)) -> MeasurementsOut:
         def fold() -> MeasurementsOut:
             data = body.model_dump()
             data["op_latencies"] = [list(pair) for pair in data["op_latencies"]]
@@ -435,7 +437,7 @@ def create_app(agent: Any) -> FastAPI:
         return await asyncio.to_thread(fold)
 
     @app.patch("/v1/jobs/{namespace}/{job}/knobs", tags=["jobs"], responses=ERRORS)
-    async def knobs(body: KnobsIn, job=Depends(job_of)) -> JobOut:  # type: ignore[no-untyped-def]
+    async def knobs(body: KnobsIn, job: Job = Depends(job_of)) -> JobOut:
         try:
             parsed = Knobs.from_dict(body.model_dump())
         except ContractError as exc:
@@ -443,11 +445,11 @@ def create_app(agent: Any) -> FastAPI:
         return JobOut.model_validate(service.knobs(job, parsed))
 
     @app.put("/v1/jobs/{namespace}/{job}/workload", tags=["jobs"], responses=ERRORS)
-    def upload_workload(body: WorkloadIn, job=Depends(job_of)) -> RegisterOut:  # type: ignore[no-untyped-def]
+    def upload_workload(body: WorkloadIn, job: Job = Depends(job_of)) -> RegisterOut:
         return RegisterOut.model_validate(service.upload_workload(job, body.workload).to_dict())
 
     @app.get("/v1/jobs/{namespace}/{job}/workload", tags=["jobs"], responses=ERRORS)
-    def get_workload(job=Depends(job_of)) -> dict:  # type: ignore[no-untyped-def]
+    def get_workload(job: Job = Depends(job_of)) -> dict:
         return service.workload_dict(job)
 
     app.add_middleware(BodyLimit, fast_plan=fast_plan)

@@ -143,7 +143,7 @@ class ClusterPublisher:
         with self.state.lock:
             jobs = [j for j in self.state.jobs.values()
                     if j.observed.updated_at is not None and self._published.get(j.key) != j.observed.updated_at]
-            bodies = [(j, j.observed.updated_at, {"status": {"observed": observed_status(j)}}) for j in jobs]
+            bodies = [(j, j.observed.updated_at or 0.0, {"status": {"observed": observed_status(j)}}) for j in jobs]  # set: filtered above
             alive = set(self.state.jobs)
         for job, stamp, body in bodies:
             try:
@@ -151,7 +151,7 @@ class ClusterPublisher:
             except Exception as exc:  # noqa: BLE001
                 if getattr(exc, "status", None) != 404:
                     raise
-            self._published[job.key] = stamp  # type: ignore[assignment]
+            self._published[job.key] = stamp
         for key in set(self._published) - alive:
             del self._published[key]
 

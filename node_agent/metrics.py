@@ -12,8 +12,10 @@ Note for scrape configs: `job` is also Prometheus's own target label; scrape the
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tensile.agent_contract import REPLAN_REASONS
@@ -27,7 +29,7 @@ class AgentCollector(Collector):
     def __init__(self, state: AgentState) -> None:
         self.state = state
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self) -> Iterator[Metric]:
         state = self.state
         inventory = state.inventory
         info = GaugeMetricFamily("tensile_agent_info", "The node agent: 1, with its node, start epoch and GPU source",
@@ -36,7 +38,7 @@ class AgentCollector(Collector):
         yield info
         yield GaugeMetricFamily("tensile_agent_gpus", "GPUs this agent manages (0 without NVML)", value=len(inventory.gpus))
         yield GaugeMetricFamily("tensile_queued_jobs", "Jobs waiting for GPU memory (set by the local runner; 0 otherwise)",
-                                value=getattr(state, "queued_jobs", 0))
+                                value=state.queued_jobs)
 
         gpu_info = GaugeMetricFamily("tensile_gpu_info", "A GPU of this node: 1, with its name and whether it is simulated",
                                      labels=["gpu", "index", "name", "simulated"])

@@ -24,8 +24,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from typing import Any
 
 from tensile.agent_contract import FAILED, PLANNED
+from tensile.plan import Plan
 from tensile.plan_update import DEFAULT_THRESHOLD, drifted
 from tensile.planner import GpuPlan, JobSpec, plan_gpu
 from tensile.workload import Workload
@@ -48,7 +50,7 @@ def gpu_budget(state: AgentState, uuid: str, jobs: list[Job]) -> int:
     return max(available, 0)
 
 
-def same_plan(a, b) -> bool:  # type: ignore[no-untyped-def]
+def same_plan(a: Plan | None, b: Plan | None) -> bool:
     """Same events for the same signature, forecast and budget: no new version is handed out."""
     if a is None or b is None:
         return False
@@ -126,7 +128,7 @@ class ProcessPlanner:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    def __call__(self, specs: list[JobSpec], bandwidth: float, **options) -> GpuPlan:  # type: ignore[no-untyped-def]
+    def __call__(self, specs: list[JobSpec], bandwidth: float, **options: Any) -> GpuPlan:
         for attempt in range(2):
             self.start()
             assert self._pool is not None
@@ -279,16 +281,17 @@ class PlanningService:
             jobs = state.on_gpu(gpu)
             plannable = [j for j in jobs if j.plannable]
             budget = gpu_budget(state, gpu, jobs)
-            snapshot = [(job, job.incarnation, job.workload, job.ewma) for job in plannable]
+            taken = [(job, job.incarnation, job.workload, job.ewma) for job in plannable]
             bandwidth = state.gpu(gpu).bandwidth
         latencies_of = {}
-        for job, _, _, ewma in snapshot:  # outside the state lock: requests never wait for this
+        for job, _, _, ewma in taken:  # outside the state lock: requests never wait for this
             with job.lock:
                 latencies = ewma.latencies() if ewma is not None else None
                 if latencies is not None:
                     job.planned_sum = float(sum(latencies))
             latencies_of[job.key] = latencies
-        snapshot = [(job, incarnation, workload, latencies_of[job.key]) for job, incarnation, workload, _ in snapshot]
+        snapshot = [(job, incarnation, workload, latencies_of[job.key]) for job, incarnation, workload, _ in taken
+                    if workload is not None]  # plannable: all of them
         if not snapshot:
             with state.lock:
                 state.rounds[gpu] = GpuRound(state.rounds[gpu].round, 0.0, None, "no jobs to plan", budget,

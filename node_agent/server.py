@@ -9,6 +9,7 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tensile.agent_contract import DEFAULT_PORT
 from tensile.errors import TensileUserError, print_user_error
@@ -23,6 +24,9 @@ from tensile.plan_update import DEFAULT_THRESHOLD
 from tensile.planner import plan_gpu
 from tensile.node_agent.service import AgentService
 from tensile.node_agent.state import AgentState
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 log = logging.getLogger("tensile.node_agent")
 SWITCH_INTERVAL = 0.0005  # seconds; the agent process's GIL switch interval (Python's default: 0.005)
@@ -90,7 +94,7 @@ class Agent:
         if self.publisher is not None:
             self.publisher.stop()
 
-    def app(self):  # type: ignore[no-untyped-def]
+    def app(self) -> FastAPI:
         from tensile.node_agent.app import create_app
 
         return create_app(self)

@@ -187,6 +187,7 @@ class AgentState:
         self.workloads: Lru[str, Workload] = Lru(workload_cache)  # by signature, for signature-only registration
         self._incarnations = 0
         self.changed = threading.Event()  # set on every change the cluster publisher should see
+        self.queued_jobs = 0  # jobs waiting for GPU memory: set by the local runner (no operator queues for it)
 
     def next_incarnation(self) -> int:
         with self.lock:

@@ -399,6 +399,7 @@ class Admission:
     async def _start_pod(self, body: dict, booking: Booking) -> None:
         try:
             if booking.job in self.ledger.bookings:  # not released by a deletion seen while the placement was written
+                await self._register_forecast(body, booking)
                 await self.ensure_pod(body, booking)
         except Exception:  # noqa: BLE001 - the job stays placed; a restarted operator creates its pod (resume)
             log.exception("%s: creating its pod failed", booking.job)
@@ -423,11 +424,23 @@ class Admission:
         self.tokens[job_key(body)] = token
         return token
 
+    async def _register_forecast(self, body: dict, booking: Booking) -> None:
+        """A new placement's forecast to its node agent before the pod exists (TENSILE's cold start: planned before
+        the first iteration, with the GPU's other jobs). The pod's hook finds it by TENSILE_SIGNATURE; where the
+        agent cannot take it (or the job was admitted by its budget: no forecast), the hook registers the live
+        workload after its first iteration instead. Not on resume: a running hook may have replaced it."""
+        gpu = next((g for g in self.gpus if g.uuid == booking.gpu), None)
+        if booking.forecast is None or gpu is None or not gpu.agent:
+            return
+        if await self.agent.register(gpu.agent, booking.job, self.token(body), booking.gpu, booking.forecast,
+                                     _pod_budget(booking), booking.max_swap_rate, booking.recompute, booking.plan_events):
+            log.info("%s: registered with the agent of %s with its forecast", booking.job, gpu.node)
+
     async def ensure_pod(self, body: dict, booking: Booking) -> None:
         meta = body["metadata"]
         gpu = next((g for g in self.gpus if g.uuid == booking.gpu), None)
         signature = booking.forecast.signature if booking.forecast else None
-        budget = booking.budget_bytes if booking.budget_bytes is not None else (booking.reserved_bytes if booking.forecast is None else None)
+        budget = _pod_budget(booking)
         pod = build_pod(body, booking.node, booking.gpu, gpu.agent if gpu else None, self.token(body), budget,
                         booking.max_swap_rate, signature, self.image, booking.plan_events, booking.recompute)
         namespace, name = meta["namespace"], pod["metadata"]["name"]
@@ -625,6 +638,13 @@ class Admission:
 
 
 KNOBS_RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 15.0) + (30.0,) * 18  # seconds: about ten minutes for a pod to start
+
+
+def _pod_budget(booking: Booking) -> int | None:
+    """The budget the job's hook holds to (TENSILE_MEMORY_BUDGET): its own, else, admitted by a budget, what it reserved."""
+    if booking.budget_bytes is not None:
+        return booking.budget_bytes
+    return booking.reserved_bytes if booking.forecast is None else None
 
 
 def _knobs_condition(outcome: str) -> dict:

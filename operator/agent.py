@@ -1,4 +1,5 @@
-"""What the operator tells a node agent: a job's knobs changed, a job left, fetch a job's live workload.
+"""What the operator tells a node agent: a job placed (with its forecast), its knobs changed, it left; fetch a
+job's live workload.
 
 Through `tensile.agent_client` (the contract of DESIGN §7), on a worker thread (its client is blocking).
 An agent that is unreachable or refuses never stops admission: the call is logged and reported as not
@@ -10,9 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensile import agent_client
+from tensile.plan import native_plan_events
+
+if TYPE_CHECKING:
+    from tensile.operator.forecasting import JobForecast
+    from tensile.workload import Workload
 
 log = logging.getLogger("tensile.operator.agent")
 FORWARDED, UNREGISTERED, NOT_FORWARDED = "forwarded", "unregistered", "not forwarded"
@@ -44,11 +50,21 @@ class AgentLink:
             return FORWARDED
         return UNREGISTERED if _unknown_job(error) else NOT_FORWARDED
 
+    async def register(self, agent: str, job: str, token: str, gpu: str, forecast: JobForecast, budget: int | None,
+                       max_swap_rate: float | None, recompute: bool, plan_events: str) -> bool:
+        """The placed job with its forecast workload, before its pod runs; True when the agent took it. It plans with
+        the events the pod's hook will (TENSILE_PLAN_EVENTS on the workload's device), so the hook's own
+        registration is the same one, not a change to re-plan for."""
+        activations_only = native_plan_events(plan_events, forecast.workload.device)
+        registered, _ = await self._call(agent_client.register, agent, job, token, gpu, forecast.workload, budget,
+                                         max_swap_rate, recompute, activations_only)
+        return registered is not None
+
     async def unregister(self, agent: str | None, job: str, token: str) -> None:
         if agent:
             await self._call(agent_client.unregister, agent, job, token)
 
-    async def live_workload(self, agent: str | None, job: str, token: str):  # type: ignore[no-untyped-def]
+    async def live_workload(self, agent: str | None, job: str, token: str) -> Workload | None:
         """The workload the job's hook traced live (for a job admitted by its budget), or None."""
         if not agent:
             return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any, TypedDict
 
 import kopf
 
@@ -17,7 +18,16 @@ from tensile.operator.validation import check
 PEERING = "tensile"
 
 
-def login(**kwargs) -> kopf.ConnectionInfo | None:  # type: ignore[no-untyped-def]
+class _Resource(TypedDict):
+    """The keywords that point a kopf.on decorator at a resource on our registry."""
+
+    group: str
+    version: str
+    plural: str
+    registry: kopf.OperatorRegistry
+
+
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     """In a pod: the service account; elsewhere: $KUBECONFIG or ~/.kube/config."""
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
@@ -41,17 +51,17 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, me
                    metrics_addr: str = "0.0.0.0") -> kopf.OperatorRegistry:
     """`metrics_port`: serve /metrics there while the operator runs (0: off)."""
     registry = kopf.OperatorRegistry()
-    tj = dict(group=GROUP, version=VERSION, plural="trainingjobs", registry=registry)
+    tj: _Resource = {"group": GROUP, "version": VERSION, "plural": "trainingjobs", "registry": registry}
 
     @kopf.on.login(registry=registry)
-    async def _login(**kwargs) -> kopf.ConnectionInfo | None:  # type: ignore[no-untyped-def]
+    async def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         info = login(**kwargs)
         if info is not None:
             app.kube.login(info)
         return info
 
     @kopf.on.startup(registry=registry)
-    async def _startup(settings: kopf.OperatorSettings, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    async def _startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
         settings.peering.name = PEERING
         settings.peering.mandatory = True
         settings.persistence.finalizer = "tensile.dev/release-gpu"
@@ -73,50 +83,50 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, me
         await app.start()
 
     @kopf.on.cleanup(registry=registry)
-    async def _cleanup(**_) -> None:  # type: ignore[no-untyped-def]
+    async def _cleanup(**_: Any) -> None:
         app.metrics.close()
         await app.stop()
 
     if webhook is not None:
         @kopf.on.validate(**tj, id="tensile-validate", operations=["CREATE", "UPDATE"])
-        async def _validate(spec, meta, **_) -> None:  # type: ignore[no-untyped-def]
+        async def _validate(spec: kopf.Spec, meta: kopf.Meta, **_: Any) -> None:
             problems = await check(dict(spec), dict(meta.annotations), app.gpus, app.forecaster)
             if problems:
                 raise kopf.AdmissionError("; ".join(str(p) for p in problems), code=422)
 
     @kopf.on.resume(**tj, id="readmit")
     @kopf.on.create(**tj, id="admit")
-    async def _admit(body, **_) -> None:  # type: ignore[no-untyped-def]
+    async def _admit(body: kopf.Body, **_: Any) -> None:
         await app.admit(_plain(body))
 
     @kopf.on.event(**tj)
-    async def _placed(event, body, **_) -> None:  # type: ignore[no-untyped-def]
+    async def _placed(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
         if event.get("type") != "DELETED":
             app.adopt(_plain(body))
 
     @kopf.on.field(**tj, id="knobs", field="metadata.annotations")
-    async def _knobs(body, old, new, reason, **_) -> None:  # type: ignore[no-untyped-def]
+    async def _knobs(body: kopf.Body, old: Any, new: Any, reason: str, **_: Any) -> None:
         old, new = dict(old or {}), dict(new or {})
         knobs = {"tensile.dev/" + k for k in ANNOTATIONS}
         if reason == "update" and any(old.get(k) != new.get(k) for k in knobs):
             await app.knobs_changed(_plain(body))
 
     @kopf.on.delete(**tj, id="release")
-    async def _release(body, **_) -> None:  # type: ignore[no-untyped-def]
+    async def _release(body: kopf.Body, **_: Any) -> None:
         await app.deleted(_plain(body))
 
     @kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)
-    async def _pod(event, body, **_) -> None:  # type: ignore[no-untyped-def]
+    async def _pod(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
         await app.pod_changed(_plain(body), deleted=event.get("type") == "DELETED")
 
     @kopf.on.event(GROUP, VERSION, "tensilenodes", registry=registry)
-    async def _node(event, body, name, **_) -> None:  # type: ignore[no-untyped-def]
+    async def _node(event: kopf.RawEvent, body: kopf.Body, name: str, **_: Any) -> None:
         app.set_node(None if event.get("type") == "DELETED" else _plain(body), name)
 
     return registry
 
 
-def _plain(body) -> dict:  # type: ignore[no-untyped-def]
+def _plain(body: kopf.Body) -> dict[str, Any]:
     """A Kopf body as a plain dict (our code keeps and copies it)."""
     import copy
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import kopf
 
 from tensile.operator.admission import Admission
@@ -9,10 +11,18 @@ from tensile.operator.forecasting import Forecaster, ProfileStore
 from tensile.operator.handlers import PEERING, build_registry, webhook_server
 from tensile.operator import metrics
 
+if TYPE_CHECKING:
+    import asyncio
+    import concurrent.futures
+    import threading
+
+    # what kopf.operator takes for stop_flag and ready_flag (kopf's own alias is private)
+    Flag = asyncio.Future[Any] | asyncio.Event | concurrent.futures.Future[Any] | threading.Event
+
 
 async def operator(app: Admission | None = None, *, standalone: bool = False, priority: int = 0,
                    webhook: kopf.WebhookServer | None = None, liveness: str | None = None,
-                   stop_flag=None, ready_flag=None, metrics_port: int = 0,  # type: ignore[no-untyped-def]
+                   stop_flag: Flag | None = None, ready_flag: Flag | None = None, metrics_port: int = 0,
                    metrics_addr: str = "127.0.0.1") -> None:
     """The operator as a coroutine (tests run several in one event loop, one after another)."""
     app = app or Admission()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterator
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -63,7 +64,7 @@ class OperatorMetrics:
                                   ["result"], registry=self.registry)
         self.forecast_seconds = Histogram("tensile_forecast_seconds", "Time to forecast a job (trace + plan; cache hits too)",
                                           buckets=FORECAST_BUCKETS, registry=self.registry)
-        self._server = None
+        self._server: WSGIServer | None = None
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Serve /metrics on a thread of prometheus_client's own (never the event loop)."""

@@ -124,7 +124,7 @@ class JointPlanner:
                 specs.append(JobSpec(f"j{k}", forecast.workload, min(1.0, rate or 1.0), forecast.scope.recompute, job_budget,
                                      forecast.scope.activations_only))
             result = plan_gpu(specs, bandwidth, budget_bytes=max(budget, 0))
-            hit = (result.fits, tuple(result.plans[f"j{k}"].forecast.scheduled_peak_bytes for k in range(len(order))))
+            hit = (result.fits, tuple(result.forecast_of(f"j{k}").scheduled_peak_bytes for k in range(len(order))))
             self.runs += 1
             with self._lock:
                 self._cache.put(key, hit)

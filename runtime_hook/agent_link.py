@@ -58,6 +58,7 @@ class AgentLink:
         self._match_posted: bool | None = None  # the same, for the agent (sent with every post once known)
         self._source: str | None = None  # plan source to put in the report at the next listener call
         self._waiting = False  # the training thread waits for the first plan: poll fast
+        self._fetch_forecast = False  # the first round asks the agent for the forecast workload (TENSILE_SIGNATURE)
         self._last_error: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tensile-agent-link", daemon=True)
@@ -70,14 +71,21 @@ class AgentLink:
 
     def start(self, workload: Workload | None = None) -> AgentLink:
         """Begin; with the forecast workload (TENSILE_WORKLOAD) the job registers now, so the agent
-        plans while the first iterations run. Without it, it registers the live one after iteration 1."""
+        plans while the first iterations run. With only its signature (TENSILE_SIGNATURE: a pod the operator
+        placed, which registered the job with its forecast at admission) the first round fetches that
+        workload from the agent and registers with it. Otherwise it registers the live one after iteration 1."""
         if workload is not None:
-            budget = budget_bytes(self.settings.memory_budget, _vanilla_peak(workload)) if self.settings.memory_budget else None
-            self._todo = _Registration(workload, budget, upload=False)
-            self._signature = workload.signature
-            self._planned_on = workload
+            self._register_forecast(workload)
+        else:
+            self._fetch_forecast = self.settings.signature is not None
         self._thread.start()
         return self
+
+    def _register_forecast(self, workload: Workload) -> None:
+        budget = budget_bytes(self.settings.memory_budget, _vanilla_peak(workload)) if self.settings.memory_budget else None
+        self._todo = _Registration(workload, budget, upload=False)
+        self._signature = workload.signature
+        self._planned_on = workload
 
     # -- the executor's extension points (training thread) ---------------------------------------
     def planner(self, live: Workload, budget: int | None) -> Plan | None:
@@ -107,8 +115,9 @@ class AgentLink:
         if plan is not None:
             self._source = "agent"
             return plan
-        failed = self._response is not None and self._response.status == FAILED
-        why = (self._refused or self.client.last_error or (self._response.message if failed else None)
+        response = self._response
+        failed = response is not None and response.status == FAILED
+        why = (self._refused or self.client.last_error or (response.message if response is not None and failed else None)
                or f"no plan within {self.settings.agent_wait:g} s")
         if self.fallback is None:
             self._note(f"node agent gave no plan ({why}): running guarded until it does")
@@ -199,6 +208,9 @@ class AgentLink:
                 self._lock.wait(FIRST_PLAN_POLL_SECONDS if self._waiting else self.settings.agent_interval)
 
     def _round(self) -> None:
+        if self._fetch_forecast:
+            self._fetch_forecast = False
+            self._take_forecast()
         with self._lock:
             todo, self._todo = self._todo, None
         if self._refused is not None:
@@ -218,6 +230,24 @@ class AgentLink:
             elif response is not None and response.status == FAILED:
                 self._response = response
             self._lock.notify_all()
+
+    def _take_forecast(self) -> None:
+        """The workload the operator registered the job with, as if TENSILE_WORKLOAD had named it; unless the
+        agent has none of that signature (the operator could not reach it: the live one is registered after
+        iteration 1, as without) or the executor asked for a plan meanwhile (it registers the live one)."""
+        signature = self.settings.signature
+        try:
+            workload = self.client.workload()
+        except (AgentError, ContractError, ValueError) as exc:
+            log.info("tensile: the node agent has no forecast workload for the job (%s): registering the live one after iteration 1", exc)
+            return
+        if workload is None or workload.signature != signature:
+            log.info("tensile: the node agent %s: registering the live workload after iteration 1",
+                     "is unreachable" if workload is None else f"holds a workload of signature {workload.signature}, not {signature}")
+            return
+        with self._lock:
+            if self._live is None and self._todo is None and self._signature is None:
+                self._register_forecast(workload)
 
     def _send(self, todo: _Registration) -> None:
         if todo.upload:

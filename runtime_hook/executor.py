@@ -102,7 +102,7 @@ class ActivePlan:
             and (freed := workload.tensors[e.tensor].freed_after) is not None and freed - e.trigger <= FREED_SOON_OPS
         }
         needed = {e.tensor for e in plan.events}
-        needed |= {workload.tensors[t].reuses for t in needed if t in workload.tensors and workload.tensors[t].reuses is not None}
+        needed |= {reused for t in needed if t in workload.tensors and (reused := workload.tensors[t].reuses) is not None}
         self.capture: dict[int, list[tuple[int, str, int]]] = defaultdict(list)  # op -> (tensor, where, position)
         seen: set[int] = set()
         for op in workload.ops:
@@ -763,7 +763,8 @@ class PlanExecutor(TorchDispatchMode):
     def _apply(self, event: Event) -> None:
         """Fire one event. A release without a recipe keeps a host copy: if the plan is wrong and
         the tensor is read again, it comes back instead of being lost."""
-        if event.kind == "release" and event.tensor in self.active.freed_soon and event.tensor not in self.active.recompute:
+        active = self.active  # releases fire inline, under the plan (deferred events bring back)
+        if event.kind == "release" and active is not None and event.tensor in active.freed_soon and event.tensor not in active.recompute:
             return
         key = self.keys.get(event.tensor)
         slot = self.registry.slots.get(key) if key is not None else None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import sys
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -63,7 +64,8 @@ def _stack_locals() -> list[Any]:
     does not see into the frames that are executing (`logits, features = model(x)` holds `features` so).
     PyTorch's and the hook's own frames do not count (the dispatch mode's holds the first backward op's
     inputs)."""
-    values = []
+    values: list[Any] = []
+    frame: FrameType | None  # None at the end of each walk: no frame is kept (it would count as a holder)
     for frame in sys._current_frames().values():
         while frame is not None:
             if not frame.f_code.co_filename.startswith(_INTERNAL):

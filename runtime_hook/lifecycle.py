@@ -18,6 +18,7 @@ from tensile.plan import Plan
 from tensile.runtime_hook.executor import IterationListener, PlanExecutor, Planner
 from tensile.runtime_hook.outside_reads import guard_outside_reads
 from tensile.runtime_hook.settings import HookSettings
+from tensile.workload import Workload
 
 log = logging.getLogger("tensile.hook")
 _active: PlanExecutor | None = None
@@ -36,7 +37,7 @@ os.register_at_fork(after_in_child=_forked_child)
 def activate(
     settings: HookSettings,
     plan: Plan | None = None,
-    plan_workload=None,  # type: ignore[no-untyped-def]
+    plan_workload: Workload | None = None,
     planner: Planner | None = None,
     device: torch.device | None = None,
     listener: IterationListener | None = None,

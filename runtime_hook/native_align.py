@@ -92,9 +92,10 @@ def saved_tensor(node: Any, raw_name: str) -> torch.Tensor | None:
     checkpointing, `save_on_cpu`) it is None, since unpacking runs the user's hook (a checkpoint's nested
     recomputation updated batch norm's running statistics once more)."""
     raw = getattr(node, raw_name, None)
-    if not isinstance(raw, torch._C._autograd.SavedTensor) or raw.unpack_hook is not None:
+    # torch's stubs leave out SavedTensor's attributes
+    if not isinstance(raw, torch._C._autograd.SavedTensor) or raw.unpack_hook is not None:  # type: ignore[attr-defined]
         return None
-    return raw.data
+    return raw.data  # type: ignore[attr-defined]
 
 
 def saved_storages(node: Any) -> Iterator[tuple[str, int]]:
@@ -237,18 +238,19 @@ class SwapLearner:
         """Called by the executor for every op of the dispatch path that keeps to the plan."""
         executor = self.executor
         node = torch._C._current_autograd_node()
-        if executor.iteration != self.iteration or node is None or self.failed is not None:
+        active = executor.active  # the plan this op kept to
+        if executor.iteration != self.iteration or node is None or self.failed is not None or active is None:
             return
         try:
             if self.wanted is None:
-                native = executor._mapped(executor.active)
+                native = executor._mapped(active)
                 self.wanted = {out.tensor for out, _ in native.swaps} if native is not None else set()
             if not self.nodes:  # backward starts: what the script holds now, it may read before backward
                 slots = executor.registry.slots
                 self.held = held_storages([storage for tensor in self.wanted if (slot := slots.get(executor.keys.get(tensor, -1)))
                                            is not None and (storage := slot.storage()) is not None])
             self.nodes[index] = sequence = node._sequence_nr()
-            for tensor in self.wanted.intersection(executor.active.workload.ops[index].inputs):
+            for tensor in self.wanted.intersection(active.workload.ops[index].inputs):
                 if tensor not in self.saved:  # the plan says this op reads it: it was bound in this iteration
                     self._find_saved(node, sequence, tensor, executor.keys[tensor])
         except Exception as exc:  # noqa: BLE001 - learning must never cost the user their training
@@ -307,7 +309,7 @@ class SwapLearner:
                 unmapped[out.tensor] = "a node reading it is made after the last module call"
                 continue
             if take_anchor is not None:
-                hook = eager[take_anchor].setdefault(taken[1], NodeHook(taken[1] - self.boundaries[take_anchor].root[1]))
+                hook = eager[take_anchor].setdefault(taken[1], NodeHook(taken[1] - self._root_sequence(take_anchor)))
                 hook.take.append((swap, taken[0], taken[2]))
             else:
                 actions[taken[0]].take.append((swap, taken[1], taken[2]))
@@ -322,15 +324,15 @@ class SwapLearner:
                 if flush is not None:
                     actions[flush].flush = True
                 hooks = eager if flush is None else deferred
-                hook = hooks[anchor].setdefault(sequence, NodeHook(sequence - self.boundaries[anchor].root[1]))
+                hook = hooks[anchor].setdefault(sequence, NodeHook(sequence - self._root_sequence(anchor)))
                 (hook.fetch if why == "fetch" else hook.check).append(swap)
         recounts = list(self._exits_before_backward(top_exits))
         for index, last in recounts:
             actions[index].recount, actions[index].let_go = True, last
-        for index, hooks in eager.items():
-            actions[index].hooks = list(hooks.values())
-        for index, hooks in deferred.items():
-            actions[index].deferred = list(hooks.values())
+        for index, by_sequence in eager.items():
+            actions[index].hooks = list(by_sequence.values())
+        for index, by_sequence in deferred.items():
+            actions[index].deferred = list(by_sequence.values())
         previous = None
         for index in sorted(actions):
             root = self.boundaries[index].root
@@ -449,8 +451,14 @@ class SwapLearner:
         node: the node is made before it, so it is a walk back from the root (the node hooks read the
         swap's slot only when they run, after it was taken)."""
         indices = range(len(self.boundaries)) if candidates is None else candidates
-        return next((i for i in indices if self.boundaries[i].root is not None and self.boundaries[i].root[1] >= sequence
+        return next((i for i in indices if (root := self.boundaries[i].root) is not None and root[1] >= sequence
                      and self._reaches(i, sequence)), None)
+
+    def _root_sequence(self, index: int) -> int:
+        """The sequence number of an anchor's root (`_anchor` picks only boundaries that have one)."""
+        root = self.boundaries[index].root
+        assert root is not None, f"boundary {index} anchors node hooks without a root"
+        return root[1]
 
     def _reaches(self, index: int, sequence: int) -> bool:
         """Whether the node is behind the boundary's root: a node of a parallel branch (a residual

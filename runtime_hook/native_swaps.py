@@ -222,7 +222,7 @@ class SwapCarrier:
                 raise _Diverged(f"the tensor at boundary {self.index - 1} is not the learnt one")
             slots[swap] = self._slot(storage, nbytes)
             self.taken[swap] = (tensor, storage._cdata)
-        tensor = storage = None  # not to count as references at a recount below
+        tensor = storage = None  # type: ignore[assignment]  # not to count as references at a recount below
         if action.root is not None:
             node = getattr(_at(values, action.root), "grad_fn", None)
             if node is None:
@@ -404,14 +404,15 @@ class NativeSwaps:
         if self.carrier is not None:
             self.carrier.remove()
             self.carrier = None
-            native = executor.active.native if executor.active is not None else None
-            if diverged and native is not None:
+            planned = executor.active
+            native = planned.native if planned is not None else None
+            if diverged and planned is not None and native is not None:
                 native.carrier = None
                 native.aborted += 1
                 if native.aborted >= MAX_ABORTS:
                     executor._say(f"{native.aborted} native iterations left the learnt module calls: "
                                   "the plan's iterations run on the dispatch path")
-                    executor.active.native = None
+                    planned.native = None
             elif carrying is not None and native is not None:
                 native.aborted = 0  # in a row: a short last batch each epoch costs one iteration each time
         learner, self.learner = self.learner, None
@@ -419,16 +420,17 @@ class NativeSwaps:
             learner.remove()
             active = executor.active
             if (not executor.disabled and active is not None and executor.stats.mode == "planned"
-                    and executor.iteration == learner.iteration and self.needs_alignment(active)):
-                self._align(learner, active)
+                    and executor.iteration == learner.iteration and self.needs_alignment(active)
+                    and (native := active.native) is not None):
+                self._align(learner, active, native)
         return diverged
 
-    def _align(self, learner: SwapLearner, active: ActivePlan) -> None:
+    def _align(self, learner: SwapLearner, active: ActivePlan, native: NativeMap) -> None:
         """Swaps that do not align keep the plan on the dispatch path (exact), unless the settings prefer
         native plans (CUDA by default): then they stay on the device and the native path carries the rest,
         if the job's memory budget still holds with all their bytes left on the device (the plan's scheduled
         peak counted them as freed; the native path's peak is not measured on the CPU device)."""
-        alignment, unmapped = learner.align(active, active.native.swaps, self.executor.keys)
+        alignment, unmapped = learner.align(active, native.swaps, self.executor.keys)
         executor = self.executor
         why = [f"learning failed ({learner.failed})"] if alignment is None else [
             f"swap of tensor {tensor}: {reason}" for tensor, reason in unmapped.items()]
@@ -445,8 +447,8 @@ class NativeSwaps:
                 active.native = None
                 return
             executor._say(f"{said}: they stay on the device; the native path carries the other "
-                          f"{len(active.native.swaps) - len(unmapped)}")
-        active.native.carrier = SwapCarrier(executor, alignment)
+                          f"{len(native.swaps) - len(unmapped)}")
+        native.carrier = SwapCarrier(executor, alignment)
 
     def prepare(self, native: NativeMap | None, matched: bool) -> None:
         """After the step chose the next path: the carrier's hooks for a native iteration, or a

@@ -72,7 +72,7 @@ def guard_outside_reads(executor: PlanExecutor) -> list[Callable[[], None]]:
     ]
     if executor.device.type == "cpu":  # on CUDA numpy() needs a .cpu() first, which the dispatcher sees
         patches.append((torch.Tensor, "numpy", pinning))
-    undo = []
+    undo: list[Callable[[], None]] = []
     for owner, name, wrap in patches:
         own = name in vars(owner)  # else inherited (a C method of the base): undone by deleting ours
         original = getattr(owner, name)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tensile.devices import parse_bytes
@@ -16,6 +16,9 @@ class HookSettings:
     job: str
     plan_path: str | None = None  # a plan JSON (tensile forecast --save-plan)
     workload_path: str | None = None  # the workload the plan was made for
+    # the forecast's signature (the operator sets it): the node agent holds that workload when the operator
+    # registered the job with it at admission
+    signature: str | None = None
     memory_budget: float | None = None  # bytes, or a fraction (<= 1) of the vanilla peak
     agent_url: str | None = None
     token: str | None = None
@@ -43,6 +46,7 @@ class HookSettings:
             job=env.get("TENSILE_JOB", "local"),
             plan_path=env.get("TENSILE_PLAN") or None,
             workload_path=env.get("TENSILE_WORKLOAD") or None,
+            signature=env.get("TENSILE_SIGNATURE") or None,
             memory_budget=parse_budget(budget, "TENSILE_MEMORY_BUDGET") if budget else None,
             agent_url=env.get("TENSILE_AGENT") or None,
             token=env.get("TENSILE_TOKEN") or None,
@@ -65,22 +69,22 @@ def native_plans(settings: HookSettings, device_type: str) -> bool:
     return native_plan_events(settings.plan_events, device_type)
 
 
-def _choice(env, name: str, choices: tuple[str, ...]) -> str:  # type: ignore[no-untyped-def]
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
     text = env.get(name) or choices[0]
     if text not in choices:
         raise ValueError(f"{name}: '{text}' is not one of {', '.join(choices)}")
     return text
 
 
-def _share(env, name: str, default: float) -> float:  # type: ignore[no-untyped-def]
+def _share(env: Mapping[str, str], name: str, default: float) -> float:
     return _number(env, name, default, lambda v: 0 < v <= 1, "a share in (0, 1], e.g. 0.5")
 
 
-def _seconds(env, name: str, default: float) -> float:  # type: ignore[no-untyped-def]
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
     return _number(env, name, default, lambda v: 0 < v < 3600, "seconds between 0 and 3600")
 
 
-def _number(env, name: str, default: float, valid: Callable[[float], bool], expected: str) -> float:  # type: ignore[no-untyped-def]
+def _number(env: Mapping[str, str], name: str, default: float, valid: Callable[[float], bool], expected: str) -> float:
     text = env.get(name)
     return parse_number(text, name, valid, expected) if text else default
 

@@ -14,7 +14,7 @@ to `max_backoff` seconds), keeps the last plan it had and answers from it. When 
 404 "unknown job" (it restarted and lost its state) the client registers again with what it
 registered before, its token and its plan version, and repeats the call.
 
-The operator uses the module functions `update_knobs`, `unregister` and `live_workload`.
+The operator uses the module functions `register`, `update_knobs`, `unregister` and `live_workload`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import random
 import threading
 import time
 import urllib.parse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensile.agent_contract import (
     ETAG_HEADER,
@@ -45,6 +45,10 @@ from tensile.agent_contract import (
     job_path,
     jobs_path,
 )
+
+if TYPE_CHECKING:
+    from tensile.plan import Plan
+    from tensile.workload import Workload
 
 log = logging.getLogger("tensile.agent_client")
 RETRY_STATUSES = (429, 502, 503, 504)
@@ -98,8 +102,10 @@ class Http:
     def _send(self, method: str, path: str, data: bytes | None, headers: dict[str, str]) -> tuple[int, bytes, dict[str, str]]:
         with self._lock:
             for fresh in (False, True):
-                reused = self._conn is not None and not fresh
-                conn = self._conn if reused else self._connect()
+                conn = None if fresh else self._conn
+                reused = conn is not None
+                if conn is None:
+                    conn = self._connect()
                 self._conn = None
                 try:
                     conn.request(method, self._prefix + path, body=data, headers=headers)
@@ -210,7 +216,7 @@ class AgentClient:
         return self.last_plan.version if self.last_plan else 0
 
     @property
-    def current_plan(self):  # type: ignore[no-untyped-def]
+    def current_plan(self) -> Plan | None:
         """The last plan received (tensile.plan.Plan) or None."""
         return self.last_plan.plan_object() if self.last_plan and self.last_plan.plan else None
 
@@ -316,7 +322,7 @@ class AgentClient:
                 self.registration.recompute = bool(knobs.recompute)
             return self.last_plan
 
-    def poll(self):  # type: ignore[no-untyped-def]
+    def poll(self) -> tuple[Plan | None, bool]:
         """(plan, changed): what the hook calls at an iteration boundary. `plan` is a tensile.plan.Plan
         (None while there is none); `changed` says it differs from the one the previous poll gave."""
         before = self.plan_version
@@ -359,6 +365,13 @@ class AgentClient:
                 return None
             result = self._call("PUT", job_path(self.ref, "workload"), body)
         return RegisterResponse.from_dict(result[1] or {}) if result else None
+
+    def workload(self) -> Workload | None:
+        """The workload the agent holds for the job (the forecast the operator registered it with, or an upload);
+        None when the agent is unreachable. Raises AgentError when it has none (404)."""
+        with self._lock:
+            result = self._call("GET", job_path(self.ref, "workload"), reregister=False)
+        return _workload_from(result[1], f"the agent's workload of {self.ref.key}") if result else None
 
     def update_knobs(self, **knobs: Any) -> dict | None:
         body = Knobs.from_dict(knobs).to_dict()
@@ -418,10 +431,25 @@ def unregister(agent: str, job: str, token: str) -> bool:
     return True
 
 
-def live_workload(agent: str, job: str, token: str):  # type: ignore[no-untyped-def]
-    """The workload the agent holds for the job (the hook's live trace when it uploaded one), or None."""
-    from tensile.workload_io import workload_from_dict
+def register(agent: str, job: str, token: str, gpu: str, workload: Workload, memory_budget_bytes: int | None,
+             max_swap_rate: float | None, recompute: bool, activations_only: bool) -> RegisterResponse:
+    """A job the operator placed, registered with its forecast before its pod runs: the agent plans it with the GPU's
+    other jobs at once, and the pod's hook (TENSILE_SIGNATURE) fetches that workload and registers the same.
+    Raises AgentError / AgentUnreachable."""
+    ref = JobRef.parse(job)
+    request = RegisterRequest(job=ref.name, namespace=ref.namespace, gpu=gpu, workload=_workload_dict(workload),
+                              memory_budget_bytes=memory_budget_bytes, max_swap_rate=max_swap_rate, recompute=recompute,
+                              token=token, activations_only=activations_only).validate()
+    link = _one_shot(agent, timeout=30.0)
+    try:
+        _, payload, _ = link.request("POST", jobs_path(), request.to_dict(), token)
+    finally:
+        link.close()
+    return RegisterResponse.from_dict(payload or {})
 
+
+def live_workload(agent: str, job: str, token: str) -> Workload | None:
+    """The workload the agent holds for the job (the hook's live trace when it uploaded one), or None."""
     link = _one_shot(agent, timeout=30.0)
     try:
         _, payload, _ = link.request("GET", job_path(JobRef.parse(job), "workload"), None, token)
@@ -431,5 +459,11 @@ def live_workload(agent: str, job: str, token: str):  # type: ignore[no-untyped-
         raise
     finally:
         link.close()
-    return workload_from_dict(payload, f"agent {agent} workload of {job}") if payload else None
+    return _workload_from(payload, f"agent {agent} workload of {job}")
+
+
+def _workload_from(payload: dict | None, what: str) -> Workload | None:
+    from tensile.workload_io import workload_from_dict
+
+    return workload_from_dict(payload, what) if payload else None
 

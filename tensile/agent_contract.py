@@ -30,7 +30,10 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tensile.plan import Plan
 
 API_VERSION = "v1"
 PREFIX = f"/{API_VERSION}"
@@ -312,7 +315,7 @@ class PlanResponse:
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name != "knobs"},
                    knobs=Knobs(**{f.name: knobs.get(f.name) for f in fields(Knobs)}) if knobs else None)
 
-    def plan_object(self):  # type: ignore[no-untyped-def]
+    def plan_object(self) -> Plan | None:
         """The plan as a tensile.plan.Plan (or None)."""
         from tensile.plan import Plan
 

@@ -67,11 +67,13 @@ def compare(
             continue
         say(f"simulating {policy}")
         if policy == "tensile":
+            assert gpu_plan is not None  # planned above for tensile and capuchin
             sim_jobs = [SimJob(j.name, j.workload, gpu_plan.plans[j.name]) for j in jobs]
         elif policy == "vdnn":
             sim_jobs = [vdnn_job(j.name, j.workload) for j in jobs]
         else:
-            budgets = {name: plan.forecast.scheduled_peak_bytes for name, plan in gpu_plan.plans.items()}
+            assert gpu_plan is not None
+            budgets = {name: gpu_plan.forecast_of(name).scheduled_peak_bytes for name in gpu_plan.plans}
             sim_jobs = [CapuchinPolicy(j.name, j.workload, budgets[j.name], bandwidth).job() for j in jobs]
         runs[policy] = simulate(sim_jobs, device, overlap, iterations)
     rows = []

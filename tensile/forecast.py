@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
+from typing import Any
 
 import torch
 
@@ -30,9 +31,9 @@ DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("cuda", "cpu")
 
 
-def _check_choice(field: str, value: str, choices: object) -> None:
-    if value not in choices:  # type: ignore[operator]
-        raise TensileUserError(f"{field} '{value}' is not supported; choose one of: {', '.join(choices)}")  # type: ignore[arg-type]
+def _check_choice(field: str, value: str, choices: Collection[str]) -> None:
+    if value not in choices:
+        raise TensileUserError(f"{field} '{value}' is not supported; choose one of: {', '.join(choices)}")
 
 
 @contextlib.contextmanager
@@ -53,7 +54,9 @@ def _move_module(model: torch.nn.Module, move: Callable[[torch.Tensor], torch.Te
     """Move parameters and buffers in place, keeping tied (shared) ones shared."""
     moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for slots in (module._parameters, module._buffers):
+        # _parameters gets Parameters back (moved below), _buffers Tensors
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for slots in tables:
             for name, value in list(slots.items()):
                 if value is None:
                     continue

@@ -9,6 +9,10 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tensile.node_agent.gpus import GpuInfo
 
 DEFAULT_SIMULATED = "a6000:48GiB"
 
@@ -38,7 +42,7 @@ class LocalAgent:
         self.url = f"http://{host}:{self.port}"
 
     @property
-    def gpu(self):  # type: ignore[no-untyped-def]
+    def gpu(self) -> GpuInfo:
         """The GPU the local jobs share (the first)."""
         return next(iter(self.agent.inventory.gpus.values()))
 

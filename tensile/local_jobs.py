@@ -99,8 +99,8 @@ def load_job(path: str | Path) -> LocalJob:
     try:  # the knobs as the operator reads them: the same annotations override the same fields
         knobs = parse_spec(spec, (doc.get("metadata") or {}).get("annotations"))
     except SpecError as exc:
-        first, *more = exc.problems
-        raise TensileUserError(f"{path}: {first}" + (f" (and {len(more)} more)" if more else "")) from None
+        shown, *others = exc.problems
+        raise TensileUserError(f"{path}: {shown}" + (f" (and {len(others)} more)" if others else "")) from None
     parsed = knobs.workload
     if parsed.profile and knobs.memory_budget is None:
         raise TensileUserError(f"{path}: spec.memoryBudget: a job with workload.profile needs a memory budget "

@@ -12,11 +12,16 @@ import argparse
 import json
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tensile.agent_contract import higher
 from tensile.local_jobs import LocalJob
+
+if TYPE_CHECKING:
+    from tensile.local_agent import LocalAgent
 
 POLL_SECONDS = 0.5
 
@@ -106,7 +111,7 @@ class Admission:
 
 
 class LocalRunner:
-    def __init__(self, jobs: list[LocalJob], agent, reports: Path, device: str, preset: str) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, jobs: list[LocalJob], agent: LocalAgent, reports: Path, device: str, preset: str) -> None:
         from tensile.agent_client import Http
 
         self.runs = [JobRun(job) for job in jobs]
@@ -119,7 +124,7 @@ class LocalRunner:
         self.http = Http(agent.url, timeout=2.0, retries=1)
 
     # -- phases ------------------------------------------------------------------------------------
-    def forecast_all(self, on_change=lambda: None) -> None:  # type: ignore[no-untyped-def]
+    def forecast_all(self, on_change: Callable[[], object] = lambda: None) -> None:
         from tensile.errors import TensileUserError
 
         for run in self.runs:

@@ -47,9 +47,9 @@ def vanilla_changes(workload: Workload) -> list[Change]:
     for op in workload.ops:
         for t in op.outputs:
             changes.append(Change(op.index, ALLOC, t, op.index))
-    for t in workload.tensors.values():
-        if t.freed_after is not None:
-            changes.append(Change(t.freed_after + 0.5, FREE, t.id, t.freed_after))
+    for tensor in workload.tensors.values():
+        if tensor.freed_after is not None:
+            changes.append(Change(tensor.freed_after + 0.5, FREE, tensor.id, tensor.freed_after))
     return changes
 
 

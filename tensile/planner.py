@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 import numpy as np
 
@@ -69,6 +70,12 @@ class GpuPlan:
     @property
     def msr(self) -> float:
         return memory_saving_rate(self.vanilla_peak_bytes, self.scheduled_peak_bytes)
+
+    def forecast_of(self, job: str) -> Forecast:
+        """The forecast of `job`'s plan (the planner gives every plan it makes one)."""
+        forecast = self.plans[job].forecast
+        assert forecast is not None, f"plan of {job} has no forecast"
+        return forecast
 
     @property
     def message(self) -> str:
@@ -132,7 +139,7 @@ class JobState:
             ),
             reverse=True,
         )
-        self._best: Recompute | None | bool = False  # False: not searched since memory last changed
+        self._best: Recompute | None | Literal[False] = False  # False: not searched since memory last changed
 
     def _activity_analysis(self) -> None:
         """Release every non-persistent tensor right after its last access (the paper's first step). Not for a
@@ -473,7 +480,7 @@ def plan_gpu(
 
 
 def plan_job(workload: Workload, bandwidth: float, budget_bytes: int | None = None, name: str = "job",
-             activations_only: bool = False, recompute: bool = True, max_swap_rate: float = 1.0, **options) -> GpuPlan:
+             activations_only: bool = False, recompute: bool = True, max_swap_rate: float = 1.0, **options: Any) -> GpuPlan:
     """One job alone on its GPU (what `tensile forecast` and the hook's in-process planner need)."""
     return plan_gpu([JobSpec(name, workload, max_swap_rate, recompute=recompute, activations_only=activations_only)], bandwidth,
                     budget_bytes, **options)

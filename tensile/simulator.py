@@ -15,6 +15,7 @@ taken from the second iteration on (steady state: cross-iteration swaps are in e
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections import deque
@@ -239,10 +240,11 @@ class Simulator:
                 self._allocate(job, root, IN_FLIGHT)
                 job.result.swap_in_bytes += transfer.size
             self.busy[direction] = transfer
-            self._at(transfer_seconds(transfer.size, self.device.host_link_bandwidth), lambda d=direction: self._transfer_done(d))
+            self._at(transfer_seconds(transfer.size, self.device.host_link_bandwidth), functools.partial(self._transfer_done, direction))
 
     def _transfer_done(self, direction: str) -> None:
         transfer = self.busy[direction]
+        assert transfer is not None, f"no {direction} copy in flight"
         self.busy[direction] = None
         job, root = transfer.job, transfer.root
         if direction == "d2h" and job.state[root] == OUT_FLIGHT:
@@ -351,6 +353,7 @@ class Simulator:
         return ("recompute", root, sum(job.ops[k].latency for k in chain))
 
     def _finish_task(self, job: _JobRun) -> None:
+        assert job.current is not None, f"{job.name} has no task running"
         kind, index, _ = job.current
         job.current = None
         job.remaining = 0.0
@@ -369,7 +372,7 @@ class Simulator:
             events += job.next_by_trigger.get(index, ())
         for event in events:
             if event.delay > 0:
-                self._at(event.delay, lambda e=event, j=job: self._apply(j, e))
+                self._at(event.delay, functools.partial(self._apply, job, event))
             else:
                 self._apply(job, event)
 

@@ -199,6 +199,31 @@ def test_a_plan_the_agent_made_while_the_job_recorded_is_taken_at_the_match(agen
     assert [it.mode for it in report.iterations[2:]] == ["planned"] * (STEPS - 2)
 
 
+def test_a_pod_the_operator_registered_takes_its_forecast_from_the_agent(agent_server):
+    """The operator registers a job it places with its forecast workload and gives the pod only the forecast's
+    signature (TENSILE_SIGNATURE): the hook fetches that workload from the agent and registers with it (the
+    same registration: nothing re-planned), so the agent's plan is at the link before iteration 0 ends and
+    applies from the match, as with TENSILE_WORKLOAD. Before, the hook never read TENSILE_SIGNATURE and
+    registered the live workload after iteration 1: its first plan came an iteration later, or not within
+    agent_wait."""
+    plain, _ = train(tracing_models.views, 4)
+    device, agent, forecast = torch.device("cpu"), agent_server(), _live_workload(tracing_models.views, 4)
+    token = "operator-made-token-0123"
+    admitted = AgentClient(agent.url, "ns/placed", token=token).register(workload=forecast)
+    assert admitted is not None and admitted.created
+    settings = HookSettings(job="ns/placed", agent_url=agent.url, agent_wait=30.0, agent_interval=0.05,
+                            agent_timeout=0.5, agent_max_backoff=0.3, token=token, signature=forecast.signature)
+    client = AgentClient(agent.url, settings.job, token=token, max_backoff=0.2)
+    link = AgentLink(settings, client, local_planner(settings, device)).start()
+    _wait(lambda: link._plan_ready(), 30, "the agent's plan at the link")  # before iteration 0 starts
+    hooked, report, seconds = _fit_linked(link, settings)
+    assert seconds < 20  # not the 30 s agent_wait
+    assert_identical(plain, hooked)
+    assert client.registered is not None and not client.registered.created  # the operator's registration, kept
+    assert (report.plan_source, report.plan_version, report.signature_match) == ("agent", 1, True), report.messages
+    assert [it.mode for it in report.iterations[2:]] == ["planned"] * (STEPS - 2)
+
+
 def test_a_job_running_guarded_takes_the_agents_plan_when_it_comes(agent_server):
     """No plan at the match (the agent had none within agent_wait, the fallback none either): the job runs
     guarded, and the agent's plan, when it comes, applies from the next iteration (it was dropped: the

@@ -15,6 +15,7 @@ from operator_harness import cluster, phase, pod_env, start_operator, trainingjo
 from tensile.agent_client import AgentClient
 from tensile.operator.forecasting import Forecaster
 from tensile.operator.pods import pod_name
+from tensile.plan import native_plan_events
 
 MIB = 2**20
 
@@ -54,7 +55,8 @@ def test_knobs_reach_the_agent_and_release_unregisters(tmp_path, tiny_workload):
         env = pod_env(c.emu.get("v1/pods", "default", pod))
         hook = AgentClient.from_env(env, max_backoff=0.2)
         registered = await asyncio.to_thread(hook.register, workload=workload,
-                                             memory_budget_bytes=int(env["TENSILE_MEMORY_BUDGET"]))
+                                             memory_budget_bytes=int(env["TENSILE_MEMORY_BUDGET"]),
+                                             activations_only=native_plan_events(env["TENSILE_PLAN_EVENTS"], workload.device))
         assert registered is not None and registered.gpu == env["TENSILE_GPU"]
         assert (await asyncio.to_thread(hook.wait_for_plan, 30)).status == "planned"
         return hook
@@ -87,9 +89,21 @@ def test_knobs_reach_the_agent_and_release_unregisters(tmp_path, tiny_workload):
             assert phase(c.job("first")) == "Succeeded"
             assert forecaster.profiles.get("tiny-mlp").signature == workload.signature
 
-            # 4. the next job of that profile is forecast from it; deleting it unregisters it
+            # 4. the next job of that profile is forecast from it, and the operator registers it with the agent with
+            #    that forecast before its hook runs: planned before its first iteration (TENSILE's cold start). Its
+            #    hook finds the workload by the pod's TENSILE_SIGNATURE, and its own registration is the same one
             await c.apply(trainingjob("second", None, profile="tiny-mlp", memoryBudget="256Mi"))
+            await c.wait(lambda: agent_jobs(agent.url).get("default/second", {}).get("plan_version", 0) >= 1, 30,
+                         "the operator's registration of the forecast, planned")
+            registered = agent_jobs(agent.url)["default/second"]
+            assert (registered["signature"], registered["status"]) == (workload.signature, "planned"), registered
+            pod = pod_name("default", "second", c.job("second")["metadata"]["uid"])
+            await c.wait(lambda: c.emu.get("v1/pods", "default", pod), 30, "second's pod")
+            env = pod_env(c.emu.get("v1/pods", "default", pod))
+            fetched = await asyncio.to_thread(AgentClient.from_env(env).workload)
+            assert env["TENSILE_SIGNATURE"] == fetched.signature == workload.signature
             await hook_for(c, "second")
+            assert agent_jobs(agent.url)["default/second"]["plan_version"] == registered["plan_version"]  # not re-planned
             assert c.job("second")["status"]["forecast"]["source"] == "profile"
             await c.delete("second")
             await c.wait(lambda: "default/second" not in agent_jobs(agent.url) and c.job("second") is None, 30,

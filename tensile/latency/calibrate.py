@@ -23,6 +23,7 @@ from tensile.latency.device import cpu_key, cpu_name, gpu_utilization
 from tensile.latency.families import FAMILIES, base_name, family_of, features
 from tensile.latency.online import op_key
 from tensile.latency.measure import StepTiming, in_fresh_process, measure_roofline, measure_step
+from tensile.latency.mlp import FamilyEnsemble, FamilyMLP
 from tensile.latency.prior import Roofline, compute_seconds, iteration_bytes, preceding_bytes, size_class, view_key
 from tensile.latency.probes import Probe, build_step, make_grid
 from tensile.latency.store import LatencyModel, default_model_dir, save_model, slug
@@ -70,7 +71,7 @@ def _measure_as_job(probe: Probe, device_type: str, timed: int, plain: int, thre
 
 
 def measure_probes(probes: Iterable[Probe], device_type: str, *, timed: int = 5, plain: int = 2,
-                   budget_s: float | None = None, on_probe=None) -> list[Measured]:  # type: ignore[no-untyped-def]
+                   budget_s: float | None = None, on_probe: Callable[[Probe], object] | None = None) -> list[Measured]:
     """Measure each probe's iteration op by op; stop early (keeping what is measured) past budget_s
     seconds of measuring (the caller's time in on_probe is its own).
 
@@ -187,7 +188,7 @@ def training_arrays(ops: list, seconds: list[float], utils: list[float], precedi
 
 
 def fit_model(measured: list[Measured], roofline: Roofline, key: str, name: str, kind: str, meta: dict,
-              steps: int = 1500, on_family=None) -> LatencyModel:  # type: ignore[no-untyped-def]
+              steps: int = 1500, on_family: Callable[[str], object] | None = None) -> LatencyModel:
     """Gaps, the view-op costs and an MLP ensemble per family with enough samples."""
     gaps, scales = fit_phases(measured) if kind == "cpu" else ({}, {})
     roofline = replace(roofline, gaps=gaps, scales=scales)
@@ -201,7 +202,7 @@ def fit_model(measured: list[Measured], roofline: Roofline, key: str, name: str,
         zeros = [0.0] * len(ops)
         unique, medians, *_ = deduplicated(ops, seconds, zeros, zeros, zeros)
         measured_ops.update((op_key(op), value) for op, value in zip(unique, medians))
-    families = {}
+    families: dict[str, FamilyEnsemble | FamilyMLP] = {}
     for family in FAMILIES:
         if family in samples and len(samples[family][0]) >= MIN_SAMPLES:
             x, y = training_arrays(*deduplicated(*samples[family]), family, roofline)

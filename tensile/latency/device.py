@@ -10,6 +10,7 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from tensile.devices import PRESETS, DeviceSpec
 from tensile.errors import TensileUserError
@@ -42,7 +43,7 @@ def cpu_key() -> str:
     return "cpu-" + slug(cpu_name())
 
 
-def _nvml():  # type: ignore[no-untyped-def]
+def _nvml() -> ModuleType | None:
     """pynvml, initialised, or None when there is no NVIDIA driver / library / package."""
     try:
         import pynvml

@@ -152,7 +152,7 @@ def conv_geometry(op: Op) -> dict[str, float]:
 
 def conv_output(g: dict[str, float]) -> tuple[int, int]:
     """Output height and width of a convolution from its geometry."""
-    def out(size: float, k: float, stride: int, pad: int, dilation: int) -> int:
+    def out(size: float, k: float, stride: float, pad: float, dilation: float) -> int:
         return max(int((size + 2 * pad - dilation * (k - 1) - 1) // max(stride, 1)) + 1, 1)
 
     return (out(g["h"], g["kh"], g["stride_h"], g["pad_h"], g["dil_h"]),

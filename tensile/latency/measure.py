@@ -113,15 +113,15 @@ def scratch_arguments(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
     changed once, as in training."""
     if not written_values(func, args, kwargs):
         return args, kwargs
-    args, kwargs = list(args), dict(kwargs)
+    copied, kwargs = list(args), dict(kwargs)
     for position, argument in enumerate(func._schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
-        if position < len(args):
-            args[position] = _scratch(args[position])
+        if position < len(copied):
+            copied[position] = _scratch(copied[position])
         elif argument.name in kwargs:
             kwargs[argument.name] = _scratch(kwargs[argument.name])
-    return tuple(args), kwargs
+    return tuple(copied), kwargs
 
 
 def batched_seconds(func: Any, args: tuple, kwargs: dict, first: float, clock: Callable[[], float]) -> float:

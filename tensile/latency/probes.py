@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ def _conv(rng: random.Random, scale: float, pointwise_strided: bool = False) -> 
         stride = 2 if rng.random() < 0.2 else 1
         if pointwise_strided:  # drawn first all the same, so the other kinds' shapes stay as they were
             kh, kw, stride = 1, 1, 2
-        c = {
+        c: dict[str, Any] = {  # a probe's parameters: numbers, flags and names (Probe.params)
             "n": rng.choice((1, 1, 2, 4)), "cin": _channels(rng, 3, 1024), "cout": _channels(rng, 16, 1024),
             "h": _log_uniform(rng, 7, 224 * scale), "kh": kh, "kw": kw, "stride": stride,
             "pad": "same" if rng.random() < 0.75 else "valid", "groups": 1, "bn": rng.random() < 0.8,
@@ -69,7 +70,7 @@ def _conv(rng: random.Random, scale: float, pointwise_strided: bool = False) -> 
 
 def _linear(rng: random.Random, scale: float) -> dict:
     while True:
-        c = {
+        c: dict[str, Any] = {
             "n": rng.choice((1, 2, 4)), "t": rng.choice((1, 1, 32, 64, 128, 256)) if rng.random() < 0.8 else _log_uniform(rng, 1, 512),
             "din": _channels(rng, 64, 4096), "dout": _channels(rng, 16, 50000 if rng.random() < 0.25 else 4096),
             "act": rng.choice(("none", "gelu", "gelu_tanh", "relu", "tanh")), "ln": rng.random() < 0.6,
@@ -119,9 +120,10 @@ def _layout(rng: random.Random, scale: float) -> dict:
     """A copy of a permuted (or, for contrast, a contiguous) tensor, forward and back: the grid's other
     copies are nearly all attention's head merges and conv blocks' concatenations."""
     while True:
-        c = {"dims": (rng.choice((1, 1, 2, 4)), _log_uniform(rng, 1, 64), _log_uniform(rng, 4, 1024),
-                      _log_uniform(rng, 2, 512)),
-             "perm": rng.choice(("heads", "heads", "transpose", "channels_last", "none"))}
+        c: dict[str, Any] = {
+            "dims": (rng.choice((1, 1, 2, 4)), _log_uniform(rng, 1, 64), _log_uniform(rng, 4, 1024), _log_uniform(rng, 2, 512)),
+            "perm": rng.choice(("heads", "heads", "transpose", "channels_last", "none")),
+        }
         if 2e3 <= math.prod(c["dims"]) <= 8e6 * scale:
             return c
 
@@ -129,6 +131,7 @@ def _layout(rng: random.Random, scale: float) -> dict:
 def _norm(rng: random.Random, scale: float) -> dict:
     """A batch norm over a feature map or a layer norm over a sequence, alone: the grid's other norms come
     with a convolution or a linear layer, so their shapes follow those layers' (fewer distinct sizes)."""
+    c: dict[str, Any]
     while True:
         if rng.random() < 0.5:
             h = _log_uniform(rng, 4, 224 * scale)
@@ -330,7 +333,7 @@ def build_step(probe: Probe, device: str) -> TrainingStep:
             loss_fn = lambda m, b: m(_fresh(b)[0]).mean()  # noqa: E731
         elif probe.kind == "linear":
             model = _LinearBlock(c)
-            shape = (c["n"], c["t"], c["din"]) if c["t"] > 1 else (c["n"], c["din"])
+            shape: tuple[int, ...] = (c["n"], c["t"], c["din"]) if c["t"] > 1 else (c["n"], c["din"])
             batch = (torch.randn(*shape).requires_grad_(True),)
             loss_fn = lambda m, b: m(_fresh(b)[0]).mean()  # noqa: E731
         elif probe.kind == "attention":

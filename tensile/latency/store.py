@@ -99,7 +99,7 @@ def load_model(path: str | os.PathLike, expect_key: str | None = None) -> Latenc
     if expect_key is not None and data.get("device_key") != expect_key:
         raise _bad(path, f"it was calibrated for device '{data.get('device_key')}', not '{expect_key}'")
     try:
-        families = {}
+        families: dict[str, FamilyEnsemble | FamilyMLP] = {}
         for name, family in dict(data["families"]).items():
             if name not in FAMILIES:
                 raise ValueError(f"unknown op family '{name}'")
