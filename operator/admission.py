@@ -20,15 +20,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensile.agent_contract import utc_timestamp
+from tensile.knobs import memory_text
 from tensile.operator import model
 from tensile.operator.agent import FORWARDED, UNREGISTERED, AgentLink
 from tensile.operator.forecasting import Forecaster, ForecastError, JobForecast
 from tensile.operator.heap import freeze_long_lived
 from tensile.operator.kube import Conflict, Kube, KubeError, NotFound
 from tensile.operator.metrics import OperatorMetrics
-from tensile.operator.placement import (MIB, Booking, Candidate, Gpu, JointPlanner, Ledger, choose, fit_unchanged,
+from tensile.operator.placement import (Booking, Candidate, Gpu, JointPlanner, Ledger, choose, fit_unchanged,
                                         gpus_from_tensilenode, matching)
 from tensile.operator.pods import DEFAULT_IMAGE, JOB_LABEL, build_pod, job_token, owner_of, pod_name
+from tensile.operator.validation import unreachable_budget
 
 log = logging.getLogger("tensile.operator")
 PROFILE_POLL_SECONDS = 1.0  # how often the live workload of a running job admitted by its budget is asked for
@@ -145,18 +147,19 @@ class Admission:
             if key in self.ledger.bookings:
                 await self.ensure_pod(body, self.ledger.bookings[key])
             return
+        noted = self.annotation_conditions(key, meta.get("annotations"))
         try:
             spec = model.parse_spec(body.get("spec") or {}, meta.get("annotations"))
         except model.SpecError as exc:
             self.metrics.admissions.labels("invalid").inc()
             await self.set_status(namespace, name, {"phase": "Failed", "message": str(exc)},
-                                  condition("Validated", False, "InvalidSpec", str(exc)))
+                                  condition("Validated", False, "InvalidSpec", str(exc)), *noted)
             return
-        valid = condition("Validated", True, "Valid")
+        valid = [condition("Validated", True, "Valid"), *noted]
         if self.forecaster.ready(spec.workload, spec.scope):  # cached: straight to Queued, one status write less
-            self.conditions[key] = merge_conditions(self.conditions.get(key, []), valid)
+            self.conditions[key] = merge_conditions(self.conditions.get(key, []), *valid)
         elif status.get("phase") != "Forecasting":
-            await self.set_status(namespace, name, {"phase": "Forecasting", "message": "tracing and planning on the CPU"}, valid)
+            await self.set_status(namespace, name, {"phase": "Forecasting", "message": "tracing and planning on the CPU"}, *valid)
         forecast: JobForecast | None = None
         failure: ForecastError | None = None
         started = time.perf_counter()
@@ -180,16 +183,13 @@ class Admission:
                                   condition("Forecasted", False, "NoProfile",
                                             f"profile '{spec.workload.profile}' is not stored yet: set spec.memoryBudget to admit the job by it"))
             return
-        if forecast is not None and spec.memory_budget is not None and spec.memory_budget < forecast.min_peak_bytes:
-            message = (f"spec.memoryBudget {spec.memory_budget / MIB:,.0f} MiB is below the lowest peak any plan reaches, "
-                       f"{forecast.min_peak_bytes / MIB:,.0f} MiB: raise it or reduce spec.workload.batchSize")
-            self.metrics.admissions.labels("budget_unreachable").inc()
-            await self.set_status(namespace, name, {"phase": "Failed", "message": message},
-                                  condition("Forecasted", True, "BudgetUnreachable", message))
+        unreachable = unreachable_budget(spec, forecast)
+        if unreachable is not None:
+            await self._fail_unreachable(namespace, name, unreachable)
             return
         if forecast is not None:
-            conds = [condition("Forecasted", True, "Forecasted", f"{forecast.source}: vanilla {forecast.vanilla_peak_bytes / MIB:,.0f} MiB, "
-                                                                   f"lowest reachable {forecast.min_peak_bytes / MIB:,.0f} MiB")]
+            conds = [condition("Forecasted", True, "Forecasted", f"{forecast.source}: vanilla {memory_text(forecast.vanilla_peak_bytes)}, "
+                                                                   f"lowest reachable {memory_text(forecast.min_peak_bytes)}")]
             fstatus = forecast.to_status()
         else:
             conds = [] if any(c["type"] == "Forecasted" for c in self.conditions.get(key, [])) else [
@@ -199,6 +199,32 @@ class Admission:
         await self.set_status(namespace, name, {"phase": "Queued", "message": "waiting for placement", "forecast": fstatus}, *conds)
         self.pending[key] = Pending(key, namespace, name, body, spec, forecast, enqueued=asyncio.get_running_loop().time())
         self.wake.set()
+
+    async def _fail_unreachable(self, namespace: str, name: str, problem: model.SpecProblem, *conds: dict) -> None:
+        """A budget below the lowest peak any plan reaches for the job's workload: its hook could never keep to it,
+        so the job fails (at admission, or when a queued job's budget annotation is lowered to it) naming where the
+        budget was set."""
+        self.metrics.admissions.labels("budget_unreachable").inc()
+        await self.set_status(namespace, name, {"phase": "Failed", "message": str(problem)},
+                              condition("Forecasted", True, "BudgetUnreachable", str(problem)), *conds)
+
+    def annotation_conditions(self, key: str, annotations: dict | None) -> list[dict]:
+        """`UnknownAnnotations` True while the job has tensile.dev/* annotations that are no knob (a misspelt name is
+        ignored, not failed: Kubernetes takes any annotation), False once they are gone; none for a job that never
+        had one."""
+        unknown = model.unknown_annotations(annotations)
+        if unknown:
+            return [condition("UnknownAnnotations", True, "Ignored", model.unknown_annotations_message(unknown))]
+        if any(c["type"] == "UnknownAnnotations" and c["status"] == "True" for c in self.conditions.get(key, [])):
+            return [condition("UnknownAnnotations", False, "AllKnown", "every tensile.dev/* annotation is one Tensile reads")]
+        return []
+
+    async def annotations_changed(self, body: dict) -> None:
+        """Only tensile.dev/* annotations that are no knob changed: the job's `UnknownAnnotations` condition says so."""
+        meta = body["metadata"]
+        noted = self.annotation_conditions(job_key(body), meta.get("annotations"))
+        if noted:
+            await self.set_status(meta["namespace"], meta["name"], {}, *noted)
 
     # ---- scheduler ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -327,10 +353,15 @@ class Admission:
                 if not pending.queued_reason:
                     self.metrics.admissions.labels("queued").inc()
                 pending.queued_reason = reason
+                if decision.too_large:  # kept queued, as Kubernetes keeps an unschedulable pod Pending: a larger GPU may join
+                    fix = "reduce spec.workload.batchSize" if pending.forecast is not None else f"lower {spec.budget_field}"
+                    admitted = condition("Admitted", False, "NoGpuLargeEnough", f"{reason} (a TensileNode with more memory), or {fix}")
+                else:
+                    admitted = condition("Admitted", False, "Queued", f"{reason}; retried when capacity frees")
                 await self.set_status(pending.namespace, pending.name, {
                     "phase": "Queued", "message": reason,
                     "queue": {"reason": reason, "shortfallBytes": decision.shortfall_bytes, "since": utc_timestamp()},
-                }, condition("Admitted", False, "Queued", f"{reason}; retried when capacity frees"))
+                }, admitted)
             return
         async with self._committing:
             await self.commit(pending, decision.gpu, decision.peaks)
@@ -357,7 +388,7 @@ class Admission:
                      "agent": gpu.agent or "", "planEvents": pending.spec.plan_events, "admittedAt": utc_timestamp()}
         await self.set_status(pending.namespace, pending.name, {
             "phase": "Admitted", "message": f"placed on {gpu.node} GPU {gpu.uuid}", "placement": placement,
-            "forecast": fstatus, "queue": None}, condition("Admitted", True, "Placed", f"{reserved / MIB:,.0f} MiB on {gpu.node}/{gpu.uuid}"))
+            "forecast": fstatus, "queue": None}, condition("Admitted", True, "Placed", f"{memory_text(reserved)} on {gpu.node}/{gpu.uuid}"))
         self.admitted_at[key] = asyncio.get_running_loop().time()
         self.metrics.admissions.labels("admitted").inc()
         self.pending.pop(key, None)
@@ -585,21 +616,16 @@ class Admission:
     async def knobs_changed(self, body: dict) -> None:
         meta = body["metadata"]
         key = job_key(body)
+        noted = self.annotation_conditions(key, meta.get("annotations"))
         try:
             spec = model.parse_spec(body.get("spec") or {}, meta.get("annotations"))
         except model.SpecError as exc:
-            await self.set_status(meta["namespace"], meta["name"], {}, condition("KnobsApplied", False, "InvalidAnnotation", str(exc)))
+            await self.set_status(meta["namespace"], meta["name"], {},
+                                  condition("KnobsApplied", False, "InvalidAnnotation", str(exc)), *noted)
             return
         booking = self.ledger.bookings.get(key)
         if booking is None:
-            pending = self.pending.get(key)
-            if pending is not None and spec.scope == pending.spec.scope:
-                # queued: placed (and its pod made) by the knobs as they are now; they were parsed once, at admission,
-                # so a budget lowered to fit beside the running jobs left the job queued by the old one
-                pending.spec, pending.body = spec, body
-                self.wake.set()
-            elif pending is not None:
-                await self._forecast_again(pending, body)
+            await self._queued_knobs_changed(body, spec, noted)
             return  # not placed yet: its pod starts with the knobs in its environment
         # a knob forwarded before that neither annotation nor spec sets now goes back to its default: the agent
         # reads a missing knob as unchanged, so an annotation removed from a job whose spec has no value held for good
@@ -623,7 +649,38 @@ class Admission:
                 "PlanEventsApplied", False, "FixedAtAdmission",
                 f"planEvents is now {spec.plan_events}, but the pod runs with {booking.plan_events} (its hook and its "
                 "forecast were set up with it when it was placed): delete and create the TrainingJob again to change it"))
-        await self.set_status(meta["namespace"], meta["name"], {"knobs": knobs}, *conditions)
+        await self.set_status(meta["namespace"], meta["name"], {"knobs": knobs}, *conditions, *noted)
+
+    async def _queued_knobs_changed(self, body: dict, spec: model.JobSpec, noted: list[dict]) -> None:
+        """Valid knobs on a job not placed. Queued, it is placed (and its pod made) by them, checked as admission checks
+        a new job's: a budget below the lowest peak its plans reach fails it (taken as it was, such a budget placed the
+        job at once, over-committing the GPU), and `KnobsApplied` says they were taken (an earlier `InvalidAnnotation`
+        stayed after the fix). Not queued (ended): only the annotations' condition."""
+        meta = body["metadata"]
+        namespace, name, key = meta["namespace"], meta["name"], job_key(body)
+        pending = self.pending.get(key)
+        if pending is None:
+            if noted:
+                await self.set_status(namespace, name, {}, *noted)
+            return
+        taken = condition("KnobsApplied", True, "AtPlacement", "recorded while the job is queued: it is placed, and its pod "
+                                                               "started, with these knobs")
+        if spec.scope != pending.spec.scope:  # admission again (it writes the annotations' condition too)
+            await self._forecast_again(pending, body)
+            if key in self.pending:  # queued again (else failed: the budget is out of its new plans' reach)
+                await self.set_status(namespace, name, {}, taken)
+            return
+        problem = unreachable_budget(spec, pending.forecast)
+        if problem is not None:
+            del self.pending[key]  # before any await: a commit under way for it books nothing
+            self.wake.set()
+            await self._fail_unreachable(namespace, name, problem, condition("KnobsApplied", False, "BudgetUnreachable", str(problem)), *noted)
+            return
+        # placed by the knobs as they are now: parsed once, at admission, a budget lowered to fit beside the
+        # running jobs left the job queued by the old one
+        pending.spec, pending.body = spec, body
+        self.wake.set()
+        await self.set_status(namespace, name, {}, taken, *noted)
 
     async def _forecast_again(self, pending: Pending, body: dict) -> None:
         """A queued job whose plan scope changed (`plan-events`, `recompute`): its forecast counted on the peak

@@ -11,9 +11,9 @@ import kopf
 from tensile.errors import TensileUserError
 from tensile.operator import GROUP, VERSION
 from tensile.operator.admission import Admission
-from tensile.operator.model import ANNOTATIONS
+from tensile.operator.model import ANNOTATION_PREFIX, ANNOTATIONS
 from tensile.operator.pods import JOB_LABEL
-from tensile.operator.validation import check
+from tensile.operator.validation import check, warnings as admission_warnings
 
 PEERING = "tensile"
 
@@ -89,7 +89,8 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, me
 
     if webhook is not None:
         @kopf.on.validate(**tj, id="tensile-validate", operations=["CREATE", "UPDATE"])
-        async def _validate(spec: kopf.Spec, meta: kopf.Meta, **_: Any) -> None:
+        async def _validate(spec: kopf.Spec, meta: kopf.Meta, warnings: list[str], **_: Any) -> None:
+            warnings.extend(admission_warnings(dict(meta.annotations)))  # kubectl prints them; the job is not refused
             problems = await check(dict(spec), dict(meta.annotations), app.gpus, app.forecaster)
             if problems:
                 raise kopf.AdmissionError("; ".join(str(p) for p in problems), code=422)
@@ -107,9 +108,14 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, me
     @kopf.on.field(**tj, id="knobs", field="metadata.annotations")
     async def _knobs(body: kopf.Body, old: Any, new: Any, reason: str, **_: Any) -> None:
         old, new = dict(old or {}), dict(new or {})
-        knobs = {"tensile.dev/" + k for k in ANNOTATIONS}
-        if reason == "update" and any(old.get(k) != new.get(k) for k in knobs):
+        knobs = {ANNOTATION_PREFIX + k for k in ANNOTATIONS}
+        changed = {k for k in old.keys() | new.keys() if k.startswith(ANNOTATION_PREFIX) and old.get(k) != new.get(k)}
+        if reason != "update" or not changed:
+            return
+        if changed & knobs:
             await app.knobs_changed(_plain(body))
+        else:  # only names that are no knob (a misspelt one added, fixed or removed): the job's condition says so
+            await app.annotations_changed(_plain(body))
 
     @kopf.on.delete(**tj, id="release")
     async def _release(body: kopf.Body, **_: Any) -> None:

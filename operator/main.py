@@ -1,14 +1,17 @@
-"""Run the operator: `tensile operator` / `python -m tensile.operator.main`."""
+"""Run the operator: `tensile operator` / `python -m tensile.operator.main` (the same options, `--help`)."""
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import kopf
+import yaml
 
+from tensile.errors import TensileUserError
 from tensile.operator.admission import Admission
 from tensile.operator.forecasting import Forecaster, ProfileStore
-from tensile.operator.handlers import PEERING, build_registry, webhook_server
+from tensile.operator.handlers import PEERING, build_registry, login, webhook_server
 from tensile.operator import metrics
 
 if TYPE_CHECKING:
@@ -39,13 +42,42 @@ async def operator(app: Admission | None = None, *, standalone: bool = False, pr
     )
 
 
+NO_CREDENTIALS = ("no Kubernetes credentials: not in a pod with a service account, and no kubeconfig ($KUBECONFIG is unset "
+                  "and ~/.kube/config does not exist): set KUBECONFIG to your cluster's kubeconfig, or run the operator in "
+                  "the cluster (helm install tensile ./charts/tensile)")
+
+
+def require_credentials() -> None:
+    """The credentials the operator will log in with, checked before Kopf starts: found missing by Kopf's start-up
+    handler, they ended the run in a 54-line traceback."""
+    try:
+        info = login(settings=kopf.OperatorSettings())
+    except (OSError, yaml.YAMLError, ValueError, LookupError, TypeError, AttributeError, kopf.LoginError) as exc:
+        # unreadable, not YAML, not a kubeconfig, no current context or one naming a missing cluster or user
+        detail = " ".join(str(exc).split())  # one line: a YAML error spans several
+        raise TensileUserError(f"the kubeconfig cannot be used ({type(exc).__name__}: {detail}): fix $KUBECONFIG "
+                               "(or ~/.kube/config) so that `kubectl config current-context` names your cluster") from None
+    if info is None:
+        raise TensileUserError(NO_CREDENTIALS)
+
+
 def run(*, standalone: bool = False, priority: int = 0, profiles: str | None = None, liveness: str | None = None,
         metrics_port: int = metrics.DEFAULT_PORT, metrics_addr: str = "0.0.0.0") -> None:
+    """TensileUserError: no credentials to log in with (or metrics settings that name their fix)."""
+    require_credentials()
     app = Admission(Forecaster(ProfileStore(profiles)))
     kopf.configure(verbose=False)
     kopf.run(registry=build_registry(app, webhook_server(), metrics_port, metrics_addr), clusterwide=True, standalone=standalone, priority=priority,
              peering_name=PEERING, liveness_endpoint=liveness, memo=kopf.Memo(app=app))
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tensile.operator.main [OPTIONS]`: `tensile operator [OPTIONS]` (it ignored its arguments, `--help`
+    included, and started the operator)."""
+    from tensile.cli import main as cli
+
+    return cli(["operator", *(sys.argv[1:] if argv is None else argv)])
+
+
 if __name__ == "__main__":
-    run(metrics_port=metrics.metrics_port())
+    sys.exit(main())

@@ -7,12 +7,14 @@ still reports the same messages (as a Failed phase with a condition).
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field
 
 from tensile.devices import parse_bytes
 from tensile.errors import TensileUserError
 from tensile.forecast import DTYPES, OPTIMIZERS
+from tensile.knobs import KnobError, parse_swap_rate
 from tensile.plan import PLAN_EVENTS, native_plan_events
 
 ANNOTATION_PREFIX = "tensile.dev/"
@@ -135,6 +137,10 @@ class JobSpec:
     recompute: bool = True
     template: dict = field(default_factory=dict)
     plan_events: str = "auto"  # tensile.plan.PLAN_EVENTS; the pod's TENSILE_PLAN_EVENTS
+    # where the budget was read: messages about it name the annotation when one set it
+    budget_field: str = field(default="spec.memoryBudget", compare=False)
+    # tensile.dev/* annotations that are no knob (a misspelt one): ignored, and said so (`unknown_annotations_message`)
+    unknown_annotations: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def activations_only(self) -> bool:
@@ -162,6 +168,25 @@ def switch(value: object) -> bool | None:
         return value
     text = str(value).strip().lower()
     return True if text in ("true", "1", "yes", "on") else False if text in ("false", "0", "no", "off") else None
+
+
+def unknown_annotations(annotations: dict | None) -> list[str]:
+    """The tensile.dev/* annotations that are no knob (`tensile.dev/memory-budgett`): a job does not fail for one
+    (an annotation is free text to Kubernetes), but nothing may ignore it silently either."""
+    known = {ANNOTATION_PREFIX + k for k in ANNOTATIONS}
+    return sorted(k for k in annotations or {} if k.startswith(ANNOTATION_PREFIX) and k not in known)
+
+
+def unknown_annotations_message(names: list[str] | tuple[str, ...]) -> str:
+    """What the webhook warns and the job's `UnknownAnnotations` condition says: each name, the one it was
+    probably meant to be, and the annotations Tensile reads."""
+    known = [ANNOTATION_PREFIX + k for k in ANNOTATIONS]
+    parts = []
+    for name in names:
+        close = difflib.get_close_matches(name.removeprefix(ANNOTATION_PREFIX), list(ANNOTATIONS), n=1, cutoff=0.75)
+        parts.append(f"{name} (did you mean {ANNOTATION_PREFIX}{close[0]}?)" if close else name)
+    return (f"{', '.join(parts)}: not {'a Tensile annotation' if len(names) == 1 else 'Tensile annotations'}, "
+            f"ignored; Tensile reads {', '.join(known)}")
 
 
 def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
@@ -213,12 +238,10 @@ def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
             problems.extend(exc.problems)
     rate = knobs.get("maxSwapRate")
     if rate is not None:
-        try:
-            rate = float(rate)
-            if rate <= 0:
-                raise ValueError
-        except (TypeError, ValueError):
-            problems.append(SpecProblem(fields["maxSwapRate"], f"must be a positive number (was {rate!r}); the planner caps swap traffic by it"))
+        try:  # the hook's own rule (tensile.knobs): a rate it refuses would switch it off inside the pod
+            rate = parse_swap_rate(rate, fields["maxSwapRate"])
+        except KnobError as exc:
+            problems.append(SpecProblem(exc.field, exc.problem))
             rate = None
     recompute = switch(knobs.get("recompute", True))
     if recompute is None:
@@ -248,4 +271,5 @@ def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
         problems.append(SpecProblem("spec.template.spec.containers", "needs at least one container: the training command"))
     if problems:
         raise SpecError(problems)
-    return JobSpec(workload, budget, selector, rate, recompute, template, plan_events)
+    return JobSpec(workload, budget, selector, rate, recompute, template, plan_events, fields["memoryBudget"],
+                   tuple(unknown_annotations(annotations)))

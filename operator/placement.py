@@ -15,11 +15,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from tensile.knobs import memory_text
 from tensile.lru import Lru
 from tensile.operator.forecasting import DEFAULT_BANDWIDTH, JobForecast
 from tensile.operator.model import GpuSelector
 
-MIB = 1024**2
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,7 @@ class Decision:
     reason: str = ""
     shortfall_bytes: int = 0
     planned: bool = False  # whether the joint planner ran (rather than a shortcut)
+    too_large: bool = False  # the job fits no matching GPU even alone: only a larger GPU joining can place it
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ def evaluate(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) ->
     lowest = sum(_reserve(f.min_peak_bytes, b) for _, f, _, b in planned)
     if lowest > budget:
         short = lowest - budget
-        return Decision(None, reason=f"{gpu.node}/{gpu.uuid}: {short / MIB:,.0f} MiB short even at every job's lowest reachable peak",
+        return Decision(None, reason=f"{gpu.node}/{gpu.uuid}: {memory_text(short)} short even at every job's lowest reachable peak",
                         shortfall_bytes=short)
     fits, peaks = planner.plan(planned, budget, gpu.bandwidth)
     budgets = {j: b for j, _, _, b in planned}
@@ -196,7 +197,7 @@ def evaluate(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) ->
     total = sum(peaks.values())
     if not fits and total > budget:
         short = total - budget
-        return Decision(None, reason=f"{gpu.node}/{gpu.uuid}: planned together, the jobs' peaks are {short / MIB:,.0f} MiB over capacity",
+        return Decision(None, reason=f"{gpu.node}/{gpu.uuid}: planned together, the jobs' peaks are {memory_text(short)} over capacity",
                         shortfall_bytes=short, planned=True)
     return Decision(gpu, peaks | _fixed(jobs, new), planned=True)
 
@@ -243,8 +244,31 @@ def choose(gpus: list[Gpu], ledger: Ledger, new: Candidate, planner: JointPlanne
         (fitting if decision.gpu is not None else refusals).append(decision)
     if fitting:
         return min(fitting, key=lambda d: _left(d, ledger))
+    alone = too_large(candidates, new)
+    if alone is not None:
+        return alone
     smallest = min(refusals, key=lambda d: d.shortfall_bytes)
     return Decision(None, reason=f"no GPU has room: the closest is {smallest.reason}", shortfall_bytes=smallest.shortfall_bytes)
+
+
+def too_large(gpus: list[Gpu], new: Candidate) -> Decision | None:
+    """The refusal of a job that fits none of `gpus` even alone (no other job, nothing the agent hosts): the least it
+    can take (its lowest reachable peak, or its budget) is above the largest GPU's room for one job. Said so, rather
+    than as a shortfall that counts the jobs running now (which suggested their end would make room). None when
+    it fits alone somewhere."""
+    if not gpus:
+        return None
+    if new.forecast is None:
+        need, what = new.fixed_bytes or 0, "its memory budget"
+    else:
+        need, what = _reserve(new.forecast.min_peak_bytes, new.budget_bytes), "even at its lowest reachable peak"
+    largest = max(gpus, key=lambda g: g.capacity_bytes - g.context_bytes)
+    room = largest.capacity_bytes - largest.context_bytes
+    if need <= room:
+        return None
+    return Decision(None, reason=f"does not fit even alone on the largest GPU ({largest.node}/{largest.uuid}: {memory_text(room)} "
+                                 f"free of {memory_text(largest.memory_bytes)} with no other job; it needs {memory_text(need)}, "
+                                 f"{what}): waits for a larger GPU", shortfall_bytes=need - room, too_large=True)
 
 
 def _left(decision: Decision, ledger: Ledger) -> int:

@@ -18,6 +18,18 @@ HOOK_VOLUME = "tensile-hook"
 HOOK_MOUNT = "/tensile"
 DEFAULT_IMAGE = "ghcr.io/tensile/tensile:0.1.0"
 JOB_LABEL = "tensile.dev/job"
+# The init container passes PodSecurity "restricted" (and baseline): no privilege escalation, no capabilities, a
+# non-root user (the image's USER is the numeric 10001, which the kubelet can check; no runAsUser is set, so
+# platforms that assign user ids, such as OpenShift, still can), the runtime's default seccomp profile, and a
+# read-only root filesystem (it writes only to the shared emptyDir). Without it, no training pod was admitted in a
+# namespace that enforces "restricted", and build_pod replaces any init container the user names tensile-hook.
+HOOK_SECURITY_CONTEXT = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "runAsNonRoot": True,
+    "readOnlyRootFilesystem": True,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
 
 
 SHORT_NAME = 40  # job names up to this long name their pod and label as they are
@@ -115,6 +127,7 @@ def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, token: st
         "command": ["python", "-m", "tensile.runtime_hook.install", HOOK_MOUNT],
         "volumeMounts": [{"name": HOOK_VOLUME, "mountPath": HOOK_MOUNT}],
         "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+        "securityContext": copy.deepcopy(HOOK_SECURITY_CONTEXT),
     }
     spec["initContainers"] = [installer] + [c for c in spec.get("initContainers") or [] if c.get("name") != "tensile-hook"]
     return {

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from tensile.errors import TensileUserError
+from tensile.knobs import memory_text
 from tensile.operator import model
-from tensile.operator.forecasting import Forecaster, ForecastError
-from tensile.operator.placement import MIB, Gpu
+from tensile.operator.forecasting import Forecaster, ForecastError, JobForecast
+from tensile.operator.placement import Gpu
 from tensile.zoo import zoo_entry
 
 FORECAST_WAIT_SECONDS = 5.0  # a webhook must answer fast; a slower forecast is checked by the operator
@@ -45,8 +46,23 @@ async def check(spec: dict, annotations: dict | None, gpus: list[Gpu], forecaste
             forecast = await asyncio.wait_for(asyncio.shield(forecaster.forecast(workload, job.scope)), wait)
         except (TimeoutError, ForecastError):
             return problems  # the operator checks again once the forecast is done
-    if forecast is not None and job.memory_budget < forecast.min_peak_bytes:
-        problems.append(model.SpecProblem(
-            "spec.memoryBudget", f"{job.memory_budget / MIB:,.0f} MiB is below the lowest peak any plan reaches for this "
-            f"workload, {forecast.min_peak_bytes / MIB:,.0f} MiB; raise it or reduce spec.workload.batchSize"))
+    unreachable = unreachable_budget(job, forecast)
+    if unreachable is not None:
+        problems.append(unreachable)
     return problems
+
+
+def unreachable_budget(job: model.JobSpec, forecast: JobForecast | None) -> model.SpecProblem | None:
+    """The job's budget below the lowest peak any plan reaches for its workload, named where it was set (the spec
+    or its annotation); None when it is reachable or there is no budget or forecast. The webhook, admission and
+    a queued job's budget annotation all check by this."""
+    if forecast is None or job.memory_budget is None or job.memory_budget >= forecast.min_peak_bytes:
+        return None
+    return model.SpecProblem(job.budget_field, f"{memory_text(job.memory_budget)} is below the lowest peak any plan reaches "
+                             f"for this workload, {memory_text(forecast.min_peak_bytes)}; raise it or reduce spec.workload.batchSize")
+
+
+def warnings(annotations: dict | None) -> list[str]:
+    """What the webhook warns about (`kubectl` prints each) without refusing the job: misspelt tensile.dev/* annotations."""
+    unknown = model.unknown_annotations(annotations)
+    return [f"metadata.annotations: {model.unknown_annotations_message(unknown)}"] if unknown else []

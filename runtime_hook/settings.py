@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from tensile.devices import parse_bytes
 from tensile.errors import TensileUserError
+# one rule for a number's range and for a swap rate, in core: TrainingJobs and the CLI read them so too
+from tensile.knobs import parse_number, parse_swap_rate
 from tensile.plan import PLAN_EVENTS, native_plan_events
 
 
@@ -87,23 +89,6 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
 def _number(env: Mapping[str, str], name: str, default: float, valid: Callable[[float], bool], expected: str) -> float:
     text = env.get(name)
     return parse_number(text, name, valid, expected) if text else default
-
-
-def parse_number(text: str, field: str, valid: Callable[[float], bool], expected: str) -> float:
-    """One number checked against its range, the error naming `field` (a variable or a CLI option)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{field}: '{text}' is not a number; give {expected}") from None
-    if not valid(value):
-        raise ValueError(f"{field}: must be {expected} (was {text})")
-    return value
-
-
-def parse_swap_rate(text: str, field: str) -> float:
-    """A job's max swapping rate, in (0, 1] as the agent and TrainingJobs take it: 0 or less would
-    forbid every swap and above 1 means nothing, so either is a mistake to name, not to plan with."""
-    return parse_number(text, field, lambda v: 0 < v <= 1, "a share of the GPU's swap traffic in (0, 1], e.g. 0.5")
 
 
 def parse_budget(text: str, field: str) -> float:

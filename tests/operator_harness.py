@@ -289,3 +289,17 @@ def trainingjob(name: str, model: str | None = "vgg16", batch: int = 1, command:
 def jitter(low: float, high: float) -> Callable[[dict], float]:
     rng = random.Random(0)
     return lambda pod: rng.uniform(low, high)
+
+
+@contextlib.asynccontextmanager
+async def gpu_held_by_big(tmp_path: Path, forecaster: Forecaster) -> AsyncIterator[tuple[Cluster, Admission]]:
+    """One 4 GiB GPU, the operator running (its Admission), and job "big" admitted with 3 GiB of it."""
+    async with cluster(tmp_path) as c:
+        await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4)])
+        op = await start_operator(forecaster)
+        try:
+            await c.apply(trainingjob("big", None, profile="p", memoryBudget="3Gi"))
+            await c.wait(lambda: phase(c.job("big")) == "Admitted", 20, "big admitted")
+            yield c, op.app
+        finally:
+            await op.stop()

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import socket
 import sys
 from collections import defaultdict
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -17,8 +15,8 @@ import kopf
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from operator_harness import (GIB, Cluster, cluster, fake_kubelet, jitter, phase, pod_env, process_kubelet, serve_pods, simulated_gpu,
-                              start_operator, trainingjob)
+from operator_harness import (GIB, cluster, fake_kubelet, gpu_held_by_big, jitter, phase, pod_env, process_kubelet,
+                              serve_pods, simulated_gpu, start_operator, trainingjob)
 from tensile.errors import TensileUserError
 from tensile.operator.forecasting import Forecaster
 from tensile.operator.metrics import OperatorMetrics, metrics_port
@@ -124,25 +122,11 @@ def test_a_knob_annotation_removed_goes_back_to_its_default_where_the_spec_has_n
     run(scenario())
 
 
-@contextlib.asynccontextmanager
-async def gpu_held_by_big(tmp_path: Path, forecaster: Forecaster) -> AsyncIterator[Cluster]:
-    """A cluster of one 4 GiB GPU, the operator running, and job "big" admitted with 3 GiB of it."""
-    async with cluster(tmp_path) as c:
-        await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4)])
-        op = await start_operator(forecaster)
-        try:
-            await c.apply(trainingjob("big", None, profile="p", memoryBudget="3Gi"))
-            await c.wait(lambda: phase(c.job("big")) == "Admitted", 20, "big admitted")
-            yield c
-        finally:
-            await op.stop()
-
-
 def test_a_queued_job_is_placed_by_the_knobs_annotated_while_it_waits(tmp_path, forecaster):
     """A queued job's budget annotation lowered so that it fits beside the running job: it was parsed once, at
     admission, so the job stayed queued by its old budget and its pod got the old knobs (helper-34's finding)."""
     async def scenario():  # type: ignore[no-untyped-def]
-        async with gpu_held_by_big(tmp_path, forecaster) as c:
+        async with gpu_held_by_big(tmp_path, forecaster) as (c, _):
             await c.apply(trainingjob("waiting", None, profile="p", memoryBudget="3Gi"))
             await c.wait(lambda: phase(c.job("waiting")) == "Queued", 20, "waiting queued")
             await c.annotate("waiting", {"tensile.dev/memory-budget": "512Mi", "tensile.dev/max-swap-rate": "0.1"})
@@ -158,7 +142,7 @@ def test_a_queued_job_whose_plan_events_change_is_forecast_again_by_them(tmp_pat
     """plan-events annotated on a queued job: it kept the forecast of its old scope (activation swaps only) and
     its pod was made with the old TENSILE_PLAN_EVENTS, so admission counted on plans its hook would not make."""
     async def scenario():  # type: ignore[no-untyped-def]
-        async with gpu_held_by_big(tmp_path, forecaster) as c:
+        async with gpu_held_by_big(tmp_path, forecaster) as (c, _):
             await c.apply(trainingjob("waiting", "vgg16", 1, memoryBudget="3Gi"))
             await c.wait(lambda: phase(c.job("waiting")) == "Queued", 60, "waiting queued")
             assert c.job("waiting")["status"]["forecast"]["activationsOnly"] is True  # CUDA under auto
@@ -208,7 +192,8 @@ def test_forecast_failure_and_budget_only_jobs(tmp_path, forecaster):
                 custom = c.job("custom")["status"]
                 assert custom["forecast"]["source"] == "budget" and custom["forecast"]["reservedBytes"] == 512 * 2**20
                 queued = c.job("toobig")["status"]
-                assert queued["queue"]["shortfallBytes"] > 0 and "no GPU has room" in queued["queue"]["reason"]
+                assert queued["queue"]["shortfallBytes"] == 60 * GIB  # no GPU can hold it even alone, and it says so
+                assert queued["queue"]["reason"].startswith("does not fit even alone on the largest GPU"), queued["queue"]
                 # what Prometheus scrapes from the operator
                 async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as r:
                     assert r.status == 200
@@ -300,6 +285,7 @@ INVALID = [
     ("profile without budget", {"workload": {"profile": "never-ran"}}, "spec.memoryBudget"),
     ("selector matches nothing", {"gpuSelector": {"gpuNames": ["H100"]}}, "spec.gpuSelector"),
     ("bad swap rate", {"scheduling": {"maxSwapRate": "fast"}}, "spec.scheduling.maxSwapRate"),
+    ("swap rate above 1", {"scheduling": {"maxSwapRate": 2}}, "spec.scheduling.maxSwapRate"),
     ("bad plan events", {"scheduling": {"planEvents": "swaps"}}, "spec.scheduling.planEvents"),
     ("no containers", {"template": {"spec": {"containers": []}}}, "spec.template.spec.containers"),
 ]
@@ -313,9 +299,9 @@ def test_webhook_rejects_invalid_specs_naming_the_field(tmp_path, forecaster):
             op = await start_operator(forecaster, webhook=kopf.WebhookServer(addr="127.0.0.1", port=port, insecure=True))
             try:
                 async with aiohttp.ClientSession() as http:
-                    async def review(spec: dict) -> dict:
+                    async def review(spec: dict, annotations: dict | None = None) -> dict:
                         body = trainingjob("x", "vgg16", 1)
-                        body["metadata"]["namespace"] = "default"
+                        body["metadata"] |= {"namespace": "default", "annotations": annotations or {}}
                         body["spec"].update(spec)
                         request = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
                             "uid": "u1", "kind": {"group": "tensile.dev", "version": "v1alpha1", "kind": "TrainingJob"},
@@ -338,6 +324,19 @@ def test_webhook_rejects_invalid_specs_naming_the_field(tmp_path, forecaster):
                         assert response["allowed"] is False, label
                         message = response["status"]["message"]
                         assert message.startswith(field + ":") or f"; {field}:" in message, (label, message)
+                    # an annotation's problem names the annotation; a rate the hook would refuse (it switched itself
+                    # off in the pod) is refused here, as is a budget it could never keep to
+                    for annotation, value in (("max-swap-rate", "2"), ("max-swap-rate", "nan"), ("memory-budget", "1Ki")):
+                        response = await review({}, {f"tensile.dev/{annotation}": value})
+                        message = response["status"]["message"]
+                        assert message.startswith(f"metadata.annotations.tensile.dev/{annotation}:"), message
+                    assert "1 KiB is below the lowest peak" in message  # not "0 MiB"
+                    # a misspelt one is a warning kubectl prints, not a refusal
+                    response = await review({}, {"tensile.dev/memory-budgett": "1Gi"})
+                    assert response["allowed"] is True and "warnings" in response, response
+                    (warning,) = response["warnings"]
+                    assert "tensile.dev/memory-budgett (did you mean tensile.dev/memory-budget?)" in warning, warning
+                    assert "warnings" not in await review({})
             finally:
                 await op.stop()
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from tensile.errors import TensileUserError, print_user_error
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("operator", help="run the Kubernetes operator (Kopf)", description=__doc__)
@@ -21,9 +23,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tensile.operator.main import run as run_operator
+    from tensile.operator.main import require_credentials, run as run_operator
     from tensile.operator.metrics import metrics_port
 
+    port = metrics_port(args.metrics_port)  # a bad port is bad input (exit 2, as every command's)
+    try:
+        require_credentials()
+    except TensileUserError as exc:  # nothing to connect to: one line naming the fix, exit 1
+        print_user_error(exc)
+        return 1
     run_operator(standalone=args.standalone, priority=args.priority, profiles=args.profiles, liveness=args.liveness,
-                 metrics_port=metrics_port(args.metrics_port), metrics_addr=args.metrics_addr)
+                 metrics_port=port, metrics_addr=args.metrics_addr)
     return 0
