@@ -3,7 +3,9 @@
 
 Bodies are size-capped before they are parsed (413) and may be gzip-compressed; malformed bodies get
 422, unknown jobs and GPUs 404 with the reason, and a missing / wrong job token 401 / 403. Every
-error body is `{"detail": ..., "code": ...}`.
+error body is `{"detail": ..., "code": ...}`. A request field the agent does not know is ignored and
+answered with a `Warning: 299 - "unknown field \\"x\\""` header (Kubernetes' fieldValidation=Warn):
+a newer hook's new field never gets its call refused by an older agent.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -30,6 +33,7 @@ from tensile.agent_contract import (
     SIGNATURE_PATTERN,
     TOKEN_HEADER,
     TOKEN_PATTERN,
+    WARNING_HEADER,
     BodyTooLarge,
     ContractError,
     Knobs,
@@ -39,6 +43,7 @@ from tensile.agent_contract import (
     decode_body,
     decoded_cap,
     plan_etag,
+    unknown_field_warning,
 )
 
 from tensile.node_agent import metrics
@@ -48,6 +53,8 @@ from tensile.node_agent.state import Job
 log = logging.getLogger("tensile.node_agent")
 BIG = 2**62
 INLINE_SAMPLES = 256  # measurements with more op latency samples are folded in a worker thread
+MAX_WARNINGS = 20  # Warning headers on one answer (one per unknown field; the rest counted in one more)
+MAX_LOGGED_FIELDS = 256  # unknown field names the agent logs (once each) before it stops logging new ones
 
 
 # ---------------------------------------------------------------------- models (mirror the contract)
@@ -57,7 +64,14 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class RegisterIn(_Model):
+class _Request(_Model):
+    """A request body: fields this agent does not know are kept aside (`model_extra`), ignored and warned of
+    (Kubernetes' fieldValidation=Warn); known ones are checked as ever (422)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class RegisterIn(_Request):
     job: str = Field(pattern=NAME_PATTERN, max_length=253)
     namespace: str = Field("default", pattern=NAME_PATTERN, max_length=253)
     gpu: str | None = Field(None, pattern=GPU_PATTERN)
@@ -129,7 +143,7 @@ class PlanOut(_Model):
     knobs: KnobsOut = Field(description="the job's knobs as the agent holds them: a hook re-registering after an agent restart sends these")
 
 
-class MeasurementsIn(_Model):
+class MeasurementsIn(_Request):
     plan_version: int | None = Field(None, ge=0, le=BIG)
     iterations: int = Field(1, ge=1, le=BIG)
     op_latencies: list[tuple[Annotated[int, Field(ge=0, le=BIG)], Annotated[float, Field(ge=0, le=MAX_SECONDS)]]] = Field(
@@ -151,13 +165,13 @@ class MeasurementsOut(_Model):
     replan: bool
 
 
-class KnobsIn(_Model):
+class KnobsIn(_Request):
     max_swap_rate: float | None = Field(None, gt=0, le=1)
     memory_budget_bytes: int | None = Field(None, ge=1, le=BIG)
     recompute: bool | None = None
 
 
-class WorkloadIn(_Model):
+class WorkloadIn(_Request):
     workload: dict[str, Any]
 
 
@@ -327,6 +341,22 @@ def create_app(agent: Any) -> FastAPI:
         return JSONResponse({"detail": exc.detail, "code": "http_error"}, status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
+    logged: set[tuple[str, str]] = set()
+    logged_lock = threading.Lock()
+
+    def warn_unknown(response: Response, what: str, names: list[str]) -> None:
+        """One Warning header per ignored field, and a log line at the agent once per (body, field name)."""
+        for name in names[:MAX_WARNINGS]:
+            response.headers.append(WARNING_HEADER, unknown_field_warning(name))
+        if len(names) > MAX_WARNINGS:
+            response.headers.append(WARNING_HEADER, f'299 - "{len(names) - MAX_WARNINGS} more unknown fields"')
+        with logged_lock:
+            new = [n for n in names if (what, n) not in logged][:max(MAX_LOGGED_FIELDS - len(logged), 0)]
+            logged.update((what, n) for n in new)
+        for name in new:
+            log.warning("ignored the unknown field %r in %s (from a newer client? this agent does not know it)",
+                        name[:100], what)
+
     def job_of(namespace: str = Path(pattern=NAME_PATTERN, max_length=253), job: str = Path(pattern=NAME_PATTERN, max_length=253),
                token: str | None = Depends(token_header)) -> Job:
         return service.job(namespace, job, token)
@@ -368,10 +398,12 @@ def create_app(agent: Any) -> FastAPI:
 
     @app.post("/v1/jobs", tags=["jobs"], responses=ERRORS | {201: {"model": RegisterOut}}, response_model=RegisterOut)
     def register(body: RegisterIn, response: Response) -> RegisterOut:
+        unknown: list[str] = []
         try:
-            request = RegisterRequest.from_dict(body.model_dump())
+            request = RegisterRequest.from_dict(body.model_dump(), unknown)
         except ContractError as exc:
             raise Problem(422, "bad_request", str(exc)) from None
+        warn_unknown(response, "a registration", unknown)
         result = service.register(request)
         response.status_code = 201 if result.created else 200
         return RegisterOut.model_validate(result.to_dict())
@@ -422,14 +454,16 @@ def create_app(agent: Any) -> FastAPI:
         await send({"type": "http.response.body", "body": body})
 
     @app.post("/v1/jobs/{namespace}/{job}/measurements", tags=["plans"], responses=ERRORS)
-    async def measurements(body: MeasurementsIn, job: Job = Depends(job_of)) -> MeasurementsOut:
+    async def measurements(body: MeasurementsIn, response: Response, job: Job = Depends(job_of)) -> MeasurementsOut:
         def fold() -> MeasurementsOut:
             data = body.model_dump()
             data["op_latencies"] = [list(pair) for pair in data["op_latencies"]]
+            unknown: list[str] = []
             try:
-                m = Measurements.from_dict(data)
+                m = Measurements.from_dict(data, unknown)
             except ContractError as exc:
                 raise Problem(422, "bad_request", str(exc)) from None
+            warn_unknown(response, "measurements", unknown)
             return MeasurementsOut.model_validate(service.measurements(job, m).to_dict())
 
         if len(body.op_latencies) <= INLINE_SAMPLES:  # a few samples: cheaper than a thread hop
@@ -437,15 +471,18 @@ def create_app(agent: Any) -> FastAPI:
         return await asyncio.to_thread(fold)
 
     @app.patch("/v1/jobs/{namespace}/{job}/knobs", tags=["jobs"], responses=ERRORS)
-    async def knobs(body: KnobsIn, job: Job = Depends(job_of)) -> JobOut:
+    async def knobs(body: KnobsIn, response: Response, job: Job = Depends(job_of)) -> JobOut:
+        unknown: list[str] = []
         try:
-            parsed = Knobs.from_dict(body.model_dump())
+            parsed = Knobs.from_dict(body.model_dump(), unknown)
         except ContractError as exc:
             raise Problem(422, "bad_request", str(exc)) from None
+        warn_unknown(response, "knobs", unknown)
         return JobOut.model_validate(service.knobs(job, parsed))
 
     @app.put("/v1/jobs/{namespace}/{job}/workload", tags=["jobs"], responses=ERRORS)
-    def upload_workload(body: WorkloadIn, job: Job = Depends(job_of)) -> RegisterOut:
+    def upload_workload(body: WorkloadIn, response: Response, job: Job = Depends(job_of)) -> RegisterOut:
+        warn_unknown(response, "a workload upload", sorted(str(k) for k in body.model_extra or {}))
         return RegisterOut.model_validate(service.upload_workload(job, body.workload).to_dict())
 
     @app.get("/v1/jobs/{namespace}/{job}/workload", tags=["jobs"], responses=ERRORS)

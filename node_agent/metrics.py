@@ -34,7 +34,7 @@ class AgentCollector(Collector):
         inventory = state.inventory
         info = GaugeMetricFamily("tensile_agent_info", "The node agent: 1, with its node, start epoch and GPU source",
                                  labels=["node", "epoch", "simulated", "reason"])
-        info.add_metric([state.node or "", state.epoch, str(inventory.simulated).lower(), inventory.reason or ""], 1)
+        info.add_metric([state.node, state.epoch, str(inventory.simulated).lower(), inventory.reason or ""], 1)
         yield info
         yield GaugeMetricFamily("tensile_agent_gpus", "GPUs this agent manages (0 without NVML)", value=len(inventory.gpus))
         yield GaugeMetricFamily("tensile_queued_jobs", "Jobs waiting for GPU memory (set by the local runner; 0 otherwise)",

@@ -83,9 +83,13 @@ def _plan_in_child(jobs: list[tuple[str, str, list[float], float, bool, int | No
 def _child_init() -> None:
     """Planning is background work: let the agent's request loop win the CPU over it. The child
     also leaves when the agent is gone (SIGTERM, SIGKILL): a pool shut down without waiting does not
-    stop a round in progress, and an orphaned planner would burn a core for nothing."""
+    stop a round in progress, and an orphaned planner would burn a core for nothing. Ctrl-C is the
+    agent's to handle (it shuts the pool down): the terminal sends SIGINT to the child too, which
+    printed a KeyboardInterrupt traceback from the pool's worker as the agent stopped."""
     import os
+    import signal
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         os.nice(PLANNER_NICE)
     except OSError:
@@ -116,43 +120,77 @@ class ProcessPlanner:
         self._pool: ProcessPoolExecutor | None = None
         self._sent: dict[str, Workload] = {}  # key -> workload (held so its id stays unique), LRU order
         self.cache_size = cache_size
+        self._lock = threading.Lock()  # the pool, `_closed` and `_rounds`
+        self._closed = False  # stopped: no round starts (and no new child) until `start`
+        self._rounds = 0  # rounds in the child now
 
     def start(self) -> None:
+        with self._lock:
+            self._closed = False
+            self._ensure()
+
+    def _ensure(self) -> ProcessPoolExecutor:
+        """The pool, started when there is none (under the lock)."""
+        if self._closed:
+            raise RuntimeError("the planning process is stopped (the agent is shutting down)")
         if self._pool is None:
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_child_init)
             self._pool.submit(_warm)
             self._sent.clear()
+        return self._pool
 
     def stop(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        """Shut the child down and wait for it, so that the pool's queues and their semaphores are released before
+        the agent exits. Shut down without waiting, the agent stopped by SIGTERM (uvicorn re-raises it once it has
+        shut down: the process dies of it, with no exit handlers) left them to the resource tracker, which warned of
+        "5 leaked semaphore objects". A round still in the child is ended, not waited for: its plan is of no use now."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self._closed = True
+            busy = self._rounds > 0
+        if pool is None:
+            return
+        if busy:
+            for process in list((pool._processes or {}).values()):  # noqa: SLF001 - the pool has no public way to end a call
+                process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
 
     def __call__(self, specs: list[JobSpec], bandwidth: float, **options: Any) -> GpuPlan:
         for attempt in range(2):
-            self.start()
-            assert self._pool is not None
-            from tensile.workload_io import workload_to_dict
-
-            keys = {f"{spec.workload.signature}:{id(spec.workload)}": spec.workload for spec in specs}
-            new = {key: json.dumps(workload_to_dict(w), separators=(",", ":")) for key, w in keys.items() if key not in self._sent}
-            for key, workload in keys.items():  # most recently used last; the child keeps the same set
-                self._sent.pop(key, None)
-                self._sent[key] = workload
-            while len(self._sent) > self.cache_size:
-                del self._sent[next(iter(self._sent))]
-            jobs = [(spec.name, f"{spec.workload.signature}:{id(spec.workload)}", [op.latency for op in spec.workload.ops],
-                     spec.max_swap_rate, spec.recompute, spec.budget_bytes, spec.activations_only) for spec in specs]
+            with self._lock:
+                pool = self._ensure()
+                self._rounds += 1
             try:
-                result = self._pool.submit(_plan_in_child, jobs, new, list(self._sent), bandwidth, options).result()
+                return self._round(pool, specs, bandwidth, options)
             except BrokenProcessPool:
+                with self._lock:
+                    closed = self._closed
+                    if self._pool is pool:
+                        self._pool = None
+                if closed:
+                    raise RuntimeError("the planning process was stopped during the round (the agent is shutting down)") from None
                 log.warning("the planning process died; starting a new one")
-                self._pool = None
                 if attempt:
                     raise
-                continue
-            return result
+            finally:
+                with self._lock:
+                    self._rounds -= 1
         raise AssertionError("unreachable")
+
+    def _round(self, pool: ProcessPoolExecutor, specs: list[JobSpec], bandwidth: float, options: dict) -> GpuPlan:
+        """One round in the child: the workloads it does not hold yet (as JSON, once), latencies and knobs."""
+        from tensile.workload_io import workload_to_dict
+
+        keys = {f"{spec.workload.signature}:{id(spec.workload)}": spec.workload for spec in specs}
+        new = {key: json.dumps(workload_to_dict(w), separators=(",", ":")) for key, w in keys.items() if key not in self._sent}
+        for key, workload in keys.items():  # most recently used last; the child keeps the same set
+            self._sent.pop(key, None)
+            self._sent[key] = workload
+        while len(self._sent) > self.cache_size:
+            del self._sent[next(iter(self._sent))]
+        jobs = [(spec.name, f"{spec.workload.signature}:{id(spec.workload)}", [op.latency for op in spec.workload.ops],
+                 spec.max_swap_rate, spec.recompute, spec.budget_bytes, spec.activations_only) for spec in specs]
+        return pool.submit(_plan_in_child, jobs, new, list(self._sent), bandwidth, options).result()
 
 
 class PlanningService:

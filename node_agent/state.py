@@ -11,6 +11,7 @@ import copy
 import hmac
 import json
 import secrets
+import socket
 import threading
 import time
 from collections import Counter
@@ -177,7 +178,9 @@ class GpuRound:
 class AgentState:
     def __init__(self, inventory: Inventory, node: str | None = None, workload_cache: int = 64) -> None:
         self.inventory = inventory
-        self.node = node
+        # the node's name (--node-name, a DaemonSet's NODE_NAME), else this host's name: what the simulated GPUs'
+        # uuids and the TensileNode are named by without one, and /metrics' tensile_agent_info{node} (it was "")
+        self.node = node or socket.gethostname()
         self.epoch = secrets.token_hex(4)
         self.started = time.time()
         self.lock = threading.RLock()

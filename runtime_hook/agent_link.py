@@ -117,7 +117,9 @@ class AgentLink:
             return plan
         response = self._response
         failed = response is not None and response.status == FAILED
-        why = (self._refused or self.client.last_error or (response.message if response is not None and failed else None)
+        unreachable = "it is unreachable" if not self._reachable else None  # its error is in the note before
+        why = (self._refused or unreachable or self.client.last_error
+               or (response.message if response is not None and failed else None)
                or f"no plan within {self.settings.agent_wait:g} s")
         if self.fallback is None:
             self._note(f"node agent gave no plan ({why}): running guarded until it does")

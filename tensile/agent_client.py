@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import random
+import re
 import threading
 import time
 import urllib.parse
@@ -35,7 +36,6 @@ from tensile.agent_contract import (
     NEEDS_WORKLOAD,
     TOKEN_HEADER,
     JobRef,
-    Knobs,
     Measurements,
     MeasurementsResponse,
     PlanResponse,
@@ -44,14 +44,40 @@ from tensile.agent_contract import (
     encode_body,
     job_path,
     jobs_path,
+    strict_knobs,
 )
 
 if TYPE_CHECKING:
     from tensile.plan import Plan
     from tensile.workload import Workload
 
+_WARNING = re.compile(r'^\d{3} \S+ "((?:[^"\\]|\\.)*)"')  # warn-code warn-agent "warn-text" [date]
+
 log = logging.getLogger("tensile.agent_client")
 RETRY_STATUSES = (429, 502, 503, 504)
+_warned: set[str] = set()  # the agent's Warning headers already logged, once each per process
+_warned_lock = threading.Lock()
+MAX_WARNINGS_LOGGED = 100  # distinct warnings logged at most (an agent could send a new one with every answer)
+
+
+def agent_warnings(values: list[str]) -> list[str]:
+    """The texts of HTTP `Warning` header values (RFC 7234: `299 - "unknown field \\"x\\""`), unquoted."""
+    texts = []
+    for value in values:
+        match = _WARNING.match(value.strip())
+        texts.append(re.sub(r"\\(.)", r"\1", match.group(1)) if match else value.strip())
+    return texts
+
+
+def _log_warnings(where: str, values: list[str]) -> None:
+    """Each warning the agent answers with, logged once (a newer hook's field an older agent ignores is said once,
+    not at every poll)."""
+    for text in agent_warnings(values):
+        with _warned_lock:
+            if text in _warned or len(_warned) >= MAX_WARNINGS_LOGGED:
+                continue
+            _warned.add(text)
+        log.warning("tensile: the node agent at %s warns: %s", where, text)
 
 
 class AgentError(Exception):
@@ -120,6 +146,9 @@ class Http:
                     conn.close()
                 else:
                     self._conn = conn
+                warnings = response.headers.get_all("Warning") or []
+                if warnings:
+                    _log_warnings(self.base_url, warnings)
                 return response.status, payload, {k: v for k, v in response.getheaders()}
         raise AssertionError("unreachable")
 
@@ -246,9 +275,11 @@ class AgentClient:
         self.last_error = None
         return result
 
+    # A refusal and the agent going away are logged at INFO: the hook's AgentLink (runtime_hook/agent_link.py) says
+    # each as a warning and in the report (`reachable`, `last_error`); logged here too, `tensile run` printed each twice.
     def _refused(self, exc: AgentError) -> None:
         if self.last_error != str(exc):
-            log.warning("node agent refused a call for %s: %s; keeping plan version %d", self.ref.key, exc, self.plan_version)
+            log.info("node agent refused a call for %s: %s; keeping plan version %d", self.ref.key, exc, self.plan_version)
         self.last_error = str(exc)
 
     def _failed(self, why: str) -> None:
@@ -257,7 +288,7 @@ class AgentClient:
         delay = min(self.max_backoff, self.backoff * 2 ** min(self._failures, 30))
         self._quiet_until = time.monotonic() + delay
         if self._failures == 1:
-            log.warning("node agent unreachable (%s); keeping plan version %d", why, self.plan_version)
+            log.info("node agent unreachable (%s); keeping plan version %d", why, self.plan_version)
 
     # ------------------------------------------------------------------ calls
 
@@ -374,7 +405,7 @@ class AgentClient:
         return _workload_from(result[1], f"the agent's workload of {self.ref.key}") if result else None
 
     def update_knobs(self, **knobs: Any) -> dict | None:
-        body = Knobs.from_dict(knobs).to_dict()
+        body = strict_knobs(knobs).to_dict()
         with self._lock:
             if self.registration is not None:
                 for key, value in body.items():
@@ -408,7 +439,7 @@ def _one_shot(agent: str, timeout: float = 5.0) -> Http:
 def update_knobs(agent: str, job: str, token: str, knobs: dict) -> dict:
     """Forward a TrainingJob's knob annotations (operator names maxSwapRate/memoryBudgetBytes welcome).
     Returns the job as the agent now has it; raises AgentError / AgentUnreachable."""
-    body = Knobs.from_dict(knobs).to_dict()
+    body = strict_knobs(knobs).to_dict()
     link = _one_shot(agent)
     try:
         _, payload, _ = link.request("PATCH", job_path(JobRef.parse(job), "knobs"), body, token)

@@ -49,6 +49,8 @@ MAX_SMALL_BYTES = 64 * 1024  # knobs and anything else
 MAX_OP_SAMPLES = 200_000  # per-op latency samples in one measurements body
 MAX_SECONDS = 1e9  # any duration in a body (seconds); keeps every sum the agent makes finite
 GZIP_ABOVE_BYTES = 64 * 1024  # the client compresses bodies larger than this
+MAX_FIELD_NAME_SHOWN = 100  # characters of an unknown field's name in a Warning header
+WARNING_HEADER = "Warning"
 
 NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$"  # a Kubernetes name, relaxed
 TOKEN_PATTERN = r"^[A-Za-z0-9._~+/=-]{16,128}$"
@@ -185,11 +187,22 @@ def _object(data: Any, what: str) -> dict:
     return data
 
 
-def _no_unknown(data: dict, cls: type, what: str) -> None:
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ContractError(unknown[0], f"is not a field of {what}; known: {', '.join(sorted(known))}")
+def _known(data: dict, cls: type, unknown: list[str] | None) -> dict:
+    """The fields of `data` that `cls` has. Unknown ones are ignored, as Kubernetes' API server does by default
+    (fieldValidation=Warn): a newer hook's new field must not get it refused by an older agent, which would
+    fall back to planning alone. Their names go to `unknown` (the agent answers a Warning header for each)."""
+    names = {f.name for f in fields(cls)}
+    if unknown is not None:
+        unknown.extend(sorted(str(k) for k in data if k not in names))
+    return {k: v for k, v in data.items() if k in names}
+
+
+def unknown_field_warning(name: str) -> str:
+    """The HTTP `Warning` header value for an ignored request field, as the API server writes it:
+    `299 - "unknown field \\"name\\""` (the name ASCII-escaped and cut, so that any name makes a valid header)."""
+    shown = json.dumps(name[:MAX_FIELD_NAME_SHOWN])[1:-1]  # ASCII, control characters escaped
+    text = f'unknown field "{shown}"'
+    return '299 - "' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 # --------------------------------------------------------------------------- register
@@ -251,9 +264,9 @@ class RegisterRequest:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Any) -> RegisterRequest:
-        data = _object(data, "a registration")
-        _no_unknown(data, cls, "a registration")
+    def from_dict(cls, data: Any, unknown: list[str] | None = None) -> RegisterRequest:
+        """Unknown fields are ignored (their names appended to `unknown`); known ones are checked."""
+        data = _known(_object(data, "a registration"), cls, unknown)
         if "job" not in data:
             raise ContractError("job", "is required")
         known = {f.name: data[f.name] for f in fields(cls) if f.name in data}
@@ -394,9 +407,9 @@ class Measurements:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Any) -> Measurements:
-        data = _object(data, "measurements")
-        _no_unknown(data, cls, "measurements")
+    def from_dict(cls, data: Any, unknown: list[str] | None = None) -> Measurements:
+        """Unknown fields are ignored (their names appended to `unknown`); known ones are checked."""
+        data = _known(_object(data, "measurements"), cls, unknown)
         known = {f.name: data[f.name] for f in fields(cls) if f.name in data and data[f.name] is not None}
         return cls(**known).validate()
 
@@ -462,11 +475,22 @@ class Knobs:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
     @classmethod
-    def from_dict(cls, data: Any) -> Knobs:
-        """Also takes the operator's camelCase names (maxSwapRate, memoryBudgetBytes)."""
+    def from_dict(cls, data: Any, unknown: list[str] | None = None) -> Knobs:
+        """Also takes the operator's camelCase names (maxSwapRate, memoryBudgetBytes). Unknown fields are ignored
+        (their names appended to `unknown`): `strict_knobs` refuses them where the caller builds the body."""
         data = {_KNOB_ALIASES.get(k, k): v for k, v in _object(data, "knobs").items()}
-        _no_unknown(data, cls, "knobs")
-        return cls(**data).validate()
+        return cls(**_known(data, cls, unknown)).validate()
+
+
+def strict_knobs(data: Any) -> Knobs:
+    """Knobs a caller builds (the operator's, `AgentClient.update_knobs`): an unknown name is its own typo, refused
+    naming the field, not sent to be ignored."""
+    unknown: list[str] = []
+    knobs = Knobs.from_dict(data, unknown)
+    if unknown:
+        raise ContractError(unknown[0], f"is not a knob; known: {', '.join(f.name for f in fields(Knobs))} "
+                                        f"(or {', '.join(_KNOB_ALIASES)})")
+    return knobs
 
 
 # --------------------------------------------------------------------------- bodies

@@ -1,13 +1,15 @@
 """TrainingJob YAML files for the local runner: validated against the CRD's schema, read into LocalJobs.
 
-The same files as the cluster (examples/trainingjob-*.yaml); a mistake is reported with the file and
-the field, as the API server would with strict field validation.
+The same files as the cluster (examples/trainingjob-*.yaml), one TrainingJob or several (`---`
+separated documents, as kubectl takes them); a mistake is reported with the file and the field, as
+the API server would with strict field validation, and a name Kubernetes would refuse is refused.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -20,6 +22,10 @@ from tensile.errors import TensileUserError
 from tensile.operator.model import SpecError, parse_spec
 
 CRD = Path(__file__).resolve().parents[1] / "crds" / "trainingjobs.tensile.dev.yaml"
+# Kubernetes' names: a custom resource's metadata.name is a DNS-1123 subdomain, a namespace a DNS-1123 label
+DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+DNS1123_SUBDOMAIN = re.compile(rf"{DNS1123_LABEL}(\.{DNS1123_LABEL})*")  # fullmatch
+DNS1123_LABEL_RE = re.compile(DNS1123_LABEL)
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,9 @@ class LocalJob:
     problem: str | None = None  # why the command cannot run here (reported, the job fails)
     plan_events: str = "auto"  # spec.scheduling.planEvents: the forecast's and the hook's (TENSILE_PLAN_EVENTS)
     recompute: bool = True  # spec.scheduling.recompute: false keeps the job's plans free of recomputes
+    # where the budget and the swap rate were read (an annotation overrides the spec field): what a message names
+    memory_budget_field: str = "spec.memoryBudget"
+    max_swap_rate_field: str = "spec.scheduling.maxSwapRate"
 
 
 def strict_schema(schema: dict) -> dict:
@@ -64,7 +73,9 @@ def _validator() -> jsonschema.Draft4Validator:
     return jsonschema.Draft4Validator(strict_schema(version["schema"]["openAPIV3Schema"]))
 
 
-def load_job(path: str | Path) -> LocalJob:
+def load_file(path: str | Path) -> list[LocalJob]:
+    """The TrainingJobs of one YAML file: one document, or several separated by `---` (empty ones skipped,
+    as kubectl does); a mistake names the file, and the document when the file holds more than one."""
     path = Path(path)
     try:
         docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
@@ -72,45 +83,104 @@ def load_job(path: str | Path) -> LocalJob:
         raise TensileUserError(f"{path}: cannot read it ({exc.strerror})") from None
     except yaml.YAMLError as exc:
         raise TensileUserError(f"{path}: not valid YAML ({exc})") from None
-    if len(docs) != 1 or not isinstance(docs[0], dict):
-        raise TensileUserError(f"{path}: give exactly one TrainingJob object per file")
-    doc = docs[0]
+    if not docs:
+        raise TensileUserError(f"{path}: no TrainingJob in it (the file is empty)")
+    where = [str(path) if len(docs) == 1 else f"{path} (document {i} of {len(docs)})" for i in range(1, len(docs) + 1)]
+    return [_job(doc, path, at) for doc, at in zip(docs, where)]
+
+
+def load_job(path: str | Path) -> LocalJob:
+    """The one TrainingJob of a file (`load_file` reads a file of several)."""
+    jobs = load_file(path)
+    if len(jobs) != 1:
+        raise TensileUserError(f"{path}: holds {len(jobs)} TrainingJobs where one was expected")
+    return jobs[0]
+
+
+def _schema_message(error: jsonschema.ValidationError) -> str:
+    """The schema's complaint with its fix: "is valid under each of ..." and "is not valid under any of ..."
+    name the schemas, not the fields, and say nothing of what to change."""
+    field = ".".join(map(str, error.absolute_path)) or "(top level)"
+    schema = error.schema if isinstance(error.schema, dict) else {}
+    branches = schema.get("oneOf") if error.validator == "oneOf" else None
+    if isinstance(error.instance, dict) and isinstance(branches, list) and all(
+            isinstance(b, dict) and set(b) == {"required"} and len(b["required"]) == 1 for b in branches):
+        choices = [b["required"][0] for b in branches]  # spec.workload: model or profile, exactly one
+        given = [c for c in choices if c in error.instance]
+        what = f" ({schema['description']})" if schema.get("description") else ""
+        if len(given) > 1:
+            named = " and ".join(f"{field}.{c}" for c in given)
+            return f"{field}: {named} are both set; keep one: {', '.join(given[:-1])} or {given[-1]}, not both{what}"
+        return f"{field}: set one of {' or '.join(f'{field}.{c}' for c in choices)}{what}"
+    # "is not valid under any of the given schemas" says nothing of the fix: the field's own description does
+    expected = schema.get("description")
+    hint = f"; expected {expected}" if expected else ""
+    return f"{field}: {error.message}{hint}"
+
+
+def _check_name(at: str, field: str, value: object, label: bool = False) -> None:
+    """A name as the API server checks it: a TrainingJob's name a DNS-1123 subdomain, a namespace a DNS-1123 label."""
+    limit, pattern = (63, DNS1123_LABEL_RE) if label else (253, DNS1123_SUBDOMAIN)
+    if isinstance(value, str) and len(value) <= limit and pattern.fullmatch(value):
+        return
+    rule = (f"at most {limit} lowercase letters, digits and '-'" if label
+            else f"at most {limit} lowercase letters, digits, '-' and '.'")
+    kind = "DNS-1123 label" if label else "DNS-1123 subdomain"
+    suggestion = re.sub(r"[^a-z0-9.-]+" if not label else r"[^a-z0-9-]+", "-", str(value).lower())
+    suggestion = re.sub(r"[-.]*\.[-.]*", ".", suggestion).strip("-.")[:limit].strip("-.")
+    fix = f", e.g. '{suggestion}'" if suggestion and suggestion != value else ""
+    raise TensileUserError(f"{at}: {field}: {value!r:.80} is not a name Kubernetes takes: use {rule}, "
+                           f"starting and ending with a letter or digit (a {kind}){fix}")
+
+
+def _job(doc: object, path: Path, at: str) -> LocalJob:
+    """One document as a LocalJob; `at` names it in messages (the file, and the document of several)."""
+    if not isinstance(doc, dict):
+        raise TensileUserError(f"{at}: expected a TrainingJob object (apiVersion, kind, metadata, spec), "
+                               f"found a YAML {type(doc).__name__}")
     if (doc.get("apiVersion"), doc.get("kind")) != ("tensile.dev/v1alpha1", "TrainingJob"):
-        raise TensileUserError(f"{path}: apiVersion/kind must be tensile.dev/v1alpha1 / TrainingJob "
+        raise TensileUserError(f"{at}: apiVersion/kind must be tensile.dev/v1alpha1 / TrainingJob "
                                f"(was {doc.get('apiVersion')} / {doc.get('kind')})")
     errors = sorted(_validator().iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
-        first = errors[0]
-        field = ".".join(map(str, first.absolute_path)) or "(top level)"
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        # "is not valid under any of the given schemas" says nothing of the fix: the field's own description does
-        expected = first.schema.get("description") if isinstance(first.schema, dict) else None
-        hint = f"; expected {expected}" if expected else ""
-        raise TensileUserError(f"{path}: {field}: {first.message}{hint}{more}")
-    name = (doc.get("metadata") or {}).get("name")
+        raise TensileUserError(f"{at}: {_schema_message(errors[0])}{more}")
+    metadata = doc.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise TensileUserError(f"{at}: metadata: must be an object with a name")
+    name = metadata.get("name")
     if not name:
-        raise TensileUserError(f"{path}: metadata.name is required")
+        raise TensileUserError(f"{at}: metadata.name is required")
+    _check_name(at, "metadata.name", name)
+    if metadata.get("namespace") is not None:
+        _check_name(at, "metadata.namespace", metadata["namespace"], label=True)
+    annotations = metadata.get("annotations")
     spec = doc["spec"]
     workload = spec["workload"]
     containers = spec["template"].get("spec", {}).get("containers") or []
     if not containers or not containers[0].get("command"):
-        raise TensileUserError(f"{path}: spec.template.spec.containers[0].command: the local runner runs this command; give one")
+        raise TensileUserError(f"{at}: spec.template.spec.containers[0].command: the local runner runs this command; give one")
     command, problem = local_command([*containers[0]["command"], *containers[0].get("args", [])])
     try:  # the knobs as the operator reads them: the same annotations override the same fields
-        knobs = parse_spec(spec, (doc.get("metadata") or {}).get("annotations"))
+        knobs = parse_spec(spec, annotations)
     except SpecError as exc:
         shown, *others = exc.problems
-        raise TensileUserError(f"{path}: {shown}" + (f" (and {len(others)} more)" if others else "")) from None
+        raise TensileUserError(f"{at}: {shown}" + (f" (and {len(others)} more)" if others else "")) from None
     parsed = knobs.workload
+    given = annotations if isinstance(annotations, dict) else {}
+    budget_field = ("metadata.annotations.tensile.dev/memory-budget" if given.get("tensile.dev/memory-budget") is not None
+                    else "spec.memoryBudget")
+    rate_field = ("metadata.annotations.tensile.dev/max-swap-rate" if given.get("tensile.dev/max-swap-rate") is not None
+                  else "spec.scheduling.maxSwapRate")
     if parsed.profile and knobs.memory_budget is None:
-        raise TensileUserError(f"{path}: spec.memoryBudget: a job with workload.profile needs a memory budget "
+        raise TensileUserError(f"{at}: spec.memoryBudget: a job with workload.profile needs a memory budget "
                                "(nothing to trace locally); add e.g. memoryBudget: 1Gi")
     # the optimizer as written, not parse_spec's default: none given means a user model's own make_optimizer
     return LocalJob(name=name, path=path, model=parsed.model, profile=parsed.profile, batch_size=parsed.batch_size,
                     input_shape=parsed.input_shape, optimizer=workload.get("optimizer"), dtype=parsed.dtype,
                     micro_batches=parsed.micro_batches, memory_budget=knobs.memory_budget,
                     max_swap_rate=knobs.max_swap_rate, command=command, problem=problem, plan_events=knobs.plan_events,
-                    recompute=knobs.recompute)
+                    recompute=knobs.recompute, memory_budget_field=budget_field, max_swap_rate_field=rate_field)
 
 
 def local_command(command: list[str]) -> tuple[list[str], str | None]:
@@ -128,9 +198,14 @@ def local_command(command: list[str]) -> tuple[list[str], str | None]:
 
 
 def load_jobs(paths: list[str]) -> list[LocalJob]:
-    jobs = [load_job(p) for p in paths]
-    names = [j.name for j in jobs]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise TensileUserError(f"metadata.name: two files name the job '{duplicates[0]}'; job names must differ")
+    """Every TrainingJob of the files, in order; two of the same name are refused (they would share one job's
+    registration with the agent, its report and its log)."""
+    jobs = [job for p in paths for job in load_file(p)]
+    seen: dict[str, LocalJob] = {}
+    for job in jobs:
+        first = seen.setdefault(job.name, job)
+        if first is not job:
+            places = str(first.path) if first.path == job.path else f"{first.path} and {job.path}"
+            raise TensileUserError(f"metadata.name: two TrainingJobs name the job '{job.name}' ({places}); "
+                                   "job names must differ: rename one")
     return jobs

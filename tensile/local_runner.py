@@ -3,13 +3,16 @@ scheduled peaks, each run as a subprocess under the hook and linked to the in-pr
 
 Admission is first come, first served: the next job starts when the sum of the running jobs' demands
 (forecast scheduled peak, or the memory budget of a job without a traceable model, plus the GPU's
-per-job context) leaves room for its own; the others wait, queued.
+per-job context) leaves room for its own; the others wait, queued. A traced job whose memory budget is
+below the lowest peak its plan can reach fails (the operator's `BudgetUnreachable`): admitted by that
+budget, it would hold more of the GPU than it was admitted with.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import time
 from collections.abc import Callable
@@ -24,6 +27,12 @@ if TYPE_CHECKING:
     from tensile.local_agent import LocalAgent
 
 POLL_SECONDS = 0.5
+MIB = 2**20
+
+
+def _size(value: int) -> str:
+    """Bytes for a message: MiB, or bytes where MiB would round a tiny budget (1Ki) to 0.0."""
+    return f"{value / MIB:,.1f} MiB" if value >= MIB // 10 else f"{value:,} bytes"
 
 
 @dataclass
@@ -75,6 +84,26 @@ def forecast(run: JobRun, device: str, preset: str, directory: Path) -> None:
     run.demand = run.scheduled_peak if job.memory_budget is None else min(run.scheduled_peak, job.memory_budget)
     run.workload_path = directory / f"{job.name}.workload.json.gz"
     save_workload(workload, run.workload_path)
+
+
+def unreachable_budget(run: JobRun) -> str | None:
+    """Why the job's memory budget cannot be held, or None: a budget below the lowest peak any plan reaches (the
+    forecast plans without a budget, as far as swaps and recomputes go at the job's max swap rate). Admitted by
+    such a budget, the job would hold its reachable peak on the GPU, more than admission counted (two mlp-wide
+    jobs with `memoryBudget: 1Ki` were admitted together and held ~6 MiB of a 4.75 MiB GPU). As the operator's
+    `BudgetUnreachable`, the job fails."""
+    job = run.job
+    if job.memory_budget is None or run.scheduled_peak is None:
+        return None  # no budget, or a profile job: admitted by its budget, nothing forecast to compare it with
+    lowest = min(run.scheduled_peak, run.vanilla_peak or run.scheduled_peak)
+    if job.memory_budget >= lowest:
+        return None
+    rate = job.max_swap_rate
+    at_rate = f" at {job.max_swap_rate_field} {rate:g}" if rate is not None and rate < 1 else ""
+    raise_rate = f", raise {job.max_swap_rate_field}" if at_rate else ""
+    return (f"BudgetUnreachable: {job.memory_budget_field} {_size(job.memory_budget)} is below the lowest peak any "
+            f"plan reaches{at_rate}, {_size(lowest)}: raise it to at least that (e.g. {math.ceil(lowest / MIB)}Mi)"
+            f"{raise_rate} or reduce spec.workload.batchSize")
 
 
 def hook_args(run: JobRun, agent_url: str) -> argparse.Namespace:
@@ -137,6 +166,10 @@ class LocalRunner:
                 forecast(run, self.device, self.preset, self.reports)
             except (TensileUserError, ValueError, RuntimeError) as exc:
                 run.phase, run.message = "Failed", f"forecast failed: {exc}"
+                continue
+            unreachable = unreachable_budget(run)
+            if unreachable:
+                run.phase, run.message = "Failed", unreachable
                 continue
             if not self.admission.fits_alone(run):
                 run.phase = "Failed"

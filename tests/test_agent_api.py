@@ -452,3 +452,173 @@ def test_an_external_job_silent_for_too_long_is_dropped_and_comes_back_when_it_c
     assert listed() == {"polling", "placed"}
     assert clients["killed"].fetch_plan() is not None  # only silent after all: registered again
     assert "killed" in listed() and clients["killed"].registrations == 2
+
+
+def _raw(url: str, method: str, path: str, body: dict, token: str | None = None) -> tuple[int, list[str], dict]:
+    """(status, Warning header values, JSON body): harness `call` keeps no headers, and a dict keeps one Warning."""
+    import http.client
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    headers = {"Content-Type": "application/json"} | ({"X-Tensile-Token": token} if token else {})
+    try:
+        conn.request(method, path, json.dumps(body), headers)
+        response = conn.getresponse()
+        return response.status, response.headers.get_all("Warning") or [], json.loads(response.read() or b"null")
+    finally:
+        conn.close()
+
+
+def test_unknown_request_fields_are_ignored_with_a_warning_as_kubernetes_does(agent_server, tiny_workload, caplog):
+    """A newer hook sending a field an older agent does not know got 422 (pydantic extra="forbid", the contract's own
+    check) and fell back to planning alone. Now the field is ignored and named in a `Warning: 299` header, as the API
+    server's fieldValidation=Warn does, and the agent logs it once per field name; known fields are still checked."""
+    import logging
+
+    server = agent_server()
+    url = server.url
+    body = {"job": "a", "namespace": "ns", "workload": workload_to_dict(tiny_workload()), "token": TOKEN}
+    with caplog.at_level(logging.WARNING, logger="tensile.node_agent"):
+        status, warnings, answer = _raw(url, "POST", "/v1/jobs", body | {"priority_class": "high", "zz": 1})
+        assert status == 201, answer
+        assert warnings == ['299 - "unknown field \\"priority_class\\""', '299 - "unknown field \\"zz\\""']
+        server.idle()
+        for method, path, sent in (("POST", "/v1/jobs/ns/a/measurements", {"peak_bytes": 5, "gpu_temperature": 70}),
+                                   ("PATCH", "/v1/jobs/ns/a/knobs", {"max_swap_rate": 0.5, "gpu_temperature": 1}),
+                                   ("PUT", "/v1/jobs/ns/a/workload", {"workload": body["workload"], "gpu_temperature": 1})):
+            status, warnings, answer = _raw(url, method, path, sent, TOKEN)
+            assert status == 200 and warnings == ['299 - "unknown field \\"gpu_temperature\\""'], (path, status, answer)
+        status, warnings, _ = _raw(url, "POST", "/v1/jobs", body | {"priority_class": "high"})  # the same again
+        assert status == 200 and len(warnings) == 1
+        status, warnings, answer = _raw(url, "POST", "/v1/jobs", body | {"priority_class": "x", "max_swap_rate": 3})
+        assert status == 422 and warnings == [], answer  # a malformed known field: refused as ever
+        status, warnings, _ = _raw(url, "PATCH", "/v1/jobs/ns/a/knobs", {"max_swap_rate": 0.25}, TOKEN)
+        assert status == 200 and warnings == []
+    logged = [r.getMessage() for r in caplog.records if "unknown field" in r.getMessage()]
+    assert sorted(logged) == sorted([
+        "ignored the unknown field 'priority_class' in a registration (from a newer client? this agent does not know it)",
+        "ignored the unknown field 'zz' in a registration (from a newer client? this agent does not know it)",
+        *(f"ignored the unknown field 'gpu_temperature' in {what} (from a newer client? this agent does not know it)"
+          for what in ("measurements", "knobs", "a workload upload"))]), logged
+
+
+def test_the_client_logs_each_warning_the_agent_answers_once(agent_server, tiny_workload, caplog, monkeypatch):
+    import logging
+
+    server = agent_server()
+    monkeypatch.setattr(agent_client, "_warned", set())
+    link = agent_client.Http(server.url)
+    body = {"job": "w", "namespace": "ns", "signature": tiny_workload().signature, "token": TOKEN, "new_knob": 1}
+    with caplog.at_level(logging.WARNING, logger="tensile.agent_client"):
+        for _ in range(3):
+            link.request("POST", "/v1/jobs", body, TOKEN)
+        agent_client.Http(server.url).request("POST", "/v1/jobs", body, TOKEN)  # another connection, the same process
+    link.close()
+    said = [r.getMessage() for r in caplog.records if r.name == "tensile.agent_client"]
+    assert said == [f'tensile: the node agent at {server.url} warns: unknown field "new_knob"'], said
+
+
+def test_an_unreachable_agent_is_said_once_by_tensile_run(tmp_path):
+    """The client warned "node agent unreachable" and the hook's link said the same as a note: twice in a row."""
+    import subprocess
+    import sys
+
+    from agent_harness import ROOT, free_port
+
+    done = subprocess.run([sys.executable, "-m", "tensile.cli", "run", "--agent", f"http://127.0.0.1:{free_port()}",
+                           "--report", str(tmp_path / "r.json"), "--", "python", "examples/train_mlp.py", "--steps", "3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    output = done.stdout + done.stderr
+    assert output.count("node agent unreachable") == 1, output
+    assert any("unreachable" in m for m in json.loads((tmp_path / "r.json").read_text())["messages"])
+
+
+def test_the_client_leaves_saying_unreachable_to_the_hooks_link(caplog):
+    """What the hook's AgentLink turns into its warning and report message; the client says it at INFO."""
+    import logging
+
+    from agent_harness import free_port
+
+    client = AgentClient(f"http://127.0.0.1:{free_port()}", "ns/away", timeout=0.5, retries=0)
+    with caplog.at_level(logging.INFO, logger="tensile.agent_client"):
+        assert client.fetch_plan() is None and client.register(signature="abcdef01") is None
+    said = [r for r in caplog.records if r.name == "tensile.agent_client"]
+    assert said and all(r.levelno == logging.INFO for r in said) and not client.reachable
+
+
+def test_the_agent_info_metric_names_the_host_without_a_node_name(agent_server):
+    """tensile_agent_info{node=""} outside a cluster; the host name is what a DaemonSet's NODE_NAME would say
+    (and what the simulated GPUs' uuids and the TensileNode are named by without one)."""
+    import socket
+
+    server = agent_server()
+    info = next(l for l in get(server.url, "/metrics")[1].splitlines() if l.startswith("tensile_agent_info{"))
+    assert f'node="{socket.gethostname()}"' in info, info
+    assert get(server.url, "/v1/info")[1]["node"] == socket.gethostname()
+    named = agent_server(node="gpu-node-7")
+    info = next(l for l in get(named.url, "/metrics")[1].splitlines() if l.startswith("tensile_agent_info{"))
+    assert 'node="gpu-node-7"' in info, info
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the agent", "Ctrl-C to its process group"])
+def test_the_agent_stops_cleanly(tiny_workload, how):
+    """Stopped by SIGTERM (uvicorn re-raises it after its shutdown: the process dies of it, without exit handlers),
+    the agent left its planning pool's semaphores to the resource tracker: "There appear to be 5 leaked semaphore
+    objects". Ctrl-C in a terminal reaches the planning child too, which printed a KeyboardInterrupt traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from agent_harness import ROOT, free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+    proc = subprocess.Popen([sys.executable, "-m", "tensile.node_agent", "--port", str(port), "--simulate-gpu", "a6000:48GiB",
+                             "--log-level", "warning"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if get(url, "/healthz")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the agent did not start"
+            time.sleep(0.05)
+        register(url, tiny_workload()).wait_for_plan(60)  # a round in the planning child
+        if how.startswith("SIGTERM"):
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert "leaked semaphore" not in stderr and "Traceback" not in stderr, stderr
+
+
+def test_stopping_the_planner_ends_a_round_in_progress_instead_of_waiting_for_it():
+    """The stop waits for the planning child (so its semaphores are released), but not for a round's seconds."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    from tensile.node_agent.planning import ProcessPlanner
+
+    planner = ProcessPlanner()
+    planner.start()
+    pool = planner._pool
+    assert pool is not None
+    long_round = pool.submit(time.sleep, 60)  # stands for a long planning round
+    planner._rounds = 1
+    time.sleep(1.0)
+    started = time.monotonic()
+    planner.stop()
+    assert time.monotonic() - started < 20
+    assert isinstance(long_round.exception(timeout=5), BrokenProcessPool)
+    with pytest.raises(RuntimeError, match="stopped"):  # no round (nor a new child) after the stop
+        planner([], 1e9)

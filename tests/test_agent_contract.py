@@ -39,7 +39,7 @@ def test_register_request_round_trip_and_errors():
         ({"job": "a", "signature": "abcdef01", "max_swap_rate": 0}, "max_swap_rate"),
         ({"job": "a", "signature": "abcdef01", "memory_budget_bytes": -1}, "memory_budget_bytes"),
         ({"job": "a", "signature": "abcdef01", "token": "short"}, "token"),
-        ({"job": "a", "signature": "abcdef01", "colour": "red"}, "colour"),
+        ({"job": "a", "signature": "abcdef01", "colour": "red", "max_swap_rate": 2}, "max_swap_rate"),
         ({"job": "a", "signature": "NOT-HEX"}, "signature"),
         ({"signature": "abcdef01"}, "job"),
         ({"job": "a", "signature": "abcdef01", "activations_only": "yes"}, "activations_only"),
@@ -65,7 +65,7 @@ def test_measurements_validation_and_folding():
     assert (m.iterations, m.peak_bytes, m.swap_out_bytes, m.plan_version) == (2, 30, 10, 3)
     assert m.iteration_seconds == pytest.approx(0.3)
     for bad in ({"op_latencies": [[-1, 0.1]]}, {"op_latencies": [[0, float("nan")]]}, {"iterations": 0},
-                {"stall_seconds": -1}, {"peak_bytes": True}, {"unknown": 1}):
+                {"stall_seconds": -1}, {"peak_bytes": True}, {"unknown": 1, "iterations": 0}):
         with pytest.raises(c.ContractError):
             c.Measurements.from_dict(bad)
 
@@ -115,3 +115,25 @@ def test_body_encoding_caps_and_gzip_bomb():
     assert c.body_cap("POST", "/v1/jobs") == c.MAX_REGISTER_BYTES
     assert c.body_cap("POST", "/v1/jobs/a/b/measurements") == c.MAX_MEASUREMENT_BYTES
     assert c.body_cap("PATCH", "/v1/jobs/a/b/knobs") == c.MAX_SMALL_BYTES
+
+
+def test_unknown_request_fields_are_ignored_and_named_as_kubernetes_warns():
+    """A newer hook's new field reached an older agent as a refusal (422) and the hook planned alone; the API
+    server's default (fieldValidation=Warn) ignores it and answers a Warning header. Known fields are still checked."""
+    unknown: list[str] = []
+    request = c.RegisterRequest.from_dict({"job": "a", "signature": "abcdef01", "zeta": 1, "colour": "red"}, unknown)
+    assert request == c.RegisterRequest(job="a", signature="abcdef01") and unknown == ["colour", "zeta"]
+    unknown = []
+    assert c.Measurements.from_dict({"peak_bytes": 5, "new_figure": 1.5}, unknown).peak_bytes == 5 and unknown == ["new_figure"]
+    unknown = []
+    assert c.Knobs.from_dict({"maxSwapRate": 0.5, "priority": 3}, unknown) == c.Knobs(max_swap_rate=0.5) and unknown == ["priority"]
+    assert c.Knobs.from_dict({"priority": 3}) == c.Knobs()  # without a list: ignored all the same
+    with pytest.raises(c.ContractError) as info:  # a caller's own knobs: its typo, refused
+        c.strict_knobs({"max_swap_rat": 0.5})
+    assert info.value.field == "max_swap_rat" and "max_swap_rate" in str(info.value)
+    assert c.unknown_field_warning("x") == '299 - "unknown field \\"x\\""'
+    odd = c.unknown_field_warning('é"\n' + "y" * 500)
+    assert odd.isascii() and "\n" not in odd and "\r" not in odd and len(odd) < 200  # a valid header, whatever the name
+    from tensile.agent_client import agent_warnings
+
+    assert agent_warnings([c.unknown_field_warning("x"), "not a warning"]) == ['unknown field "x"', "not a warning"]

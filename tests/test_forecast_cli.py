@@ -175,3 +175,11 @@ def test_cuda_plans_keep_to_activation_swaps_unless_told(capsys, tmp_path):
     assert auto["plan_events"] > 0 and beyond_activations(auto_plan) == []
     assert beyond_activations(all_plan)
     assert every["scheduled_peak_bytes"] < auto["scheduled_peak_bytes"]
+
+
+def test_the_json_keys_are_the_documented_ones(capsys):
+    """docs/local-mode.md lists each key of `tensile forecast --json` in a table: none missing, none extra."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "local-mode.md").read_text()
+    table = text[text.index("`tensile forecast ... --json` prints"):].split("\n\n")[1]
+    documented = {k.strip("` ") for line in table.splitlines()[2:] for k in line.split("|")[1].split(",")}
+    assert set(run_json(capsys, "--model", MLP, "--batch-size", "8")) == documented

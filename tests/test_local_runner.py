@@ -278,3 +278,113 @@ def test_a_failed_job_is_named_once_at_the_end_and_its_reason_said_once(tmp_path
     out = capsys.readouterr().out
     assert out.count("no_such_script.py does not exist") == 1, out
     assert "1 of 1 jobs did not succeed: broken (Failed)" in out, out
+
+
+def _budgeted(tmp_path: Path, name: str, budget: str, annotation: bool = False) -> Path:
+    path = _write(tmp_path, name)
+    text = path.read_text()
+    if annotation:
+        text = text.replace("metadata:\n", f"metadata:\n  annotations:\n    tensile.dev/memory-budget: {budget}\n")
+    else:
+        text = text.replace("  template:", f"  memoryBudget: {budget}\n  template:")
+    path.write_text(text)
+    return path
+
+
+def test_a_budget_below_the_lowest_reachable_peak_fails_the_job_and_the_others_go_on(tmp_path, monkeypatch):
+    """As the operator's BudgetUnreachable: two mlp-wide copies with `memoryBudget: 1Ki` were admitted by their
+    budgets together onto a 4.75 MiB GPU (demand = min(scheduled, budget)) and held ~6 MiB on it."""
+    monkeypatch.chdir(ROOT)
+    workload = trace_workload("examples/tiny_mlp.py:build", 64, optimizer=None, device="cpu")
+    lowest = make_forecast(workload, "cpu")[0]["scheduled_peak_bytes"]
+    jobs = load_jobs([str(_budgeted(tmp_path, "tiny", "1Ki")), str(_budgeted(tmp_path, "noted", "1Ki", annotation=True)),
+                      str(_write(tmp_path, "plain")), str(_budgeted(tmp_path, "roomy", str(lowest + 2**20)))])
+    agent = LocalAgent("127.0.0.1", 0, ["small:1GiB"])  # not served: forecasting and admission need no requests
+    runner = LocalRunner(jobs, agent, tmp_path, "cpu", "cpu")
+    runner.forecast_all()
+    runner.http.close()
+    tiny, noted, plain, roomy = runner.runs
+    for run, field in ((tiny, "spec.memoryBudget"), (noted, "metadata.annotations.tensile.dev/memory-budget")):
+        assert run.phase == "Failed", (run.name, run.phase, run.message)
+        assert run.message.startswith(f"BudgetUnreachable: {field} 1,024 bytes is below the lowest peak any plan reaches, "
+                                      f"{lowest / 2**20:,.1f} MiB: raise it"), run.message
+        assert "reduce spec.workload.batchSize" in run.message and run.scheduled_peak == lowest
+    assert (plain.phase, plain.demand) == ("Queued", lowest) and not plain.message
+    assert (roomy.phase, roomy.demand) == ("Queued", lowest)
+    assert [r.name for r in runner.admission.admit([plain, roomy], [])] == ["plain", "roomy"]
+
+
+def test_an_unreachable_budget_at_the_jobs_swap_rate_names_the_rate_too(tmp_path, monkeypatch):
+    """The agent plans the job at its maxSwapRate, so the lowest peak it can reach is the one at that rate."""
+    monkeypatch.chdir(ROOT)
+    path = _budgeted(tmp_path, "rated", "1Ki")
+    path.write_text(path.read_text().replace("  template:", "  scheduling:\n    maxSwapRate: 0.5\n  template:"))
+    agent = LocalAgent("127.0.0.1", 0, ["small:1GiB"])
+    runner = LocalRunner(load_jobs([str(path)]), agent, tmp_path, "cpu", "cpu")
+    runner.forecast_all()
+    runner.http.close()
+    (run,) = runner.runs
+    assert run.phase == "Failed" and "reaches at spec.scheduling.maxSwapRate 0.5," in run.message, run.message
+    assert "raise spec.scheduling.maxSwapRate" in run.message
+
+
+@pytest.mark.parametrize(("name", "suggested"), [("My_Job", "my-job"), ("job.", "job"), ("-job", "job"), ("a" * 254, "a" * 253),
+                                                 ("ok..dots", "ok.dots"), ("UPPER", "upper")])
+def test_a_name_kubernetes_refuses_is_refused_naming_the_file_field_and_rule(tmp_path, name, suggested):
+    """metadata.name of a custom resource is a DNS-1123 subdomain; `My_Job` was run locally and refused by a cluster."""
+    path = tmp_path / "named.yaml"
+    path.write_text(JOB.format(name=f"'{name}'", script="examples/train_mlp.py"))
+    with pytest.raises(TensileUserError) as error:
+        load_job(path)
+    message = str(error.value)
+    assert message.startswith(f"{path}: metadata.name: ") and "DNS-1123 subdomain" in message, message
+    assert "lowercase letters, digits, '-' and '.'" in message and f"e.g. '{suggested}'" in message, message
+
+
+def test_names_kubernetes_takes_load_and_a_bad_namespace_is_refused(tmp_path):
+    path = tmp_path / "named.yaml"
+    path.write_text(JOB.format(name="team.job-1", script="examples/train_mlp.py"))
+    assert load_job(path).name == "team.job-1"
+    path.write_text(path.read_text().replace("metadata:\n", "metadata:\n  namespace: Team_A\n"))
+    with pytest.raises(TensileUserError, match=r"metadata.namespace: 'Team_A' .*\(a DNS-1123 label\), e.g. 'team-a'"):
+        load_job(path)
+
+
+@pytest.mark.parametrize(("edit", "expected"), [
+    (lambda t: t.replace("    batchSize: 64", "    profile: mlp-profile\n    batchSize: 64"),
+     "spec.workload: spec.workload.model and spec.workload.profile are both set; keep one: model or profile, not both"),
+    (lambda t: t.replace("    model: examples/tiny_mlp.py:build\n", ""),
+     "spec.workload: set one of spec.workload.model or spec.workload.profile"),
+])
+def test_model_and_profile_together_or_neither_is_refused_naming_both_fields(tmp_path, edit, expected):
+    """jsonschema's oneOf said "... is valid under each of {'required': ['model']}, {'required': ['profile']}"."""
+    path = tmp_path / "both.yaml"
+    path.write_text(edit(JOB.format(name="both", script="examples/train_mlp.py")))
+    with pytest.raises(TensileUserError) as error:
+        load_job(path)
+    assert str(error.value).startswith(f"{path}: {expected}"), str(error.value)
+    assert "valid under" not in str(error.value)
+
+
+def test_a_file_of_several_trainingjobs_loads_each_as_kubectl_takes_it(tmp_path):
+    """`---`-separated documents (kubectl apply -f takes them); a file of two was refused."""
+    first, second = (JOB.format(name=n, script="examples/train_mlp.py") for n in ("first", "second"))
+    path = tmp_path / "jobs.yaml"
+    path.write_text(f"---\n{first}---\n# nothing here\n---\n{second}")
+    jobs = load_jobs([str(path), str(_write(tmp_path, "third"))])
+    assert [j.name for j in jobs] == ["first", "second", "third"] and jobs[0].path == path
+    with pytest.raises(TensileUserError, match="holds 2 TrainingJobs"):
+        load_job(path)
+    path.write_text(f"{first}---\n{second.replace('batchSize: 64', 'batchSize: 0')}")
+    with pytest.raises(TensileUserError) as error:
+        load_jobs([str(path)])
+    assert str(error.value).startswith(f"{path} (document 2 of 2): spec.workload.batchSize: 0"), str(error.value)
+    path.write_text(f"{first}---\n{first}")
+    with pytest.raises(TensileUserError, match=f"two TrainingJobs name the job 'first' \\({path}\\)"):
+        load_jobs([str(path)])
+    path.write_text(f"{first}---\n- a list\n")
+    with pytest.raises(TensileUserError, match=r"\(document 2 of 2\): expected a TrainingJob object"):
+        load_jobs([str(path)])
+    path.write_text("---\n")
+    with pytest.raises(TensileUserError, match="no TrainingJob in it"):
+        load_jobs([str(path)])

@@ -84,3 +84,33 @@ def test_simulate_cli_names_a_bad_batch_not_an_unknown_model(capsys, job):
     assert main(["simulate", "--job", job]) == 2
     assert f"--job '{job}': the batch '{job.rpartition(':')[2]}' must be a positive integer" in capsys.readouterr().err
 
+
+
+def _documented_keys(intro: str) -> set[str]:
+    """The keys in the first column of the table after `intro` in docs/local-mode.md."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "local-mode.md").read_text()
+    table = text[text.index(intro):].split("\n\n")[1]
+    keys: set[str] = set()
+    for line in table.splitlines()[2:]:
+        keys.update(k.strip("` ") for k in line.split("|")[1].split(","))
+    return keys
+
+
+def test_simulate_json_says_whether_the_plan_fits_as_the_text_does(capsys, tmp_path):
+    """--json had gpu, latencies, rows and plan_seconds only: no word that the plan could not fit, nor its budget,
+    nor where --plot wrote; the text said "cannot fit: the lowest reachable peak is ... above the budget of ..."."""
+    job = "examples/tiny_mlp.py:build:8"
+    assert main(["simulate", "--job", job, "--memory-budget", "0.01", "--json", "--plot", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["message"].startswith("cannot fit: the lowest reachable peak is "), out["message"]
+    assert 0 < out["budget_bytes"] < out["scheduled_peak_bytes"]
+    assert out["plots"] and all(p.startswith(str(tmp_path)) and p.endswith(".png") for p in out["plots"])
+    assert set(out) == _documented_keys("`tensile simulate ... --json` prints")
+    assert main(["simulate", "--job", job, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is True and out["message"].startswith("fits: ") and out["plots"] == []
+    assert main(["simulate", "--job", job, "--json", "--policy", "vanilla,vdnn"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["fits"], out["message"], out["budget_bytes"]) == (None, None, None)

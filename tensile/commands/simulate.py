@@ -148,6 +148,23 @@ def _plot(comparison: Comparison, directory: str) -> list[Path]:
     return paths
 
 
+def simulation_summary(comparison: Comparison, gpu: str, latencies: str, plots: list[Path]) -> dict:
+    """What --json prints: the rows, and whether TENSILE's joint plan fits (what the text's last lines say; `fits`,
+    `message` and `budget_bytes` are null when no policy planned, e.g. --policy vanilla,vdnn)."""
+    plan = comparison.gpu_plan
+    return {
+        "gpu": gpu,
+        "latencies": latencies,
+        "rows": comparison.rows,
+        "plan_seconds": comparison.plan_seconds,
+        "fits": plan.fits if plan is not None else None,
+        "message": plan.message if plan is not None else None,
+        "budget_bytes": plan.budget_bytes if plan is not None else None,
+        "scheduled_peak_bytes": plan.scheduled_peak_bytes if plan is not None else None,
+        "plots": [str(path) for path in plots],
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=args.json)
     policies = tuple(p.strip() for p in args.policy.split(",") if p.strip())
@@ -171,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         comparison = compare(specs, device, policies, args.overlap, args.iterations, budget, progress=lambda text: status.update(text + "..."))
     plots = _plot(comparison, args.plot) if args.plot else []
     if args.json:
-        print(json.dumps({"gpu": args.gpu, "latencies": source, "rows": comparison.rows, "plan_seconds": comparison.plan_seconds}))
+        print(json.dumps(simulation_summary(comparison, args.gpu, source, plots)))
         return 0
     for table in _tables(comparison, device.name):
         console.print(table)
