@@ -21,18 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tensile.agent_contract import higher
+from tensile.knobs import MIB, memory_text
 from tensile.local_jobs import LocalJob
 
 if TYPE_CHECKING:
     from tensile.local_agent import LocalAgent
 
 POLL_SECONDS = 0.5
-MIB = 2**20
-
-
-def _size(value: int) -> str:
-    """Bytes for a message: MiB, or bytes where MiB would round a tiny budget (1Ki) to 0.0."""
-    return f"{value / MIB:,.1f} MiB" if value >= MIB // 10 else f"{value:,} bytes"
 
 
 @dataclass
@@ -101,8 +96,8 @@ def unreachable_budget(run: JobRun) -> str | None:
     rate = job.max_swap_rate
     at_rate = f" at {job.max_swap_rate_field} {rate:g}" if rate is not None and rate < 1 else ""
     raise_rate = f", raise {job.max_swap_rate_field}" if at_rate else ""
-    return (f"BudgetUnreachable: {job.memory_budget_field} {_size(job.memory_budget)} is below the lowest peak any "
-            f"plan reaches{at_rate}, {_size(lowest)}: raise it to at least that (e.g. {math.ceil(lowest / MIB)}Mi)"
+    return (f"BudgetUnreachable: {job.memory_budget_field} {memory_text(job.memory_budget)} is below the lowest peak any "
+            f"plan reaches{at_rate}, {memory_text(lowest)}: raise it to at least that (e.g. {math.ceil(lowest / MIB)}Mi)"
             f"{raise_rate} or reduce spec.workload.batchSize")
 
 

@@ -17,6 +17,7 @@ from agent_harness import ROOT, get
 from tensile.commands.forecast import make_forecast
 from tensile.errors import TensileUserError
 from tensile.forecast import trace_workload
+from tensile.knobs import memory_text
 from tensile.local_agent import LocalAgent
 from tensile.local_jobs import load_job, load_jobs
 from tensile.local_runner import LocalRunner
@@ -306,8 +307,8 @@ def test_a_budget_below_the_lowest_reachable_peak_fails_the_job_and_the_others_g
     tiny, noted, plain, roomy = runner.runs
     for run, field in ((tiny, "spec.memoryBudget"), (noted, "metadata.annotations.tensile.dev/memory-budget")):
         assert run.phase == "Failed", (run.name, run.phase, run.message)
-        assert run.message.startswith(f"BudgetUnreachable: {field} 1,024 bytes is below the lowest peak any plan reaches, "
-                                      f"{lowest / 2**20:,.1f} MiB: raise it"), run.message
+        assert run.message.startswith(f"BudgetUnreachable: {field} 1 KiB is below the lowest peak any plan reaches, "
+                                      f"{memory_text(lowest)}: raise it"), run.message
         assert "reduce spec.workload.batchSize" in run.message and run.scheduled_peak == lowest
     assert (plain.phase, plain.demand) == ("Queued", lowest) and not plain.message
     assert (roomy.phase, roomy.demand) == ("Queued", lowest)
