@@ -19,7 +19,7 @@ import jsonschema
 import yaml
 
 from tensile.errors import TensileUserError
-from tensile.operator.model import SpecError, parse_spec
+from tensile.operator.model import SpecError, parse_spec, unknown_annotations_message
 
 CRD = Path(__file__).resolve().parents[1] / "crds" / "trainingjobs.tensile.dev.yaml"
 # Kubernetes' names: a custom resource's metadata.name is a DNS-1123 subdomain, a namespace a DNS-1123 label
@@ -48,6 +48,8 @@ class LocalJob:
     # where the budget and the swap rate were read (an annotation overrides the spec field): what a message names
     memory_budget_field: str = "spec.memoryBudget"
     max_swap_rate_field: str = "spec.scheduling.maxSwapRate"
+    # tensile.dev/* annotations Tensile does not read (a misspelt knob): said at load, as the operator's condition says
+    unknown_annotations: str | None = None
 
 
 def strict_schema(schema: dict) -> dict:
@@ -180,7 +182,8 @@ def _job(doc: object, path: Path, at: str) -> LocalJob:
                     input_shape=parsed.input_shape, optimizer=workload.get("optimizer"), dtype=parsed.dtype,
                     micro_batches=parsed.micro_batches, memory_budget=knobs.memory_budget,
                     max_swap_rate=knobs.max_swap_rate, command=command, problem=problem, plan_events=knobs.plan_events,
-                    recompute=knobs.recompute, memory_budget_field=budget_field, max_swap_rate_field=rate_field)
+                    recompute=knobs.recompute, memory_budget_field=budget_field, max_swap_rate_field=rate_field,
+                    unknown_annotations=unknown_annotations_message(knobs.unknown_annotations) if knobs.unknown_annotations else None)
 
 
 def local_command(command: list[str]) -> tuple[list[str], str | None]:

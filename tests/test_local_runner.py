@@ -389,3 +389,15 @@ def test_a_file_of_several_trainingjobs_loads_each_as_kubectl_takes_it(tmp_path)
     path.write_text("---\n")
     with pytest.raises(TensileUserError, match="no TrainingJob in it"):
         load_jobs([str(path)])
+
+
+def test_a_misspelt_annotation_is_said_at_load_as_the_operator_says_it(tmp_path):
+    """`tensile.dev/memory-budgett` was ignored in silence in local mode; the operator gives the job an
+    UnknownAnnotations condition with the same words, and `tensile local` prints them as a note."""
+    path = tmp_path / "typo.yaml"
+    path.write_text(JOB.format(name="typo", script="examples/train_mlp.py").replace(
+        "metadata:\n", "metadata:\n  annotations:\n    tensile.dev/memory-budgett: 1Gi\n"))
+    job = load_job(path)
+    assert job.memory_budget is None
+    assert job.unknown_annotations is not None and "did you mean tensile.dev/memory-budget?" in job.unknown_annotations
+    assert load_job(_write(tmp_path, "plain")).unknown_annotations is None

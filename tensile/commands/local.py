@@ -47,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
         output_file(args.plot, "--plot")  # before the jobs run: a bad path once met only the plot, after them
     jobs = load_jobs(args.jobs)
     console = Console()
+    for job in jobs:
+        if job.unknown_annotations:  # ignored, not refused: Kubernetes takes any annotation
+            console.print(f"[yellow]note:[/] {job.path} job {job.name}: {job.unknown_annotations}", highlight=False)
     reports = output_folder(args.reports, "--reports") if args.reports else Path(tempfile.mkdtemp(prefix="tensile-local-"))
     cuda = torch.cuda.is_available()
     agent = LocalAgent(args.host, args.port, list(args.simulate_gpu)).start()
