@@ -345,7 +345,10 @@ def create_app(agent: Any) -> FastAPI:
     logged_lock = threading.Lock()
 
     def warn_unknown(response: Response, what: str, names: list[str]) -> None:
-        """One Warning header per ignored field, and a log line at the agent once per (body, field name)."""
+        """One Warning header per ignored field, and a log line at the agent once per (body, field name). Every hook
+        poll and post passes here: without unknown fields, nothing is done (no lock taken)."""
+        if not names:
+            return
         for name in names[:MAX_WARNINGS]:
             response.headers.append(WARNING_HEADER, unknown_field_warning(name))
         if len(names) > MAX_WARNINGS:

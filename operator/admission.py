@@ -107,6 +107,10 @@ class Admission:
     def gpus(self) -> list[Gpu]:
         return [g for gpus in self.inventory.values() for g in gpus]
 
+    def gpu_of(self, booking: Booking) -> Gpu | None:
+        """The booked GPU as its node's TensileNode now lists it (None: the node or its agent is gone)."""
+        return next((g for g in self.gpus if g.uuid == booking.gpu), None)
+
     def set_node(self, body: dict | None, name: str) -> None:
         if body is None:
             self.inventory.pop(name, None)
@@ -460,7 +464,7 @@ class Admission:
         the first iteration, with the GPU's other jobs). The pod's hook finds it by TENSILE_SIGNATURE; where the
         agent cannot take it (or the job was admitted by its budget: no forecast), the hook registers the live
         workload after its first iteration instead. Not on resume: a running hook may have replaced it."""
-        gpu = next((g for g in self.gpus if g.uuid == booking.gpu), None)
+        gpu = self.gpu_of(booking)
         if booking.forecast is None or gpu is None or not gpu.agent:
             return
         if await self.agent.register(gpu.agent, booking.job, self.token(body), booking.gpu, booking.forecast,
@@ -469,7 +473,7 @@ class Admission:
 
     async def ensure_pod(self, body: dict, booking: Booking) -> None:
         meta = body["metadata"]
-        gpu = next((g for g in self.gpus if g.uuid == booking.gpu), None)
+        gpu = self.gpu_of(booking)
         signature = booking.forecast.signature if booking.forecast else None
         budget = _pod_budget(booking)
         pod = build_pod(body, booking.node, booking.gpu, gpu.agent if gpu else None, self.token(body), budget,
@@ -553,12 +557,12 @@ class Admission:
         if booking is None:
             return
         await self._store_profile(key, booking)  # not fetched while it ran (or the operator restarted)
-        gpu = next((g for g in self.gpus if g.uuid == booking.gpu), None)
+        gpu = self.gpu_of(booking)
         await self.agent.unregister(gpu.agent if gpu else None, key, self.tokens.pop(key, ""))
 
     async def _store_profile(self, key: str, booking: Booking) -> bool:
         """The live workload the job's hook gave its agent, stored under the booking's profile name."""
-        gpu = next((g for g in self.gpus if g.uuid == booking.gpu), None)
+        gpu = self.gpu_of(booking)
         if not booking.profile or gpu is None:
             return False
         live = await self.agent.live_workload(gpu.agent, key, self.tokens.get(key, ""))
@@ -638,7 +642,7 @@ class Admission:
         booking.recompute = spec.recompute
         booking.max_swap_rate = spec.max_swap_rate
         booking.budget_bytes = spec.memory_budget
-        gpu = next((g for g in self.gpus if g.uuid == booking.gpu), None)
+        gpu = self.gpu_of(booking)
         agent, token = gpu.agent if gpu else None, self.token(body)
         outcome = await self.agent.update_knobs(agent, key, token, knobs)
         if outcome == UNREGISTERED:

@@ -63,8 +63,7 @@ def require_credentials() -> None:
 
 def run(*, standalone: bool = False, priority: int = 0, profiles: str | None = None, liveness: str | None = None,
         metrics_port: int = metrics.DEFAULT_PORT, metrics_addr: str = "0.0.0.0") -> None:
-    """TensileUserError: no credentials to log in with (or metrics settings that name their fix)."""
-    require_credentials()
+    """Kopf's run; `tensile operator` checks the credentials first (`require_credentials`)."""
     app = Admission(Forecaster(ProfileStore(profiles)))
     kopf.configure(verbose=False)
     kopf.run(registry=build_registry(app, webhook_server(), metrics_port, metrics_addr), clusterwide=True, standalone=standalone, priority=priority,

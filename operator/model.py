@@ -137,8 +137,9 @@ class JobSpec:
     recompute: bool = True
     template: dict = field(default_factory=dict)
     plan_events: str = "auto"  # tensile.plan.PLAN_EVENTS; the pod's TENSILE_PLAN_EVENTS
-    # where the budget was read: messages about it name the annotation when one set it
+    # where the budget and the swap rate were read: messages about them name the annotation when one set them
     budget_field: str = field(default="spec.memoryBudget", compare=False)
+    swap_rate_field: str = field(default="spec.scheduling.maxSwapRate", compare=False)
     # tensile.dev/* annotations that are no knob (a misspelt one): ignored, and said so (`unknown_annotations_message`)
     unknown_annotations: tuple[str, ...] = field(default=(), compare=False)
 
@@ -272,4 +273,4 @@ def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
     if problems:
         raise SpecError(problems)
     return JobSpec(workload, budget, selector, rate, recompute, template, plan_events, fields["memoryBudget"],
-                   tuple(unknown_annotations(annotations)))
+                   fields["maxSwapRate"], tuple(unknown_annotations(annotations)))

@@ -35,6 +35,7 @@ from tensile.agent_contract import (
     FAILED,
     NEEDS_WORKLOAD,
     TOKEN_HEADER,
+    WARNING_HEADER,
     JobRef,
     Measurements,
     MeasurementsResponse,
@@ -146,7 +147,7 @@ class Http:
                     conn.close()
                 else:
                     self._conn = conn
-                warnings = response.headers.get_all("Warning") or []
+                warnings = response.headers.get_all(WARNING_HEADER) or []
                 if warnings:
                     _log_warnings(self.base_url, warnings)
                 return response.status, payload, {k: v for k, v in response.getheaders()}

@@ -30,9 +30,9 @@ class KnobError(ValueError):
 def parse_number(text: object, field: str, valid: Callable[[float], bool], expected: str) -> float:
     """One number checked against its range, the error naming `field`. Takes text (a variable, an option, an
     annotation) or a number (a spec field); a boolean, NaN and infinities are no numbers of any range."""
-    if isinstance(text, bool) or not isinstance(text, (int, float, str)):
-        raise KnobError(field, f"'{text}' is not a number; give {expected}")
     try:
+        if isinstance(text, bool) or not isinstance(text, (int, float, str)):
+            raise ValueError(text)
         value = float(text)
     except ValueError:
         raise KnobError(field, f"'{text}' is not a number; give {expected}") from None

@@ -169,11 +169,6 @@ def _job(doc: object, path: Path, at: str) -> LocalJob:
         shown, *others = exc.problems
         raise TensileUserError(f"{at}: {shown}" + (f" (and {len(others)} more)" if others else "")) from None
     parsed = knobs.workload
-    given = annotations if isinstance(annotations, dict) else {}
-    budget_field = ("metadata.annotations.tensile.dev/memory-budget" if given.get("tensile.dev/memory-budget") is not None
-                    else "spec.memoryBudget")
-    rate_field = ("metadata.annotations.tensile.dev/max-swap-rate" if given.get("tensile.dev/max-swap-rate") is not None
-                  else "spec.scheduling.maxSwapRate")
     if parsed.profile and knobs.memory_budget is None:
         raise TensileUserError(f"{at}: spec.memoryBudget: a job with workload.profile needs a memory budget "
                                "(nothing to trace locally); add e.g. memoryBudget: 1Gi")
@@ -182,7 +177,7 @@ def _job(doc: object, path: Path, at: str) -> LocalJob:
                     input_shape=parsed.input_shape, optimizer=workload.get("optimizer"), dtype=parsed.dtype,
                     micro_batches=parsed.micro_batches, memory_budget=knobs.memory_budget,
                     max_swap_rate=knobs.max_swap_rate, command=command, problem=problem, plan_events=knobs.plan_events,
-                    recompute=knobs.recompute, memory_budget_field=budget_field, max_swap_rate_field=rate_field,
+                    recompute=knobs.recompute, memory_budget_field=knobs.budget_field, max_swap_rate_field=knobs.swap_rate_field,
                     unknown_annotations=unknown_annotations_message(knobs.unknown_annotations) if knobs.unknown_annotations else None)
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_simulator import documented_keys
 
 from tensile.cli import main
 from tensile.zoo import ZOO
@@ -179,7 +180,5 @@ def test_cuda_plans_keep_to_activation_swaps_unless_told(capsys, tmp_path):
 
 def test_the_json_keys_are_the_documented_ones(capsys):
     """docs/local-mode.md lists each key of `tensile forecast --json` in a table: none missing, none extra."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "local-mode.md").read_text()
-    table = text[text.index("`tensile forecast ... --json` prints"):].split("\n\n")[1]
-    documented = {k.strip("` ") for line in table.splitlines()[2:] for k in line.split("|")[1].split(",")}
+    documented = documented_keys("`tensile forecast ... --json` prints")
     assert set(run_json(capsys, "--model", MLP, "--batch-size", "8")) == documented

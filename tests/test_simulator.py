@@ -85,8 +85,7 @@ def test_simulate_cli_names_a_bad_batch_not_an_unknown_model(capsys, job):
     assert f"--job '{job}': the batch '{job.rpartition(':')[2]}' must be a positive integer" in capsys.readouterr().err
 
 
-
-def _documented_keys(intro: str) -> set[str]:
+def documented_keys(intro: str) -> set[str]:
     """The keys in the first column of the table after `intro` in docs/local-mode.md."""
     from pathlib import Path
 
@@ -107,7 +106,7 @@ def test_simulate_json_says_whether_the_plan_fits_as_the_text_does(capsys, tmp_p
     assert out["fits"] is False and out["message"].startswith("cannot fit: the lowest reachable peak is "), out["message"]
     assert 0 < out["budget_bytes"] < out["scheduled_peak_bytes"]
     assert out["plots"] and all(p.startswith(str(tmp_path)) and p.endswith(".png") for p in out["plots"])
-    assert set(out) == _documented_keys("`tensile simulate ... --json` prints")
+    assert set(out) == documented_keys("`tensile simulate ... --json` prints")
     assert main(["simulate", "--job", job, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is True and out["message"].startswith("fits: ") and out["plots"] == []

@@ -16,10 +16,11 @@ import tensile.runtime_hook
 from tensile.agent_client import Http
 from tensile.commands import option_value, output_file
 from tensile.errors import TensileUserError
+from tensile.knobs import parse_swap_rate
 from tensile.local_jobs import local_command
 from tensile.plan import PLAN_EVENTS, load_plan
 from tensile.runtime_hook.report import RunTotals
-from tensile.runtime_hook.settings import parse_budget, parse_swap_rate
+from tensile.runtime_hook.settings import parse_budget
 from tensile.workload_io import load_workload
 
 SITE_DIR = Path(tensile.runtime_hook.__file__).parent / "site"
