@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from tensile.errors import TensileUserError
-from tensile.knobs import memory_text
+from tensile.knobs import unreachable_budget_text
 from tensile.operator import model
 from tensile.operator.forecasting import Forecaster, ForecastError, JobForecast
 from tensile.operator.placement import Gpu
@@ -55,11 +55,11 @@ async def check(spec: dict, annotations: dict | None, gpus: list[Gpu], forecaste
 def unreachable_budget(job: model.JobSpec, forecast: JobForecast | None) -> model.SpecProblem | None:
     """The job's budget below the lowest peak any plan reaches for its workload, named where it was set (the spec
     or its annotation); None when it is reachable or there is no budget or forecast. The webhook, admission and
-    a queued job's budget annotation all check by this."""
+    a queued job's budget annotation all check by this. Its forecast planned at full swap rate: no rate is named."""
     if forecast is None or job.memory_budget is None or job.memory_budget >= forecast.min_peak_bytes:
         return None
-    return model.SpecProblem(job.budget_field, f"{memory_text(job.memory_budget)} is below the lowest peak any plan reaches "
-                             f"for this workload, {memory_text(forecast.min_peak_bytes)}; raise it or reduce spec.workload.batchSize")
+    return model.SpecProblem(job.budget_field, unreachable_budget_text(job.memory_budget, forecast.min_peak_bytes,
+                                                                        None, job.swap_rate_field))
 
 
 def warnings(annotations: dict | None) -> list[str]:

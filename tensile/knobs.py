@@ -10,6 +10,7 @@ scheduled one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 KIB = 1024
@@ -55,3 +56,14 @@ def memory_text(nbytes: float) -> str:
     if abs(nbytes) >= KIB:
         return f"{nbytes / KIB:,.0f} KiB"
     return f"{nbytes:,.0f} bytes"
+
+
+def unreachable_budget_text(budget: int, lowest: int, rate: float | None, rate_field: str) -> str:
+    """Why a job's memory budget cannot be held, and the fix, after the budget's field name: one text for the
+    operator's `BudgetUnreachable` and `tensile local`'s, which had each a wording of their own. `lowest` is the
+    lowest peak any plan reaches at the job's max swap rate (`rate`, set in `rate_field`), so a rate below 1
+    is a second way out."""
+    at_rate = f" at {rate_field} {rate:g}" if rate is not None and rate < 1 else ""
+    raise_rate = f", raise {rate_field}" if at_rate else ""
+    return (f"{memory_text(budget)} is below the lowest peak any plan reaches{at_rate}, {memory_text(lowest)}: raise it to "
+            f"at least that (e.g. {math.ceil(lowest / MIB)}Mi){raise_rate} or reduce spec.workload.batchSize")

@@ -28,6 +28,23 @@ DNS1123_SUBDOMAIN = re.compile(rf"{DNS1123_LABEL}(\.{DNS1123_LABEL})*")  # fullm
 DNS1123_LABEL_RE = re.compile(DNS1123_LABEL)
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """Safe YAML that refuses a key set twice in one mapping, as kubectl does: PyYAML keeps the last one in
+    silence, so a second `memoryBudget:` further down replaced the first without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    f"in the mapping at line {node.start_mark.line + 1}", node.start_mark,
+                    f"key '{key}' is set twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1}): keep one",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 @dataclass(frozen=True)
 class LocalJob:
     name: str
@@ -80,7 +97,7 @@ def load_file(path: str | Path) -> list[LocalJob]:
     as kubectl does); a mistake names the file, and the document when the file holds more than one."""
     path = Path(path)
     try:
-        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+        docs = [d for d in yaml.load_all(path.read_text(), Loader=_StrictLoader) if d is not None]
     except OSError as exc:
         raise TensileUserError(f"{path}: cannot read it ({exc.strerror})") from None
     except yaml.YAMLError as exc:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tensile.agent_contract import higher
-from tensile.knobs import MIB, memory_text
+from tensile.knobs import unreachable_budget_text
 from tensile.local_jobs import LocalJob
 
 if TYPE_CHECKING:
@@ -93,12 +92,8 @@ def unreachable_budget(run: JobRun) -> str | None:
     lowest = min(run.scheduled_peak, run.vanilla_peak or run.scheduled_peak)
     if job.memory_budget >= lowest:
         return None
-    rate = job.max_swap_rate
-    at_rate = f" at {job.max_swap_rate_field} {rate:g}" if rate is not None and rate < 1 else ""
-    raise_rate = f", raise {job.max_swap_rate_field}" if at_rate else ""
-    return (f"BudgetUnreachable: {job.memory_budget_field} {memory_text(job.memory_budget)} is below the lowest peak any "
-            f"plan reaches{at_rate}, {memory_text(lowest)}: raise it to at least that (e.g. {math.ceil(lowest / MIB)}Mi)"
-            f"{raise_rate} or reduce spec.workload.batchSize")
+    text = unreachable_budget_text(job.memory_budget, lowest, job.max_swap_rate, job.max_swap_rate_field)
+    return f"BudgetUnreachable: {job.memory_budget_field} {text}"
 
 
 def hook_args(run: JobRun, agent_url: str) -> argparse.Namespace:

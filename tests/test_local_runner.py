@@ -101,6 +101,7 @@ def test_two_jobs_share_a_gpu_too_small_for_both_one_waits_queued(tmp_path, monk
     (lambda t: t + "  memoryBudget: lots\n", "spec.memoryBudget: 'lots' is not valid under any of the given schemas; "
                                               "expected most device memory the job may hold (bytes or a quantity like 6Gi)"),
     (lambda t: t.replace("  workload:", "  workload: [", 1), "not valid YAML"),
+    (lambda t: t.replace("batchSize: 64", "batchSize: 64\n    batchSize: 8"), "key 'batchSize' is set twice"),  # kept silently
     (lambda t: t.replace("  template:", "  scheduling:\n    planEvents: swaps\n  template:"), "spec.scheduling.planEvents"),
     (lambda t: t.replace("metadata:\n", "metadata:\n  annotations:\n    tensile.dev/plan-events: swaps\n"),
      "metadata.annotations.tensile.dev/plan-events"),

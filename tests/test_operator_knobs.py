@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from operator_harness import GIB, cluster, gpu_held_by_big, phase, pod_env, simulated_gpu, start_operator, trainingjob
-from tensile.knobs import memory_text, parse_swap_rate
+from tensile.knobs import memory_text, parse_swap_rate, unreachable_budget_text
 from tensile.operator.forecasting import Forecaster
 from tensile.operator.model import SpecError, parse_spec, unknown_annotations
 from tensile.operator.placement import Booking, Candidate, Gpu, JointPlanner, Ledger, choose
@@ -140,6 +140,17 @@ def test_an_unreachable_budget_is_named_where_it_was_set_in_kib_when_small(forec
     forecast = forecaster.cached(job.workload, job.scope)
     assert forecast is not None  # else unreachable_budget has nothing to compare with and says None whatever the budget
     assert unreachable_budget(job, forecast) is None
+
+
+def test_an_unreachable_budget_reads_the_same_from_the_operator_and_tensile_local():
+    """One text, the fix in it: a rate below 1 (tensile local plans at the job's own) is named as a second way out."""
+    rate_field = "tensile.dev/max-swap-rate"
+    at_rate = unreachable_budget_text(1024, int(9.1 * MIB), 0.5, rate_field)
+    assert at_rate == ("1 KiB is below the lowest peak any plan reaches at tensile.dev/max-swap-rate 0.5, 9 MiB: raise it to "
+                       "at least that (e.g. 10Mi), raise tensile.dev/max-swap-rate or reduce spec.workload.batchSize"), at_rate
+    for rate in (None, 1.0):  # the operator's forecast plans at full rate
+        text = unreachable_budget_text(3 * MIB, 5 * MIB, rate, rate_field)
+        assert rate_field not in text and text.endswith("(e.g. 5Mi) or reduce spec.workload.batchSize"), text
 
 
 def test_memory_amounts_below_a_mib_are_not_shown_as_zero():
