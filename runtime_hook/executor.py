@@ -62,6 +62,11 @@ Planner = Callable[[Workload, "int | None"], "Plan | None"]
 IterationListener = Callable[[IterationStats, HookReport], "Plan | None"]
 
 
+def _plan_named(plan: Plan, source: str) -> str:
+    """A plan as the hook's messages name it: a file by what it is, a planner's by its version."""
+    return "the plan file" if source == "file" else f"plan version {plan.version}"
+
+
 class _OpFailed(Exception):
     """The user's op raised: re-raise its error as it is."""
 
@@ -166,7 +171,7 @@ class PlanExecutor(TorchDispatchMode):
         # for the vanilla peak
         self.budget: int | None = budget_bytes(settings.memory_budget, 0) if (settings.memory_budget or 0) > 1 else None
         self.report.memory_budget_bytes = self.budget
-        self.agent_budget: int | None = None  # a node agent's plan's budget, where it differs (the operator lowered it)
+        self.plan_budget: int | None = None  # a plan's budget that the job takes: the agent's (the operator lowered it), a file's
         self.vanilla_peak: int | None = None
         self.candidate: ActivePlan | None = None  # offered, not yet matched against a live iteration
         self.op_index = 0  # position in the iteration (fast path)
@@ -198,14 +203,23 @@ class PlanExecutor(TorchDispatchMode):
             self.report.vanilla_peak_bytes = plan.forecast.vanilla_peak_bytes
             self.report.scheduled_peak_bytes = plan.forecast.scheduled_peak_bytes
             self._set_vanilla(plan.forecast.vanilla_peak_bytes)
-        if plan.memory_budget_bytes is not None and plan.memory_budget_bytes != self.budget:
-            self._say(f"plan version {plan.version} holds the job to a memory budget of {plan.memory_budget_bytes} bytes, "
-                      f"not {self.budget}: the node agent's (a TrainingJob's budget annotation changes it)", logging.INFO)
-            self.agent_budget = self.budget = self.report.memory_budget_bytes = plan.memory_budget_bytes
+        budget = plan.memory_budget_bytes
+        if budget is None or budget == self.budget:
+            return
+        if source == "agent":
+            self._say(f"plan version {plan.version} holds the job to a memory budget of {budget} bytes, not {self.budget}: "
+                      "the node agent's (a TrainingJob's budget annotation changes it)", logging.INFO)
+        elif self.settings.memory_budget is None:
+            self._say(f"{_plan_named(plan, source)} holds the job to the memory budget it was made for, {budget} bytes", logging.INFO)
+        else:  # the user's own budget stands; the plan may then not keep to it, and the guard evicts what it must
+            self._say(f"{_plan_named(plan, source)} was made for a memory budget of {budget} bytes; the job keeps its own, "
+                      f"{self.budget} (TENSILE_MEMORY_BUDGET, --memory-budget)", logging.INFO)
+            return
+        self.plan_budget = self.budget = self.report.memory_budget_bytes = budget
 
     def _set_vanilla(self, vanilla_peak: int) -> None:
         self.vanilla_peak = vanilla_peak
-        self.budget = self.agent_budget or budget_bytes(self.settings.memory_budget, vanilla_peak)
+        self.budget = self.plan_budget or budget_bytes(self.settings.memory_budget, vanilla_peak)
         self.report.vanilla_peak_bytes = self.report.vanilla_peak_bytes or vanilla_peak
         self.report.memory_budget_bytes = self.budget
 

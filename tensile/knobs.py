@@ -49,10 +49,12 @@ def parse_swap_rate(text: object, field: str) -> float:
 
 
 def memory_text(nbytes: float) -> str:
-    """An amount of memory for a message: MiB from 1 MiB up (as the operator's messages always showed them), KiB
-    or bytes below (a 1 KiB budget showed as '0 MiB', which reads as no budget at all)."""
+    """An amount of memory for a message: MiB from 1 MiB up, with a tenth below 100 MiB where it is not whole (a
+    9.1 MiB peak shown as '9 MiB' read as if a 9Mi budget would do), KiB or bytes below (a 1 KiB budget showed as
+    '0 MiB', which reads as no budget at all)."""
     if abs(nbytes) >= MIB:
-        return f"{nbytes / MIB:,.0f} MiB"
+        mib = nbytes / MIB
+        return f"{mib:,.1f} MiB" if abs(mib) < 100 and round(mib, 1) != round(mib) else f"{mib:,.0f} MiB"
     if abs(nbytes) >= KIB:
         return f"{nbytes / KIB:,.0f} KiB"
     return f"{nbytes:,.0f} bytes"

@@ -66,6 +66,7 @@ class GpuPlan:
     transfers: list[Transfer] = field(default_factory=list)
     rounds: int = 0
     seconds: float = 0.0
+    limits: tuple[str, ...] = ()  # what the jobs' plans were kept to (`plan_limits`): "cannot fit" says so
 
     @property
     def msr(self) -> float:
@@ -85,9 +86,11 @@ class GpuPlan:
             return f"lowest reachable peak {self.scheduled_peak_bytes / mib:,.1f} MiB"
         if self.fits:
             return f"fits: peak {self.scheduled_peak_bytes / mib:,.1f} MiB within the budget of {self.budget_bytes / mib:,.1f} MiB"
+        events = (f"every swap and recomputation its plans may use ({', '.join(self.limits)})" if self.limits
+                  else "every legal swap and recomputation")
         return (
             f"cannot fit: the lowest reachable peak is {self.scheduled_peak_bytes / mib:,.1f} MiB, "
-            f"above the budget of {self.budget_bytes / mib:,.1f} MiB, even with every legal swap and recomputation"
+            f"above the budget of {self.budget_bytes / mib:,.1f} MiB, even with {events}"
         )
 
 
@@ -355,6 +358,18 @@ def co_run_slowdown(jobs: int, overlap: float) -> float:
     return jobs / (1.0 + overlap * (jobs - 1))
 
 
+def plan_limits(jobs: list[JobSpec]) -> tuple[str, ...]:
+    """What keeps the jobs' plans from every legal event: a lower peak may be reachable without it."""
+    limits = []
+    if any(j.activations_only for j in jobs):
+        limits.append("activation swaps only: --plan-events, TENSILE_PLAN_EVENTS")
+    if any(not j.recompute and not j.activations_only for j in jobs):
+        limits.append("no recomputation")
+    if any(j.max_swap_rate < 1 for j in jobs):
+        limits.append("a max swap rate below 1")
+    return tuple(limits)
+
+
 def plan_gpu(
     jobs: list[JobSpec],
     bandwidth: float,
@@ -476,7 +491,8 @@ def plan_gpu(
         vanilla_total += vanilla.peak_bytes
         scheduled_total += scheduled.peak_bytes
     fits = limit is None or scheduled_total <= limit
-    return GpuPlan(plans, vanilla_total, scheduled_total, limit, fits, transfers, rounds, time.perf_counter() - started)
+    return GpuPlan(plans, vanilla_total, scheduled_total, limit, fits, transfers, rounds, time.perf_counter() - started,
+                   plan_limits(jobs))
 
 
 def plan_job(workload: Workload, bandwidth: float, budget_bytes: int | None = None, name: str = "job",

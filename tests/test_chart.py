@@ -495,3 +495,6 @@ def test_notes_tell_the_next_step(chart: Chart) -> None:
     applied = re.findall(r"kubectl apply -f (\S+)", notes)
     assert applied and all((ROOT / path).exists() for path in applied), applied
     assert "grafana_dashboard" in notes and "kubectl get trainingjobs" in notes
+    assert "folder" not in notes  # it promised a folder "Tensile" that no default value sets
+    foldered = render(chart, {"dashboards": {"annotations": {"grafana_folder": "Training"}}})["tensile/templates/NOTES.txt"]
+    assert '(folder "Training", where your sidecar folders by annotation)' in foldered

@@ -73,6 +73,7 @@ def test_unknown_model_lists_the_known_ones(capsys):
         (["--model", MLP, "--micro-batches", "-1"], "--micro-batches must be a positive integer (was -1)"),
         (["--model", MLP, "--memory-budget", "1.5"], "fractions of the vanilla peak must be in (0, 1]"),
         (["--workload", "w.json", "--batch-size", "8", "--dtype", "bfloat16"], "--batch-size, --dtype: how to trace --model"),
+        (["--workload", "w.json", "--device", "cpu"], "--device: how to trace --model"),  # was ignored in silence
     ],
 )
 def test_user_errors_exit_2_with_a_message(capsys, args, message):
@@ -120,6 +121,7 @@ def test_memory_budget_and_saved_plan(capsys, tmp_path):
     assert len(plan["events"]) == out["plan_events"] > 0
     assert {"kind", "tensor", "trigger", "delay"} <= set(plan["events"][0])
     assert plan["signature"] == out["signature"]
+    assert plan["memory_budget_bytes"] == out["memory_budget_bytes"]  # `tensile run --plan` keeps to it (was null)
 
 
 def test_save_and_save_plan_make_their_folders_as_plot_does(capsys, tmp_path):
@@ -176,6 +178,11 @@ def test_cuda_plans_keep_to_activation_swaps_unless_told(capsys, tmp_path):
     assert auto["plan_events"] > 0 and beyond_activations(auto_plan) == []
     assert beyond_activations(all_plan)
     assert every["scheduled_peak_bytes"] < auto["scheduled_peak_bytes"]
+    # a budget between the two: "cannot fit ... even with every legal swap and recomputation" was not true of auto
+    between = str((auto["scheduled_peak_bytes"] + every["scheduled_peak_bytes"]) // 2)
+    kept = run_json(capsys, "--workload", str(saved), "--memory-budget", between)
+    assert kept["plan_message"].startswith("cannot fit") and "(activation swaps only: --plan-events" in kept["plan_message"]
+    assert run_json(capsys, "--workload", str(saved), "--memory-budget", between, "--plan-events", "all")["plan_message"].startswith("fits")
 
 
 def test_the_json_keys_are_the_documented_ones(capsys):

@@ -12,7 +12,7 @@ from tensile.runtime_hook.plan_source import local_planner
 from tensile.runtime_hook.report import HookReport, IterationStats
 from tensile.runtime_hook.settings import HookSettings
 from tensile.zoo import build_zoo_parts
-from test_hook_correctness import _import_example, assert_identical, deterministic, train  # noqa: F401
+from test_hook_correctness import _import_example, assert_identical, deterministic, fit, train  # noqa: F401
 
 CASES = {"resnet50": (4, None), "bert_base": (1, (32,))}
 
@@ -105,3 +105,28 @@ def test_a_plan_carried_out_exactly_never_measures_above_its_forecast():
     assert planned and all(it.events["swap_in"] > 0 for it in planned)
     assert all(it.peak_bytes <= plan.forecast.scheduled_peak_bytes for it in planned), \
         ([it.peak_bytes for it in planned], plan.forecast.scheduled_peak_bytes)
+
+
+@pytest.mark.parametrize("own_budget", [None, 0.9])
+def test_a_plan_file_holds_the_job_to_its_budget_unless_the_job_has_its_own(own_budget):
+    """`tensile forecast --memory-budget 0.8 --save-plan` wrote no budget, so `tensile run --plan` ran the plan with
+    the budget guard off (helper-50's finding). The plan's budget now applies; a budget the user gave stands."""
+    build, seen = _import_example("tiny_mlp"), []
+    train(build, 64, planner=lambda live, budget: seen.append(live))
+    _, plan, _ = make_forecast(seen[0], "cpu", "0.8")
+    assert plan.memory_budget_bytes is not None and plan.forecast is not None
+    executor = activate(HookSettings(job="job", memory_budget=own_budget), plan, seen[0], device=torch.device("cpu"))
+    try:
+        hooked = fit(build, 64)
+    finally:
+        deactivate()
+    report = executor.report
+    assert report.plan_source == "file" and report.signature_match
+    assert_identical(train(build, 64)[0], hooked)
+    vanilla = plan.forecast.vanilla_peak_bytes
+    if own_budget is None:
+        assert report.memory_budget_bytes == plan.memory_budget_bytes
+        assert any("holds the job to the memory budget it was made for" in m for m in report.messages), report.messages
+    else:
+        assert report.memory_budget_bytes == int(own_budget * vanilla)
+        assert any("the job keeps its own" in m for m in report.messages), report.messages

@@ -146,7 +146,7 @@ def test_an_unreachable_budget_reads_the_same_from_the_operator_and_tensile_loca
     """One text, the fix in it: a rate below 1 (tensile local plans at the job's own) is named as a second way out."""
     rate_field = "tensile.dev/max-swap-rate"
     at_rate = unreachable_budget_text(1024, int(9.1 * MIB), 0.5, rate_field)
-    assert at_rate == ("1 KiB is below the lowest peak any plan reaches at tensile.dev/max-swap-rate 0.5, 9 MiB: raise it to "
+    assert at_rate == ("1 KiB is below the lowest peak any plan reaches at tensile.dev/max-swap-rate 0.5, 9.1 MiB: raise it to "
                        "at least that (e.g. 10Mi), raise tensile.dev/max-swap-rate or reduce spec.workload.batchSize"), at_rate
     for rate in (None, 1.0):  # the operator's forecast plans at full rate
         text = unreachable_budget_text(3 * MIB, 5 * MIB, rate, rate_field)
@@ -156,6 +156,7 @@ def test_an_unreachable_budget_reads_the_same_from_the_operator_and_tensile_loca
 def test_memory_amounts_below_a_mib_are_not_shown_as_zero():
     assert memory_text(1024) == "1 KiB" and memory_text(1000) == "1,000 bytes" and memory_text(0) == "0 bytes"
     assert memory_text(512 * 1024) == "512 KiB" and memory_text(3 * MIB) == "3 MiB" and memory_text(16 * GIB) == "16,384 MiB"
+    assert memory_text(9.1 * MIB) == "9.1 MiB" and memory_text(100.4 * MIB) == "100 MiB"  # not '9 MiB', which a 9Mi budget would miss
 
 
 # ---- 4. misspelt annotations -----------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="optimizer kernels, for a FILE.py:FUNC model's own optimizer too; "
                              "auto: what --device defaults to (foreach on cuda, per-parameter loops on cpu)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="bfloat16/float16: autocast mixed precision (default float32)")
-    parser.add_argument("--device", choices=DEVICES, default="cuda", help="the device the forecast is for")
+    parser.add_argument("--device", choices=DEVICES, help="the device the forecast is for (default cuda; a saved --workload keeps its own)")
     parser.add_argument("--micro-batches", type=int, help="gradient accumulation steps per optimizer step (default 1)")
     parser.add_argument("--live", action="store_true", help="trace a real CPU iteration instead of the meta device")
     parser.add_argument("--gpu", choices=sorted(PRESETS), help="device preset for latencies and PCIe (default: a6000 for cuda, cpu for cpu)")
@@ -57,7 +57,7 @@ def _load(args: argparse.Namespace) -> Workload:
     optimizer = args.optimizer or ("adam" if ".py:" not in args.model else None)
     foreach = {"auto": None, "on": True, "off": False}[args.foreach or "auto"]
     return trace_workload(
-        args.model, 16 if args.batch_size is None else args.batch_size, optimizer, args.dtype or "float32", args.device,
+        args.model, 16 if args.batch_size is None else args.batch_size, optimizer, args.dtype or "float32", args.device or "cuda",
         args.live, foreach, args.micro_batches or 1,
     )
 
@@ -139,6 +139,7 @@ def make_forecast(workload: Workload, preset: str, memory_budget: str | None = N
     gpu_plan = plan_job(workload, device_preset(preset).host_link_bandwidth, budget, activations_only=activations_only,
                         recompute=recompute, max_swap_rate=max_swap_rate)
     plan = gpu_plan.plans["job"]
+    plan.memory_budget_bytes = budget  # a saved plan holds the hook to the budget it was made for (`tensile run --plan`)
     return forecast_summary(workload, vanilla, latency_source, gpu_plan, plan, activations_only), plan, vanilla
 
 
@@ -146,10 +147,10 @@ def _check(args: argparse.Namespace) -> None:
     """Bad options refused before tracing, and output folders made, so that nothing fails after the work."""
     tracing = [option for option, value in (("--batch-size", args.batch_size), ("--optimizer", args.optimizer),
                ("--foreach", args.foreach), ("--dtype", args.dtype), ("--micro-batches", args.micro_batches),
-               ("--live", args.live or None)) if value is not None]
+               ("--live", args.live or None), ("--device", args.device)) if value is not None]
     if args.workload and tracing:
         raise TensileUserError(f"{', '.join(tracing)}: how to trace --model; a saved --workload keeps what it was traced "
-                               "with (its batch size, optimizer and dtype): trace again with --model to change them")
+                               "with (its batch size, optimizer, dtype and device): trace again with --model to change them")
     if args.micro_batches is not None and args.micro_batches < 1:
         raise TensileUserError(f"--micro-batches must be a positive integer (was {args.micro_batches}): "
                                "the gradient accumulation steps per optimizer step")
