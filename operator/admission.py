@@ -15,7 +15,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from tensile.operator import model
 from tensile.operator.agent import FORWARDED, UNREGISTERED, AgentLink
 from tensile.operator.forecasting import Forecaster, ForecastError, JobForecast
 from tensile.operator.heap import freeze_long_lived
-from tensile.operator.kube import Conflict, Kube, KubeError, NotFound
+from tensile.operator.kube import Conflict, Kube, KubeError, NotFound, retried, transient
 from tensile.operator.metrics import OperatorMetrics
 from tensile.operator.placement import (Booking, Candidate, Gpu, JointPlanner, Ledger, choose, fit_unchanged,
                                         gpus_from_tensilenode, matching)
@@ -36,6 +36,8 @@ log = logging.getLogger("tensile.operator")
 PROFILE_POLL_SECONDS = 1.0  # how often the live workload of a running job admitted by its budget is asked for
 RESYNC_SECONDS = 30.0  # the ledger is checked against the statuses at most this often (and after a failed pass)
 POD_CHECK_SECONDS = 5.0  # a deleted job's terminating pod is looked up again this often (its DELETED event may be missed)
+# seconds between attempts at a pod creation or a job's end refused by the API server's trouble (5xx, 429): about a minute
+RETRY_DELAYS: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 
 
 def job_key(body: dict) -> str:
@@ -101,6 +103,8 @@ class Admission:
         self._creating: dict[str, asyncio.Task] = {}  # key -> the task creating the job's pod
         self._knob_retries: dict[str, asyncio.Task] = {}  # key -> the task sending knobs until the hook registers
         self._freed: dict[str, asyncio.Event] = {}  # key -> set when a deleted job's booking is released
+        self._ending: dict[str, asyncio.Event] = {}  # key -> set once the end `finish` is writing has been written
+        self.uids: dict[str, str] = {}  # key -> uid of the TrainingJob of that name this operator admitted or read
 
     # ---- inventory ------------------------------------------------------------------------------
     @property
@@ -119,7 +123,8 @@ class Admission:
         self.wake.set()
 
     # ---- status ---------------------------------------------------------------------------------
-    async def set_status(self, namespace: str, name: str, status: dict, *conds: dict) -> None:
+    async def set_status(self, namespace: str, name: str, status: dict, *conds: dict, delays: Sequence[float] = ()) -> None:
+        """`delays`: the write is made again after each while the API server's trouble refuses it."""
         key = f"{namespace}/{name}"
         if conds:
             self.conditions[key] = merge_conditions(self.conditions.get(key, []), *conds)
@@ -127,12 +132,13 @@ class Admission:
         if status.get("phase"):
             self.phases[key] = status["phase"]
         try:
-            await self.kube.patch_job_status(namespace, name, status)
+            await retried(lambda: self.kube.patch_job_status(namespace, name, status), delays)
         except NotFound:
             log.info("%s is gone; status not written", key)
 
     def remember_conditions(self, body: dict) -> None:
         key = job_key(body)
+        self.uids[key] = body["metadata"].get("uid", "")
         if key not in self.conditions:
             self.conditions[key] = list((body.get("status") or {}).get("conditions") or [])
         self.phases.setdefault(key, (body.get("status") or {}).get("phase") or "Pending")
@@ -148,7 +154,9 @@ class Admission:
             return
         await self.ready.wait()
         if status.get("placement"):
-            if key in self.ledger.bookings:
+            # a pod is made on resume only for a job that never had one: a job whose pod ran and is gone now
+            # (ended and cleaned up, or deleted, while no operator ran) is ended by the rebuild, not run again
+            if key in self.ledger.bookings and not had_pod(status):
                 await self.ensure_pod(body, self.ledger.bookings[key])
             return
         noted = self.annotation_conditions(key, meta.get("annotations"))
@@ -257,20 +265,38 @@ class Admission:
         """The ledger from the statuses: every job that holds a placement and has not finished (a job
         released while the LIST was in flight stays released: its final status may not be in it).
         A deleted job (kept by its finalizer until its pod is gone) is booked while its pod is still
-        there and not terminated: the pod holds the GPU through its grace period. Returns the
-        TrainingJobs listed."""
+        there and not terminated: the pod holds the GPU through its grace period. A job whose pod ran and has
+        ended, or is gone, while its status still shows it placed (its end was not seen: the operator was down,
+        or the write of its end failed) is booked until its end is written now, not booked for good by a stale
+        status. Returns the TrainingJobs listed."""
         ledger = Ledger()
         self._released.clear()
         items = await self.kube.list_trainingjobs()
         bookings = [(b, body) for body in items if (b := self._booking_of(body)) is not None]
         gone: set[str] = set()
-        if any(body["metadata"].get("deletionTimestamp") for _, body in bookings):
-            holding = {pod_holder(pod) for pod in await self.kube.list_pods(JOB_LABEL)}
-            gone = {b.job for b, body in bookings if body["metadata"].get("deletionTimestamp") and b.job not in holding}
+        ends: list[tuple[dict, tuple[str, str, str]]] = []  # (job, its end: phase, reason, message) to write
+        if any(body["metadata"].get("deletionTimestamp") or had_pod(body["status"]) for _, body in bookings):
+            pods = {(p["metadata"]["namespace"], *owner): p for p in await self.kube.list_pods(JOB_LABEL)
+                    if (owner := owner_of(p)) is not None}
+            for booking, body in bookings:
+                meta = body["metadata"]
+                pod = pods.get((meta["namespace"], meta["name"], meta.get("uid", "")))
+                ended = pod is None or pod_holder(pod) == ""
+                if meta.get("deletionTimestamp") and ended:
+                    gone.add(booking.job)
+                elif ended and had_pod(body["status"]) and booking.job not in self._ending:
+                    ends.append((body, _pod_end(pod) if pod is not None else ("Failed", "PodDeleted", (
+                        f"pod {pod_name(meta['namespace'], meta['name'], meta.get('uid', ''))} disappeared "
+                        f"{'and its end was not seen' if self.ready.is_set() else 'while the operator was down'}: "
+                        "whether its training finished is unknown; create the TrainingJob again to run it"))))
         for booking, _ in bookings:
             if booking.job not in self._released and booking.job not in gone:
                 ledger.book(booking)
         self.ledger = ledger
+        for body, end in ends:  # booked until the end is written, as every end
+            if job_key(body) in ledger.bookings:
+                self.token(body)  # its agent is told at the release (a restarted operator has no token yet)
+                self._spawn(self.finish(body["metadata"]["namespace"], body["metadata"]["name"], *end))
         for booking, body in bookings:
             if booking.job in gone:  # released: a later event showing its placement must not book it again
                 self.release(booking.job)
@@ -479,8 +505,16 @@ class Admission:
         pod = build_pod(body, booking.node, booking.gpu, gpu.agent if gpu else None, self.token(body), budget,
                         booking.max_swap_rate, signature, self.image, booking.plan_events, booking.recompute)
         namespace, name = meta["namespace"], pod["metadata"]["name"]
+
+        async def retrying(exc: Exception, delay: float) -> None:
+            message = f"creating pod {name} failed ({exc}): tried again in {delay:g} s"
+            log.warning("%s: %s", booking.job, message)
+            with contextlib.suppress(KubeError):  # the same trouble may refuse this write too: the log says it
+                await self.set_status(namespace, meta["name"], {"message": message},
+                                      condition("PodRunning", False, "PodCreateFailed", message))
+
         try:
-            await self.kube.create_pod(namespace, pod)
+            await retried(lambda: self.kube.create_pod(namespace, pod), RETRY_DELAYS, retrying)
         except Conflict:  # created before a restart, or a pod of that name that is not this job's
             existing = await self.kube.find_pod(namespace, name)
             if existing is None or owner_of(existing) == (meta["name"], meta.get("uid", "")):
@@ -489,8 +523,11 @@ class Admission:
                               f"pod {name} already exists and is not this TrainingJob's: delete that pod, or create the "
                               "TrainingJob under another name")
         except KubeError as exc:
-            if exc.status >= 500 or exc.status == 429:
-                raise  # the API server's trouble, not the pod's: a restarted operator creates it (resume)
+            if transient(exc):  # still the API server's trouble after about a minute: the GPU is not held for good
+                await self.finish(namespace, meta["name"], "Failed", "PodCreateFailed",
+                                  f"the API server did not create pod {name} in {sum(RETRY_DELAYS):g} s of attempts "
+                                  f"({exc}): create the TrainingJob again")
+                return
             # refused (invalid, PodSecurity, ResourceQuota): it never will be, so the job ends and frees its GPU
             await self.finish(namespace, meta["name"], "Failed", "PodRejected",
                               f"the API server refused pod {name} ({exc}): fix spec.template (or what the namespace "
@@ -500,7 +537,7 @@ class Admission:
     async def pod_changed(self, pod: dict, deleted: bool = False) -> None:
         meta = pod["metadata"]
         owner = owner_of(pod)
-        if owner is None:
+        if owner is None or not await self._of_current_job(meta["namespace"], *owner):
             return
         namespace, job = meta["namespace"], owner[0]
         key = f"{namespace}/{job}"
@@ -520,36 +557,44 @@ class Admission:
                 self._spawn(self._profile_while_running(key))
             await self.set_status(namespace, job, {"phase": "Running", "message": "training", "podName": meta["name"]},
                                   condition("PodRunning", True, "Running", f"pod {meta['name']} on {pod['spec'].get('nodeName')}"))
-        elif phase in ("Succeeded", "Failed") and not await self._ended(key):
-            detail = _termination(pod)
-            reason = "Completed" if phase == "Succeeded" else "PodFailed"
-            await self.finish(namespace, job, phase, reason, detail)
+        elif phase in model.FINISHED and (key in self.ledger.bookings or self.phases.get(key) not in model.FINISHED):
+            # an ended pod's events come again (an operator restart lists every kept pod, a finished pod's deletion):
+            # finishing a job already ended rewrote its `finishedAt` and message (`finish` releases once it is written)
+            await self.finish(namespace, job, *_pod_end(pod))
 
-    async def _ended(self, key: str) -> bool:
-        """Whether the job's end is already written: an ended pod's events come again (an operator restart lists
-        every kept pod, a finished pod's deletion), and finishing again rewrote `finishedAt` and the message."""
-        if key in self.ledger.bookings:  # `finish` releases the booking once the end is written
-            return False
-        if (phase := self.phases.get(key)) is None:  # not seen yet (a restart's pod events can come first)
-            namespace, name = key.split("/", 1)
+    async def _of_current_job(self, namespace: str, name: str, uid: str) -> bool:
+        """Whether a pod's owner is the TrainingJob of that name now, by uid: the late DELETED event of a finished
+        job's pod, deleted and created again under the same name, ended the new job (matched by name) and freed
+        the GPU its pod ran on. A job not seen yet (a restart's pod events can come first) is read once."""
+        key = f"{namespace}/{name}"
+        if key not in self.uids:
             try:
-                phase = ((await self.kube.get_job(namespace, name)).get("status") or {}).get("phase")
+                self.remember_conditions(await self.kube.get_job(namespace, name))
             except NotFound:
-                return True
-        return phase in model.FINISHED
+                return False
+        return self.uids[key] in ("", uid)  # "": a body without a uid (only made by hand) is taken by name
 
     async def finish(self, namespace: str, name: str, phase: str, reason: str, message: str) -> None:
         """The job's end is written before its room is released. Released first, a placement made in the
         meantime could land before the end did, and the statuses showed the GPU over-committed (the 60-job
         restart test, with a burst of ends and placements after the restart); a rebuild whose LIST was
-        served in between also booked the finished job again."""
+        served in between also booked the finished job again. The write is retried through the API server's
+        trouble (written once, a 503 left the job Running for good). One end per job: a second caller (the
+        pod's event and a rebuild, or a deletion) waits for the end being written."""
         key = f"{namespace}/{name}"
         self.pending.pop(key, None)
+        if (ending := self._ending.get(key)) is not None:
+            await ending.wait()
+            return
+        ending = self._ending[key] = asyncio.Event()
         try:
             await self.set_status(namespace, name, {"phase": phase, "message": message, "finishedAt": utc_timestamp()},
-                                  condition("PodRunning", False, reason, message), condition("Finished", True, reason, message))
-        finally:  # a failed write still frees the room: the pod has ended
+                                  condition("PodRunning", False, reason, message), condition("Finished", True, reason, message),
+                                  delays=RETRY_DELAYS)
+        finally:  # a write that failed for good still frees the room (the pod has ended); a rebuild ends the job
             booking = self.release(key)
+            del self._ending[key]
+            ending.set()
         await self.after_release(key, booking)
 
     async def after_release(self, key: str, booking: Booking | None) -> None:
@@ -616,20 +661,25 @@ class Admission:
             self._freed.pop(key, None)
         self.conditions.pop(key, None)
         self.phases.pop(key, None)
+        self.uids.pop(key, None)
 
     async def knobs_changed(self, body: dict) -> None:
         meta = body["metadata"]
         key = job_key(body)
         noted = self.annotation_conditions(key, meta.get("annotations"))
+        booking = self.ledger.bookings.get(key)
+        pending = self.pending.get(key) if booking is None else None
+        # a queued job's knobs apply to the spec it was forecast with (an edited spec is forecast by `spec_changed`):
+        # taken from the edited spec here, the job was placed by the old forecast and its pod made from the new spec
+        spec_body = pending.body if pending is not None else body
         try:
-            spec = model.parse_spec(body.get("spec") or {}, meta.get("annotations"))
+            spec = model.parse_spec(spec_body.get("spec") or {}, meta.get("annotations"))
         except model.SpecError as exc:
             await self.set_status(meta["namespace"], meta["name"], {},
                                   condition("KnobsApplied", False, "InvalidAnnotation", str(exc)), *noted)
             return
-        booking = self.ledger.bookings.get(key)
         if booking is None:
-            await self._queued_knobs_changed(body, spec, noted)
+            await self._queued_knobs_changed(body, pending, spec, noted)
             return  # not placed yet: its pod starts with the knobs in its environment
         # a knob forwarded before that neither annotation nor spec sets now goes back to its default: the agent
         # reads a missing knob as unchanged, so an annotation removed from a job whose spec has no value held for good
@@ -655,14 +705,13 @@ class Admission:
                 "forecast were set up with it when it was placed): delete and create the TrainingJob again to change it"))
         await self.set_status(meta["namespace"], meta["name"], {"knobs": knobs}, *conditions, *noted)
 
-    async def _queued_knobs_changed(self, body: dict, spec: model.JobSpec, noted: list[dict]) -> None:
+    async def _queued_knobs_changed(self, body: dict, pending: Pending | None, spec: model.JobSpec, noted: list[dict]) -> None:
         """Valid knobs on a job not placed. Queued, it is placed (and its pod made) by them, checked as admission checks
         a new job's: a budget below the lowest peak its plans reach fails it (taken as it was, such a budget placed the
         job at once, over-committing the GPU), and `KnobsApplied` says they were taken (an earlier `InvalidAnnotation`
         stayed after the fix). Not queued (ended): only the annotations' condition."""
         meta = body["metadata"]
         namespace, name, key = meta["namespace"], meta["name"], job_key(body)
-        pending = self.pending.get(key)
         if pending is None:
             if noted:
                 await self.set_status(namespace, name, {}, *noted)
@@ -670,7 +719,7 @@ class Admission:
         taken = condition("KnobsApplied", True, "AtPlacement", "recorded while the job is queued: it is placed, and its pod "
                                                                "started, with these knobs")
         if spec.scope != pending.spec.scope:  # admission again (it writes the annotations' condition too)
-            await self._forecast_again(pending, body)
+            await self._forecast_again(pending, pending.body | {"metadata": meta})
             if key in self.pending:  # queued again (else failed: the budget is out of its new plans' reach)
                 await self.set_status(namespace, name, {}, taken)
             return
@@ -682,9 +731,30 @@ class Admission:
             return
         # placed by the knobs as they are now: parsed once, at admission, a budget lowered to fit beside the
         # running jobs left the job queued by the old one
-        pending.spec, pending.body = spec, body
+        pending.spec = spec
         self.wake.set()
         await self.set_status(namespace, name, {}, taken, *noted)
+
+    async def spec_changed(self, body: dict) -> None:
+        """A spec edited after creation. A queued job is admitted again by it (forecast by the edited spec, keeping
+        its place in the queue), as a restarted operator admits it: before, the edit was ignored until a restart,
+        or half taken by a knob annotation (the pod made from the edited spec, placed by the old forecast). A placed
+        job keeps the spec its pod was made from, and `SpecApplied` says so (nothing did)."""
+        meta = body["metadata"]
+        namespace, name, key = meta["namespace"], meta["name"], job_key(body)
+        pending = self.pending.get(key)
+        if key in self.ledger.bookings:
+            await self.set_status(namespace, name, {}, condition(
+                "SpecApplied", False, "FixedAtAdmission",
+                f"spec edited (generation {meta.get('generation')}) after the job was placed: its pod runs the spec it was "
+                "placed with; delete and create the TrainingJob again to run the edited spec (tensile.dev/* annotations "
+                "change a placed job's knobs)"))
+        elif pending is not None:
+            await self._forecast_again(pending, body)
+            if key in self.pending:  # queued again (else failed: the edited spec is invalid or its budget out of reach)
+                await self.set_status(namespace, name, {}, condition(
+                    "SpecApplied", True, "ForecastAgain", f"spec edited (generation {meta.get('generation')}) while "
+                    "queued: forecast again, and placed and run by the edited spec"))
 
     async def _forecast_again(self, pending: Pending, body: dict) -> None:
         """A queued job whose plan scope changed (`plan-events`, `recompute`): its forecast counted on the peak
@@ -723,6 +793,18 @@ def pod_holder(pod: dict) -> str:
     if owner is None or (pod.get("status") or {}).get("phase") in model.FINISHED:
         return ""
     return f"{pod['metadata']['namespace']}/{owner[0]}"
+
+
+def had_pod(status: dict) -> bool:
+    """Whether a job's status says its pod ran (`podName` is written with phase Running and PodRunning=True)."""
+    return bool(status.get("podName")) or any(c.get("type") == "PodRunning" and c.get("status") == "True"
+                                              for c in status.get("conditions") or [])
+
+
+def _pod_end(pod: dict) -> tuple[str, str, str]:
+    """An ended pod as its job's end: phase, reason, message."""
+    phase = pod["status"]["phase"]
+    return phase, "Completed" if phase == "Succeeded" else "PodFailed", _termination(pod)
 
 
 def _termination(pod: dict) -> str:

@@ -117,6 +117,12 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, me
         else:  # only names that are no knob (a misspelt one added, fixed or removed): the job's condition says so
             await app.annotations_changed(_plain(body))
 
+    # on updates only: as a field handler it also ran at creation, a second handler of the creation, so an operator
+    # stopped between the two left Kopf resuming the creation without `admit` (done), and the job never queued
+    @kopf.on.update(**tj, id="spec", field="spec")
+    async def _spec(body: kopf.Body, **_: Any) -> None:
+        await app.spec_changed(_plain(body))  # after the knobs: an edit of both is forecast by the edited spec with the new knobs
+
     @kopf.on.delete(**tj, id="release")
     async def _release(body: kopf.Body, **_: Any) -> None:
         await app.deleted(_plain(body))

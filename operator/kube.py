@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import warnings
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import aiohttp
 import kopf
 
 from tensile.operator import GROUP, VERSION
 from tensile.operator.rbac import allowed
+
+T = TypeVar("T")
 
 
 class KubeError(Exception):
@@ -29,6 +32,31 @@ class NotFound(KubeError):
 
 class Conflict(KubeError):
     pass
+
+
+def transient(exc: Exception) -> bool:
+    """The API server's trouble (a 5xx, 429 too many requests, no connection), not the request's: sent again
+    later, the same request may succeed."""
+    if isinstance(exc, KubeError):
+        return exc.status >= 500 or exc.status == 429
+    return isinstance(exc, (aiohttp.ClientError, TimeoutError))
+
+
+async def retried(call: Callable[[], Awaitable[T]], delays: Sequence[float],
+                  on_retry: Callable[[Exception, float], Awaitable[None]] | None = None) -> T:
+    """`call()`, made again after each of `delays` (seconds) while it fails transiently: one 503 or a leader
+    election must not leave a job without its pod or its end. `on_retry(error, delay)` before each wait; the
+    last failure, and any that is not transient, is raised."""
+    for delay in delays:
+        try:
+            return await call()
+        except Exception as exc:  # noqa: BLE001 - re-raised unless transient
+            if not transient(exc):
+                raise
+            if on_retry is not None:
+                await on_retry(exc, delay)
+        await asyncio.sleep(delay)
+    return await call()
 
 
 def _path(group: str, version: str, plural: str, namespace: str | None, name: str | None, sub: str | None) -> str:
