@@ -62,9 +62,18 @@ Planner = Callable[[Workload, "int | None"], "Plan | None"]
 IterationListener = Callable[[IterationStats, HookReport], "Plan | None"]
 
 
+OTHER_THREAD = ("optimizer steps ran, but no op of their iterations on the thread the hook watches (the one that started "
+                "it): training in another thread is not carried; nothing was planned")
+
+
 def _plan_named(plan: Plan, source: str) -> str:
     """A plan as the hook's messages name it: a file by what it is, a planner's by its version."""
     return "the plan file" if source == "file" else f"plan version {plan.version}"
+
+
+class Unsupported(Exception):
+    """What the job does that the hook cannot carry (not a failure of Tensile's): it stands down saying so,
+    without a traceback, and training goes on without it."""
 
 
 class _OpFailed(Exception):
@@ -254,6 +263,9 @@ class PlanExecutor(TorchDispatchMode):
             self._say("the plan was made for another workload (signature mismatch); planning from the live iteration")
         if self.planner is None:
             self._say("no plan and no planner: running guarded by the memory budget only")
+            return
+        if not live.ops:  # the planner has nothing to plan (two training threads crashed it on an empty workload)
+            self._say(OTHER_THREAD)
             return
         plan = self.planner(live, self.budget)
         if plan is None:
@@ -520,7 +532,19 @@ class PlanExecutor(TorchDispatchMode):
         if self.step_done:
             self._finish_iteration()
             self.step_done = False
+        if not self.disabled:
+            self._say_nothing_carried()
         self._write_report(now=True)
+
+    def _say_nothing_carried(self) -> None:
+        """Training the hook could not follow ends with a report that says so, not with an empty one whose zero
+        peak reads as measured (`0 iterations ... peak 0.0 MiB` and no word, for SGD written out by hand)."""
+        iterations = self.report.iterations
+        if not iterations:
+            self._say("no optimizer step was seen: Tensile finds training iterations by torch.optim steps (a loop that "
+                      "updates parameters by hand has none), so nothing was planned or measured")
+        elif not any(it.ops for it in iterations):
+            self._say(OTHER_THREAD)
 
     # -- the hot path -------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -621,6 +645,9 @@ class PlanExecutor(TorchDispatchMode):
         new_keys = []
         for value in _tensors(out):
             if value.device.type == device_type:
+                if value.layout != torch.strided:  # no storage of its own to watch or move (sparse gradients)
+                    raise Unsupported(f"{self._name(func)} made a tensor of layout {value.layout}: Tensile schedules "
+                                      "strided tensors only")
                 storage = value.untyped_storage()
                 if id(storage) not in self.registry.slots:
                     self.registry.watch(storage)
@@ -876,8 +903,12 @@ class PlanExecutor(TorchDispatchMode):
         self.disabled = True
         self.swaps.stop()
         self.deferred = []  # everything absent comes back below
-        reason = f"{type(exc).__name__}: {exc}"
-        log.exception("tensile: the hook failed and stands down; training continues without Tensile")
+        if isinstance(exc, Unsupported):
+            reason = str(exc)
+            log.warning("tensile: %s; the hook stands down and training continues without Tensile", reason)
+        else:
+            reason = f"{type(exc).__name__}: {exc}"
+            log.exception("tensile: the hook failed and stands down; training continues without Tensile")
         self.report.stood_down = reason
         self.stats.mode = "stood_down"
         with _disable_current_modes():

@@ -4,7 +4,7 @@
 0 bytes, silently); sharing a storage with another process hands its memory over (a DataLoader whose
 workers are spawned pickles the dataset so: a storage the budget guard had evicted reached the workers
 empty and training went on with NaNs); on the CPU device `Tensor.numpy()` aliases a storage's memory (an
-evicted one read as garbage); `copy.deepcopy` of a plain tensor (a model's buffer, for an EMA copy) clones
+evicted one read as garbage) and `Tensor.tolist()` reads it (one released raised); `copy.deepcopy` of a plain tensor (a model's buffer, for an EMA copy) clones
 its storage directly. Saving brings everything back first, a copy its own storage; a storage shared or
 aliased is brought back and pinned, since resizing it later would free memory the other side still reads.
 While such a read runs, the ops it makes itself (pickling a Parameter detaches it) are only watched: the
@@ -70,8 +70,9 @@ def guard_outside_reads(executor: PlanExecutor) -> list[Callable[[], None]]:
         (torch.UntypedStorage, "share_memory_", pinning),
         (torch.Tensor, "__deepcopy__", copying),  # a plain tensor's copy clones its storage directly
     ]
-    if executor.device.type == "cpu":  # on CUDA numpy() needs a .cpu() first, which the dispatcher sees
-        patches.append((torch.Tensor, "numpy", pinning))
+    if executor.device.type == "cpu":  # on CUDA numpy() and tolist() copy to the host first, which the dispatcher sees
+        # tolist() reads the values once (logging predictions each step: released or swapped out, it raised)
+        patches += [(torch.Tensor, "numpy", pinning), (torch.Tensor, "tolist", copying)]
     undo: list[Callable[[], None]] = []
     for owner, name, wrap in patches:
         own = name in vars(owner)  # else inherited (a C method of the base): undone by deleting ours

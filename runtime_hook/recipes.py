@@ -6,6 +6,14 @@ random states, dropout draws the same numbers and the result is bit-identical; b
 without its running statistics, which it must not update twice. A write to a recipe's input that it cannot
 follow makes the recipe (and every recipe reading the written tensor) invalid: the release then keeps a host
 copy instead (`PlanExecutor._apply`).
+
+A replay runs as the op first ran: below autograd, in the grad mode it saw. Recomputes run in the backward,
+where grad is off, and some kernels read the mode: oneDNN's LSTM layer (`aten.mkldnn_rnn_layer`) then takes
+its inference path, which returns no workspace and other bits. And an output is not always the op's to
+reproduce: that workspace is memory the kernel leaves partly uninitialized. So the first time an op is kept
+with given arguments (dtypes, shapes, strides, the other values), it is replayed once and compared byte for
+byte with what it recorded; only the outputs it reproduces get recipes, the others are swapped instead.
+Workspaces are never recomputed (`WORKSPACES`): their uninitialized bytes may match once by chance.
 """
 
 from __future__ import annotations
@@ -20,6 +28,17 @@ from tensile.runtime_hook.storages import tensors_in
 from tensile.tracer import written_values
 
 
+# Outputs (by index in the op's result) that PyTorch allocates uninitialized for the kernel's backward to
+# read. oneDNN writes its LSTM workspace only in part: a replay reproduces the other bytes by chance, if at all
+# (from 1 to 34 per cent of them changed, or none, run to run). cuDNN's and MIOpen's RNN reserves are the same
+# kind of buffer, listed without that measurement (no GPU here): a swap is always safe, a recompute not.
+WORKSPACES = {
+    "aten.mkldnn_rnn_layer.default": 3,  # workspace
+    "aten._cudnn_rnn.default": 3,  # reserve
+    "aten.miopen_rnn.default": 3,  # reserve
+}
+
+
 class RandomState(Protocol):
     """Where a replay reads and sets the device's random state (the executor, for its device)."""
 
@@ -28,14 +47,33 @@ class RandomState(Protocol):
     def _set_rng_state(self, state: torch.Tensor) -> None: ...
 
 
+class DeviceRandom:
+    """One device's random state, through its default generator: for the check in `RecipeBook.keep`
+    (the executor replays with its own)."""
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            index = torch.cuda.current_device() if device.index is None else device.index
+            self.generator = torch.cuda.default_generators[index]
+        else:
+            self.generator = torch.default_generator
+
+    def _rng_state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def _set_rng_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+
 @dataclass
 class Step:
-    """One op to replay, with the random state just before it first ran."""
+    """One op to replay, with the random state just before it first ran and the grad mode it ran in."""
 
     func: Any
     args: tuple
     kwargs: dict
     rng: torch.Tensor | None
+    grad: bool
 
     def replay(self, random: RandomState, key: int | None = None, result: torch.Tensor | None = None) -> Any:
         """Run it again; with `key`, the storage it wrote is replaced by `result` (no version bump
@@ -47,7 +85,9 @@ class Step:
             current = random._rng_state()
             random._set_rng_state(self.rng)
         try:
-            return self.func(*args, **kwargs)
+            # as it first ran: below autograd (a replay outside the dispatcher records no graph), in its grad mode
+            with torch.set_grad_enabled(self.grad), torch._C._AutoDispatchBelowADInplaceOrView():
+                return self.func(*args, **kwargs)
         finally:
             if self.rng is not None:
                 random._set_rng_state(current)
@@ -75,6 +115,8 @@ class RecipeBook:
     def __init__(self) -> None:
         self.recipes: dict[int, Recipe] = {}
         self.readers: dict[int, set[int]] = defaultdict(set)  # id(input storage) -> keys of the recipes reading it
+        # op and arguments' signature -> the output positions its replay reproduced; kept across iterations
+        self.reproduced: dict[tuple, frozenset[int]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.recipes or self.readers)
@@ -97,18 +139,35 @@ class RecipeBook:
         return list(self.readers.get(key, ()))
 
     def keep(self, key: int, func: Any, args: tuple, kwargs: dict, out: Any, rng: torch.Tensor | None) -> None:
-        """Only ops that write nothing in place can be replayed; their inputs are kept referenced."""
+        """Only ops that write nothing in place can be replayed, and only outputs a replay reproduces
+        byte for byte get a recipe; their inputs are kept referenced."""
         replay = _replayable(func, args)
         if replay is None:
             return
+        workspace = WORKSPACES.get(str(func))
+        if workspace is not None and isinstance(out, (list, tuple)) and _is_storage(out[workspace], key):
+            return
         func, args = replay
-        for position, tensor in enumerate(tensors_in(out)):
+        step = Step(func, args, kwargs, rng, torch.is_grad_enabled())  # made right after the op ran: its mode
+        outputs = tensors_in(out)
+        for position, tensor in enumerate(outputs):
             if id(tensor.untyped_storage()) == key:
-                recipe = Recipe(Step(func, args, kwargs, rng), position, _geometry(tensor))
+                if position not in self._reproduced(step, outputs):
+                    return
+                recipe = Recipe(step, position, _geometry(tensor))
                 self.recipes[key] = recipe
                 for value in recipe.inputs():
                     self.readers[id(value.untyped_storage())].add(key)
                 return
+
+    def _reproduced(self, step: Step, outputs: list[torch.Tensor]) -> frozenset[int]:
+        """The positions of `outputs` that `step` regenerates, checked once per signature: right after
+        the op ran, none of them has been written yet."""
+        signature = (step.func, step.grad, _signature((step.args, step.kwargs)))
+        known = self.reproduced.get(signature)
+        if known is None:
+            known = self.reproduced[signature] = _reproduces(step, outputs)
+        return known
 
     def update(self, written: list[int], func: Any, args: tuple, kwargs: dict, rng: torch.Tensor | None) -> None:
         """An in-place op on a tensor with a recipe joins the recipe when it can be replayed on the
@@ -116,7 +175,7 @@ class RecipeBook:
         for key in written:
             recipe = self.recipes.get(key)
             if recipe is not None and len(written) == 1 and _chains(recipe, func, args, kwargs):
-                recipe.then.append(Step(func, args, kwargs, rng))
+                recipe.then.append(Step(func, args, kwargs, rng, torch.is_grad_enabled()))
                 for value in tensors_in((args, kwargs)):
                     if id(value.untyped_storage()) != key:
                         self.readers[id(value.untyped_storage())].add(key)
@@ -124,6 +183,41 @@ class RecipeBook:
                 self.recipes.pop(key, None)
             for dependent in self.readers.pop(key, set()) - {key}:
                 self.recipes.pop(dependent, None)
+
+
+def _reproduces(step: Step, recorded: list[torch.Tensor]) -> frozenset[int]:
+    """Replay once: the positions whose storages come back byte for byte, laid out as recorded; none
+    when the replay fails or returns other outputs (a missing workspace shifts the positions)."""
+    try:
+        replayed = tensors_in(step.replay(DeviceRandom(recorded[0].device)))
+    except Exception:  # noqa: BLE001 - what cannot be replayed now is swapped, never recomputed
+        return frozenset()
+    if len(replayed) != len(recorded):
+        return frozenset()
+    return frozenset(i for i, (a, b) in enumerate(zip(recorded, replayed)) if _same_bytes(a, b))
+
+
+def _same_bytes(recorded: torch.Tensor, replayed: torch.Tensor) -> bool:
+    """Same dtype and layout, and the whole storage equal byte for byte (a recompute copies all of it;
+    bytes compare NaN with NaN)."""
+    if recorded.dtype != replayed.dtype or _geometry(recorded) != _geometry(replayed):
+        return False
+    a, b = recorded.untyped_storage(), replayed.untyped_storage()
+    if a.nbytes() != b.nbytes() or a.device != b.device:
+        return False
+    as_bytes = [torch.empty(0, dtype=torch.uint8, device=s.device).set_(s) for s in (a, b)]
+    return torch.equal(*as_bytes)
+
+
+def _signature(values: Any) -> Any:
+    """What a kernel's choice of path depends on: tensors' dtype, device and layout, other values as written."""
+    if isinstance(values, torch.Tensor):
+        return (values.dtype, values.device, _geometry(values))
+    if isinstance(values, (list, tuple)):
+        return tuple(_signature(v) for v in values)
+    if isinstance(values, dict):
+        return tuple((k, _signature(v)) for k, v in values.items())
+    return repr(values)
 
 
 def _chains(recipe: Recipe, func: Any, args: tuple, kwargs: dict) -> bool:
@@ -138,9 +232,13 @@ def _chains(recipe: Recipe, func: Any, args: tuple, kwargs: dict) -> bool:
     )
 
 
+def _is_storage(value: Any, key: int) -> bool:
+    return isinstance(value, torch.Tensor) and id(value.untyped_storage()) == key
+
+
 def _substitute(values: Any, key: int, replacement: Any) -> Any:
     if isinstance(values, torch.Tensor):
-        return replacement if id(values.untyped_storage()) == key else values
+        return replacement if _is_storage(values, key) else values
     if isinstance(values, (list, tuple)):
         return type(values)(_substitute(v, key, replacement) for v in values)
     if isinstance(values, dict):

@@ -67,6 +67,10 @@ class TrainingStep:
 def _json_safe(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, (torch.UntypedStorage, torch.TypedStorage)):
+        # a storage's str() lists every element, each read through the dispatcher: a script reading a weight's
+        # storage byte by byte after each step ran 40x slower under the hook, and one 64-byte read never ended
+        return f"{type(value).__name__}({value.nbytes()} bytes)"
     return str(value)
 
 

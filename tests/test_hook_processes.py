@@ -59,15 +59,18 @@ def test_a_forked_child_gets_what_was_swapped_out_and_runs_without_the_hook(plan
     assert not planless.disabled  # the parent goes on under the hook
 
 
-@pytest.mark.parametrize("read", ["numpy", "torch.save", "share_memory_", "multiprocessing pickle"])
+@pytest.mark.parametrize("read", ["numpy", "tolist", "torch.save", "share_memory_", "multiprocessing pickle"])
 def test_a_read_outside_the_dispatcher_sees_the_tensors_bytes(planless, read):
     """Each of these reads the storage directly; on the old code each saw the evicted storage (numpy: garbage,
-    torch.save and sharing: 0 bytes). What numpy aliases or another process shares stays on the device."""
+    torch.save and sharing: 0 bytes; tolist raised on the unallocated storage). What numpy aliases or another process
+    shares stays on the device."""
     expected = torch.arange(2**16, dtype=torch.float32)
     own = expected.clone()
     slot = swapped_out(planless, own)
     if read == "numpy":
         got = torch.from_numpy(own.numpy().copy())
+    elif read == "tolist":
+        got = torch.tensor(own.tolist())
     elif read == "torch.save":
         buffer = io.BytesIO()
         torch.save({"tensor": own}, buffer)
@@ -77,5 +80,5 @@ def test_a_read_outside_the_dispatcher_sees_the_tensors_bytes(planless, read):
     else:
         got = pickle.loads(ForkingPickler.dumps(own))
     assert torch.equal(got, expected)
-    if read != "torch.save":
+    if read not in ("torch.save", "tolist"):  # these read once: the tensor may go out again
         assert slot.pinned and not planless._swap_out(slot)  # aliased or shared: never resized again

@@ -1237,3 +1237,73 @@ def test_a_gradient_penalty_through_a_double_backward(path: str) -> None:
     assert len(planned) >= 2 and all(it.path == "dispatch" for it in report.iterations), paths_and_modes(report)
     assert any("do not align with module calls" in m and "made after the last module call" in m
                for m in report.messages), report.messages
+
+
+def sparse_embedding_loop() -> Results:
+    """nn.Embedding(sparse=True) with SparseAdam, a dense head with Adam: the embedding's gradient is a sparse tensor."""
+    torch.manual_seed(1234)
+    embedding, head = nn.Embedding(500, 16, sparse=True), nn.Linear(16, 10)
+    sparse, dense = torch.optim.SparseAdam(embedding.parameters()), torch.optim.Adam(head.parameters())
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x, y = torch.randint(0, 500, (8, 4), generator=generator), torch.randint(0, 10, (8,), generator=generator)
+        for optimizer in (sparse, dense):
+            optimizer.zero_grad()
+        F.cross_entropy(head(embedding(x).mean(1)), y).backward()
+        for optimizer in (sparse, dense):
+            optimizer.step()
+    return {"embedding": state_of(embedding, [sparse]), "head": final(head, dense)}
+
+
+def test_sparse_gradients_stand_the_hook_down_saying_why(caplog: pytest.LogCaptureFixture) -> None:
+    """It stood down with a NotImplementedError traceback ("Cannot access storage of SparseTensorImpl") as if it
+    had failed; sparse tensors are what it does not schedule, and it says so in one line."""
+    plain = sparse_embedding_loop()
+    with caplog.at_level(logging.WARNING, logger="tensile.hook"):
+        hooked, report = run_hooked(sparse_embedding_loop, "budget")
+    assert_same(plain, hooked)
+    assert report.stood_down is not None and "layout torch.sparse_coo: Tensile schedules strided tensors only" in report.stood_down
+    assert not any(record.exc_info for record in caplog.records), "a traceback for what is no failure"
+
+
+def by_hand_loop() -> Results:
+    """SGD written out: no torch.optim optimizer, so no step for the hook to find iterations by."""
+    model = net()
+    for x, y in batches([4] * 4):
+        model.zero_grad(set_to_none=True)
+        forward_backward(model, (x, y))
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.grad is not None:  # the detour's conv has none
+                    parameter -= 0.1 * parameter.grad
+    return {"state": final(model)}
+
+
+def test_a_loop_without_an_optimizer_step_is_said_not_planned() -> None:
+    """It ran to the end with an empty report, no message, `0 iterations ... peak 0.0 MiB`, as if measured."""
+    plain = by_hand_loop()
+    hooked, report = run_hooked(by_hand_loop, "budget")
+    assert_same(plain, hooked)
+    assert report.iterations == [] and report.stood_down is None
+    assert any("no optimizer step was seen" in m for m in report.messages), report.messages
+
+
+def test_training_in_another_thread_is_said_not_planned() -> None:
+    """Optimizer step hooks are global, the dispatch mode is the starting thread's: the steps came with no op, and
+    two training threads crashed the planner on an empty workload (the hook stood down with its traceback)."""
+    import threading
+
+    results: list[Results] = []
+    plain = losses_loop([4] * 4)()
+    executor = activate(HookSettings(job="job", memory_budget=0.6), planner=local_planner(HookSettings(job="job"), torch.device("cpu")),
+                        device=torch.device("cpu"))
+    try:
+        worker = threading.Thread(target=lambda: results.append(losses_loop([4] * 4)()))
+        worker.start()
+        worker.join()
+    finally:
+        deactivate()
+    assert_same(plain, results[0])
+    report = executor.report
+    assert report.stood_down is None, report.stood_down
+    assert any("training in another thread is not carried" in m for m in report.messages), report.messages

@@ -217,3 +217,19 @@ def test_foreach_flag_on_an_optimizer_it_cannot_set_says_so(make_optimizer, mess
     step = TrainingStep(model, batch, loss_fn, [make_optimizer(model.parameters())])
     with pytest.raises(TensileUserError, match=message):
         trace_step(step, model_name="views", batch_size=2, target_device="cuda", foreach=True)
+
+
+def test_a_storage_argument_is_recorded_by_its_size_not_its_elements():
+    """An op on a storage (`set_` onto a weight's storage) recorded the storage's str(), which reads every element
+    through the dispatcher: under the hook a 64-byte read of three weights never finished its recorded iteration."""
+    model = torch.nn.Linear(512, 512)
+    batch = (torch.randn(4, 512),)
+
+    def loss_fn(m: torch.nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        alias = torch.empty(0).set_(m.weight.detach().untyped_storage())  # an op with a storage argument
+        return m(b[0]).sum() + alias.sum() * 0
+
+    step = TrainingStep(model, batch, loss_fn, [torch.optim.SGD(model.parameters(), lr=0.1)])
+    workload = trace_step(step, model_name="storage", batch_size=4, target_device="cpu")
+    (set_op,) = [op for op in workload.ops if op.name.startswith("aten.set_")]
+    assert "UntypedStorage(1048576 bytes)" in set_op.params, set_op.params

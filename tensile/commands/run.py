@@ -137,7 +137,11 @@ def _over_budget(totals: RunTotals, budget: int | None, slack: int | None) -> st
         return said
     if over <= slack:
         return f"{said}: within the guard's slack of {slack / mib:,.1f} MiB (what one op needs on the device at once)"
-    return f"{said}: more than the guard's slack of {slack / mib:,.1f} MiB; the report's messages say why"
+    # the slack is measured on the iteration the plan was matched with: shapes grown since (a batch size or dtype
+    # changed mid-run, with the same ops) keep that plan, and no message said so
+    return (f"{said}: more than the guard's slack of {slack / mib:,.1f} MiB (what one op of the matched iteration needs); "
+            "the report's messages may say why, and shapes grown since that iteration (a larger batch or dtype "
+            "mid-run) are not planned for")
 
 
 def _under_plan(totals: RunTotals, scheduled: int | None) -> str:
