@@ -68,7 +68,14 @@ class Pending:
     spec: model.JobSpec
     forecast: JobForecast | None
     queued_reason: str = ""
-    enqueued: float = 0.0
+    since: str = ""  # when the job first waited (`status.queue.since`, read back after a restart)
+
+    @property
+    def order(self) -> tuple[str, str]:
+        """The queue's order: FIFO by the job's creation (`metadata.creationTimestamp`, whole seconds), ties by
+        namespace/name. By the loop time its forecast and `Queued` write ended (as it was), jobs created in order
+        were placed out of it, and a restarted operator's queue followed which forecast was cached."""
+        return self.body["metadata"].get("creationTimestamp", ""), self.key
 
 
 class Admission:
@@ -209,7 +216,7 @@ class Admission:
                                                             "its first run's live workload becomes the profile")]
             fstatus = {"source": "budget"}
         await self.set_status(namespace, name, {"phase": "Queued", "message": "waiting for placement", "forecast": fstatus}, *conds)
-        self.pending[key] = Pending(key, namespace, name, body, spec, forecast, enqueued=asyncio.get_running_loop().time())
+        self.pending[key] = Pending(key, namespace, name, body, spec, forecast, since=(status.get("queue") or {}).get("since") or "")
         self.wake.set()
 
     async def _fail_unreachable(self, namespace: str, name: str, problem: model.SpecProblem, *conds: dict) -> None:
@@ -356,7 +363,7 @@ class Admission:
             try:
                 if asyncio.get_running_loop().time() - self.rebuilt_at > RESYNC_SECONDS:
                     await self.rebuild()
-                for pending in sorted(self.pending.values(), key=lambda p: p.enqueued):
+                for pending in sorted(self.pending.values(), key=lambda p: p.order):
                     await self.place(pending)
             except asyncio.CancelledError:
                 raise
@@ -383,6 +390,8 @@ class Admission:
                 if not pending.queued_reason:
                     self.metrics.admissions.labels("queued").inc()
                 pending.queued_reason = reason
+                # when it first waited: a new shortfall (the reason names it) or a restart reset it before
+                pending.since = pending.since or utc_timestamp()
                 if decision.too_large:  # kept queued, as Kubernetes keeps an unschedulable pod Pending: a larger GPU may join
                     fix = "reduce spec.workload.batchSize" if pending.forecast is not None else f"lower {spec.budget_field}"
                     admitted = condition("Admitted", False, "NoGpuLargeEnough", f"{reason} (a TensileNode with more memory), or {fix}")
@@ -390,7 +399,7 @@ class Admission:
                     admitted = condition("Admitted", False, "Queued", f"{reason}; retried when capacity frees")
                 await self.set_status(pending.namespace, pending.name, {
                     "phase": "Queued", "message": reason,
-                    "queue": {"reason": reason, "shortfallBytes": decision.shortfall_bytes, "since": utc_timestamp()},
+                    "queue": {"reason": reason, "shortfallBytes": decision.shortfall_bytes, "since": pending.since},
                 }, admitted)
             return
         async with self._committing:
@@ -550,7 +559,11 @@ class Admission:
             if key in self.ledger.bookings:  # its container may hold the GPU through its grace period
                 await self.set_status(namespace, job, {"message": f"pod {meta['name']} is terminating: its GPU stays booked until it is gone"})
             return
-        if phase == "Running":
+        if phase == "Pending":
+            waiting = _waiting(pod)
+            if waiting is not None and key in self.ledger.bookings:
+                await self._pod_waiting(namespace, job, meta["name"], *waiting)
+        elif phase == "Running":
             booking = self.ledger.bookings.get(key)
             if booking is not None and booking.profile and key not in self._profiling:
                 self._profiling.add(key)
@@ -561,6 +574,18 @@ class Admission:
             # an ended pod's events come again (an operator restart lists every kept pod, a finished pod's deletion):
             # finishing a job already ended rewrote its `finishedAt` and message (`finish` releases once it is written)
             await self.finish(namespace, job, *_pod_end(pod))
+
+    async def _pod_waiting(self, namespace: str, job: str, pod: str, reason: str, message: str) -> None:
+        """A pod Kubernetes cannot start yet (ImagePullBackOff, CreateContainerConfigError): the job showed
+        `Admitted`, "placed on ...", while it held its GPU and never ran. Said (`PodRunning=False` with Kubernetes'
+        reason), not ended: the pull or the missing Secret may recover. Written once per reason and message."""
+        said = f"pod {pod} cannot start: {reason}: {message}"
+        if any(c["type"] == "PodRunning" and (c["status"], c["reason"], c["message"]) == ("False", reason, said)
+               for c in self.conditions.get(f"{namespace}/{job}", [])):
+            return
+        await self.set_status(namespace, job, {"message": f"{said} (its GPU stays booked while Kubernetes retries: "
+                                                          "fix spec.template, or delete the TrainingJob)"},
+                              condition("PodRunning", False, reason, said))
 
     async def _of_current_job(self, namespace: str, name: str, uid: str) -> bool:
         """Whether a pod's owner is the TrainingJob of that name now, by uid: the late DELETED event of a finished
@@ -759,13 +784,13 @@ class Admission:
     async def _forecast_again(self, pending: Pending, body: dict) -> None:
         """A queued job whose plan scope changed (`plan-events`, `recompute`): its forecast counted on the peak
         of plans made with the old events, which its hook's plans may not reach. It is admitted again (forecast
-        by the new scope, or failed if its budget is now out of reach) and keeps its place in the queue; a commit
-        already under way for it sees it left the queue and books nothing."""
+        by the new scope, or failed if its budget is now out of reach) and keeps its place in the queue (its creation)
+        and when it first waited; a commit already under way for it sees it left the queue and books nothing."""
         del self.pending[pending.key]
         await self.admit(body)
         again = self.pending.get(pending.key)
         if again is not None:
-            again.enqueued = pending.enqueued
+            again.since = pending.since or again.since
 
 
 KNOBS_RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 15.0) + (30.0,) * 18  # seconds: about ten minutes for a pod to start
@@ -801,9 +826,28 @@ def had_pod(status: dict) -> bool:
                                               for c in status.get("conditions") or [])
 
 
+# waiting reasons of a container that is starting as it should; any other (ImagePullBackOff, ErrImagePull,
+# CreateContainerConfigError, ...) is a problem the job shows
+STARTING = ("ContainerCreating", "PodInitializing")
+
+
+def _waiting(pod: dict) -> tuple[str, str] | None:
+    """(reason, message) of the first container (init containers first) Kubernetes cannot start; None when none."""
+    status = pod.get("status") or {}
+    for container in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") and waiting["reason"] not in STARTING:
+            return waiting["reason"], f"container {container.get('name')}: {waiting.get('message') or waiting['reason']}"
+    return None
+
+
 def _pod_end(pod: dict) -> tuple[str, str, str]:
-    """An ended pod as its job's end: phase, reason, message."""
-    phase = pod["status"]["phase"]
+    """An ended pod as its job's end: phase, reason, message. An evicted pod (node pressure, a preemption) ends its
+    job `Evicted` with the kubelet's message: as `PodFailed` it read as the training's own failure."""
+    status = pod["status"]
+    if status.get("reason") == "Evicted":
+        return "Failed", "Evicted", f"pod {pod['metadata']['name']} was evicted: {status.get('message') or 'no message'}"
+    phase = status["phase"]
     return phase, "Completed" if phase == "Succeeded" else "PodFailed", _termination(pod)
 
 

@@ -11,11 +11,11 @@ import pytest
 import tensile.operator.admission as admission
 from operator_harness import (GIB, cluster, gpu_held_by_big, phase, pod_env, simulated_gpu, start_operator,
                               trainingjob)
-from tensile.operator.admission import Admission
+from tensile.operator.admission import Admission, job_key
 from tensile.operator.forecasting import Forecaster
 from tensile.operator.kube import KubeError, NotFound
 from tensile.operator.model import parse_spec
-from tensile.operator.placement import Booking
+from tensile.operator.placement import Booking, Gpu
 from tensile.operator.pods import build_pod
 
 TJP = "/apis/tensile.dev/v1alpha1/namespaces/default/trainingjobs/"
@@ -256,5 +256,93 @@ def test_a_queued_jobs_spec_edit_is_taken_without_a_restart_as_with_one(tmp_path
             await c.request("PATCH", TJP + "q", {"spec": {"memoryBudget": "512Mi"}})
             await c.wait(lambda: phase(c.job("q")) == "Admitted", 10, "q placed by its edited budget")
             assert c.job("q")["status"]["forecast"]["reservedBytes"] == 512 * 1024**2
+
+    asyncio.run(scenario())
+
+
+def queued_job(name: str, created: str, budget: str, status: dict | None = None) -> dict:
+    """A budget-admitted job created at `created` (the API server's whole seconds)."""
+    body = job(name, f"u-{name}", status)
+    body["metadata"]["creationTimestamp"] = created
+    body["spec"]["memoryBudget"] = budget
+    return body
+
+
+def queue_writes(api: Api, name: str) -> list[dict]:
+    return [s["queue"] for n, s in api.statuses if n == name and s.get("queue")]
+
+
+def test_the_queue_is_fifo_by_creation_and_says_since_when_a_job_waits() -> None:
+    """The queue was ordered by when a job's forecast and `Queued` write ended: jobs created in order were placed out
+    of it, and a restarted operator (whose forecasts finish in another order) gave freed room to a later job. And
+    `queue.since` was reset by every new shortfall and by a restart. A later small job still passes a blocked big one."""
+    api = Api()
+    app = app_with(api)
+    app.inventory = {"node-a": [Gpu("node-a", "GPU-a0", "Simulated GPU", 4 * GIB, 4 * GIB, simulated=True)]}
+    app.ledger.book(Booking("default/holder", "GPU-a0", "node-a", 3 * GIB))
+    first_waited = "2020-01-01T00:00:00Z"
+    big = queued_job("big", "2020-01-01T00:00:00Z", "2Gi", {"phase": "Queued", "queue": {"since": first_waited}})
+    early, late = queued_job("early", "2020-01-01T00:00:05Z", "1Gi"), queued_job("late", "2020-01-01T00:00:05Z", "1Gi")
+    later = queued_job("a-later", "2020-01-01T00:00:06Z", "1Gi")
+
+    async def scenario() -> None:
+        for body in (later, late, big, early):  # admitted (forecasts ended) in another order than created
+            await app.admit(body)
+        app.rebuilt_at = asyncio.get_running_loop().time()
+        scheduler = asyncio.create_task(app._schedule_forever())
+        try:
+            async def settled(*placed: str) -> None:
+                for _ in range(200):
+                    await asyncio.sleep(0.01)
+                    if all(f"default/{n}" in app.ledger.bookings for n in placed) and not app.wake.is_set():
+                        return
+                raise AssertionError(f"{placed} not placed: {list(app.ledger.bookings)}")
+
+            await settled("early")  # 1 GiB free: the first created that fits (ties by name: early before late)
+            assert set(app.pending) == {"default/big", "default/late", "default/a-later"}
+            app.release("default/holder")
+            app.ledger.book(Booking("default/other", "GPU-a0", "node-a", 3 * GIB // 2))
+            app.wake.set()
+            await settled("late")  # 1.5 GiB free: big (2 GiB, created first) is passed by the next that fits
+            assert set(app.pending) == {"default/big", "default/a-later"}
+        finally:
+            scheduler.cancel()
+            await asyncio.gather(scheduler, return_exceptions=True)
+        waits = queue_writes(api, "big")
+        assert len(waits) == 2 and waits[0]["shortfallBytes"] != waits[1]["shortfallBytes"]
+        assert {w["since"] for w in waits} == {first_waited}  # kept across a restart and a new shortfall
+        assert len({w["since"] for w in queue_writes(api, "a-later")}) == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_pod_kubernetes_cannot_start_is_said_and_an_evicted_one_ends_its_job_evicted() -> None:
+    """A pod Pending in ImagePullBackOff (or CreateContainerConfigError) left its job `Admitted`, "placed on ...", with
+    no `PodRunning` condition while it held its GPU; an evicted pod ended its job `PodFailed` with no word of why."""
+    api = Api()
+    app = app_with(api)
+    stuck, evicted = job("stuck", "u1", {"phase": "Admitted"}), job("ev", "u2", {"phase": "Running"})
+    for body in (stuck, evicted):
+        app.remember_conditions(body)
+        app.ledger.book(Booking(job_key(body), "GPU-a0", "node-a", GIB))
+    waiting = pod_of(stuck, "Pending")
+    waiting["status"]["containerStatuses"] = [{"name": "train", "state": {"waiting": {
+        "reason": "ImagePullBackOff", "message": 'Back-off pulling image "exmaple"'}}}]
+
+    async def scenario() -> None:
+        await app.pod_changed(pod_of(stuck, "Pending"))  # starting as it should: nothing to say
+        assert not api.statuses
+        for _ in range(2):  # said once, not at each of the pod's events
+            await app.pod_changed(waiting)
+        [(_, status)] = api.statuses
+        said = {c["type"]: c for c in status["conditions"]}["PodRunning"]
+        assert (said["status"], said["reason"]) == ("False", "ImagePullBackOff")
+        assert '"exmaple"' in said["message"] and '"exmaple"' in status["message"] and "phase" not in status
+        assert "default/stuck" in app.ledger.bookings  # not ended: Kubernetes may still pull it
+        gone = pod_of(evicted, "Failed")
+        gone["status"] |= {"reason": "Evicted", "message": "The node was low on resource: memory."}
+        await app.pod_changed(gone)
+        assert ends(api, "ev") == [("Failed", "Evicted")] and "default/ev" not in app.ledger.bookings
+        assert "low on resource: memory" in dict(api.statuses)["ev"]["message"]
 
     asyncio.run(scenario())
