@@ -58,8 +58,7 @@ def unreachable_budget(job: model.JobSpec, forecast: JobForecast | None) -> mode
     a queued job's budget annotation all check by this. Its forecast planned at full swap rate: no rate is named."""
     if forecast is None or job.memory_budget is None or job.memory_budget >= forecast.min_peak_bytes:
         return None
-    return model.SpecProblem(job.budget_field, unreachable_budget_text(job.memory_budget, forecast.min_peak_bytes,
-                                                                        None, job.swap_rate_field))
+    return model.SpecProblem(job.budget_field, unreachable_budget_text(job.memory_budget, forecast.min_peak_bytes))
 
 
 def warnings(annotations: dict | None) -> list[str]:

@@ -35,7 +35,7 @@ from tensile.runtime_hook.compiled import COMPILE_SKIPPED, dynamo_frames
 from tensile.runtime_hook.movers import CpuMover, CudaMover
 from tensile.runtime_hook.native_map import NativeMap, map_plan
 from tensile.runtime_hook.native_swaps import NativeSwaps
-from tensile.runtime_hook.recipes import Recipe, RecipeBook
+from tensile.runtime_hook.recipes import DeviceRandom, Recipe, RecipeBook
 from tensile.runtime_hook.report import HookReport, IterationStats, ReportWriter
 from tensile.runtime_hook.settings import HookSettings, budget_bytes, native_plans
 from tensile.runtime_hook.storages import Slot, StorageRegistry
@@ -175,7 +175,8 @@ class PlanExecutor(TorchDispatchMode):
         self.ready: ActivePlan | None = None  # a plan matched and waiting for the next iteration
         self.previous_planned = False
         self.keys: dict[int, int] = {}  # plan tensor id -> id(storage), positional each iteration
-        self.recipes = RecipeBook()  # this iteration's, by id(storage)
+        self.random = DeviceRandom(device)
+        self.recipes = RecipeBook(self.random)  # this iteration's, by id(storage)
         # a budget in bytes (what the job was admitted with) holds from the first op; a fraction waits
         # for the vanilla peak
         self.budget: int | None = budget_bytes(settings.memory_budget, 0) if (settings.memory_budget or 0) > 1 else None
@@ -628,7 +629,7 @@ class PlanExecutor(TorchDispatchMode):
             written = [id(t.untyped_storage()) for t in _tensors(written_values(func, args, kwargs))]
             self._recompute_before_write(written)
         wants_rng = (active is not None and index in active.capture and active.recompute) or any(k in self.recipes for k in written)
-        rng = self._rng_state() if wants_rng else None
+        rng = self.random.state() if wants_rng else None
         before_op = time.perf_counter()
         out = self._run(func, args, kwargs)
         after_op = time.perf_counter()
@@ -783,15 +784,6 @@ class PlanExecutor(TorchDispatchMode):
         if slot.pending is not None:  # on CUDA: the op waits for the copy, on the stream, not the host
             self.mover.wait(slot)
 
-    def _rng_state(self) -> torch.Tensor:
-        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
-
-    def _set_rng_state(self, state: torch.Tensor) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
-
     # -- events -------------------------------------------------------------------------------
     def _recompute_before_write(self, written: list[int]) -> None:
         """A released tensor whose input is about to change in place is regenerated first."""
@@ -871,9 +863,9 @@ class PlanExecutor(TorchDispatchMode):
         """Replay the recipe with the random states it first ran with: dropout draws the same numbers."""
         recipe: Recipe = slot.recipe
         self._ensure_resident(recipe.inputs(own_key=slot.key))
-        result = _tensors(recipe.producer.replay(self))[recipe.position]
+        result = _tensors(recipe.producer.replay(self.random))[recipe.position]
         for step in recipe.then:
-            step.replay(self, slot.key, result)
+            step.replay(self.random, slot.key, result)
         storage.resize_(slot.nbytes)
         storage.copy_(result.untyped_storage())
         slot.recipe = None

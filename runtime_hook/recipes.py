@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -39,17 +39,9 @@ WORKSPACES = {
 }
 
 
-class RandomState(Protocol):
-    """Where a replay reads and sets the device's random state (the executor, for its device)."""
-
-    def _rng_state(self) -> torch.Tensor: ...
-
-    def _set_rng_state(self, state: torch.Tensor) -> None: ...
-
-
 class DeviceRandom:
-    """One device's random state, through its default generator: for the check in `RecipeBook.keep`
-    (the executor replays with its own)."""
+    """One device's random state, through its default generator: what a replay restores for dropout to draw
+    the same numbers, and what the executor records before an op that may be replayed."""
 
     def __init__(self, device: torch.device) -> None:
         if device.type == "cuda":
@@ -58,10 +50,10 @@ class DeviceRandom:
         else:
             self.generator = torch.default_generator
 
-    def _rng_state(self) -> torch.Tensor:
+    def state(self) -> torch.Tensor:
         return self.generator.get_state()
 
-    def _set_rng_state(self, state: torch.Tensor) -> None:
+    def set_state(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
 
 
@@ -75,22 +67,22 @@ class Step:
     rng: torch.Tensor | None
     grad: bool
 
-    def replay(self, random: RandomState, key: int | None = None, result: torch.Tensor | None = None) -> Any:
+    def replay(self, random: DeviceRandom, key: int | None = None, result: torch.Tensor | None = None) -> Any:
         """Run it again; with `key`, the storage it wrote is replaced by `result` (no version bump
         on the user's tensor, which autograd may have saved)."""
         args, kwargs = self.args, self.kwargs
         if key is not None:
             args, kwargs = _substitute((args, kwargs), key, result)
         if self.rng is not None:
-            current = random._rng_state()
-            random._set_rng_state(self.rng)
+            current = random.state()
+            random.set_state(self.rng)
         try:
             # as it first ran: below autograd (a replay outside the dispatcher records no graph), in its grad mode
             with torch.set_grad_enabled(self.grad), torch._C._AutoDispatchBelowADInplaceOrView():
                 return self.func(*args, **kwargs)
         finally:
             if self.rng is not None:
-                random._set_rng_state(current)
+                random.set_state(current)
 
 
 @dataclass
@@ -112,7 +104,8 @@ class Recipe:
 class RecipeBook:
     """One iteration's recipes by id(storage), and for each input storage the recipes that read it."""
 
-    def __init__(self) -> None:
+    def __init__(self, random: DeviceRandom) -> None:
+        self.random = random  # the check in `keep` replays with it
         self.recipes: dict[int, Recipe] = {}
         self.readers: dict[int, set[int]] = defaultdict(set)  # id(input storage) -> keys of the recipes reading it
         # op and arguments' signature -> the output positions its replay reproduced; kept across iterations
@@ -166,7 +159,7 @@ class RecipeBook:
         signature = (step.func, step.grad, _signature((step.args, step.kwargs)))
         known = self.reproduced.get(signature)
         if known is None:
-            known = self.reproduced[signature] = _reproduces(step, outputs)
+            known = self.reproduced[signature] = _reproduces(step, outputs, self.random)
         return known
 
     def update(self, written: list[int], func: Any, args: tuple, kwargs: dict, rng: torch.Tensor | None) -> None:
@@ -185,11 +178,11 @@ class RecipeBook:
                 self.recipes.pop(dependent, None)
 
 
-def _reproduces(step: Step, recorded: list[torch.Tensor]) -> frozenset[int]:
+def _reproduces(step: Step, recorded: list[torch.Tensor], random: DeviceRandom) -> frozenset[int]:
     """Replay once: the positions whose storages come back byte for byte, laid out as recorded; none
     when the replay fails or returns other outputs (a missing workspace shifts the positions)."""
     try:
-        replayed = tensors_in(step.replay(DeviceRandom(recorded[0].device)))
+        replayed = tensors_in(step.replay(random))
     except Exception:  # noqa: BLE001 - what cannot be replayed now is swapped, never recomputed
         return frozenset()
     if len(replayed) != len(recorded):

@@ -60,7 +60,7 @@ def memory_text(nbytes: float) -> str:
     return f"{nbytes:,.0f} bytes"
 
 
-def unreachable_budget_text(budget: int, lowest: int, rate: float | None, rate_field: str) -> str:
+def unreachable_budget_text(budget: int, lowest: int, rate: float | None = None, rate_field: str = "") -> str:
     """Why a job's memory budget cannot be held, and the fix, after the budget's field name: one text for the
     operator's `BudgetUnreachable` and `tensile local`'s, which had each a wording of their own. `lowest` is the
     lowest peak any plan reaches at the job's max swap rate (`rate`, set in `rate_field`), so a rate below 1

@@ -105,7 +105,8 @@ def test_a_replay_runs_in_the_grad_mode_the_op_ran_in():
     a recipe replays as the op ran, and no recipe is made for the workspace."""
     recorded: dict[int, torch.Tensor] = {}
     workspaces: list[int] = []
-    book = recipes.RecipeBook()
+    random = recipes.DeviceRandom(torch.device("cpu"))
+    book = recipes.RecipeBook(random)
 
     class Keep(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -122,5 +123,5 @@ def test_a_replay_runs_in_the_grad_mode_the_op_ran_in():
     assert len(workspaces) == 2 and len(book.recipes) == 6 and not set(workspaces) & set(book.recipes)
     with torch.no_grad():
         for key, recipe in book.recipes.items():
-            again = recipes.tensors_in(recipe.producer.replay(recipes.DeviceRandom(torch.device("cpu"))))
+            again = recipes.tensors_in(recipe.producer.replay(random))
             assert len(again) == 4 and torch.equal(again[recipe.position], recorded[key])

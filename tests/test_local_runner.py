@@ -94,6 +94,14 @@ def test_two_jobs_share_a_gpu_too_small_for_both_one_waits_queued(tmp_path, monk
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def refusal(path: Path, edit: Callable[[str], str]) -> str:
+    """What loading the example job, edited and written to `path`, is refused with."""
+    path.write_text(edit(JOB.format(name=path.stem, script="examples/train_mlp.py")))
+    with pytest.raises(TensileUserError) as error:
+        load_job(path)
+    return str(error.value)
+
+
 @pytest.mark.parametrize("edit, field", [
     (lambda t: t.replace("batchSize: 64", "batchSize: 0"), "spec.workload.batchSize"),
     (lambda t: t.replace("batchSize: 64", "batchSize: 64\n    optimiser: adam"), "spec.workload"),
@@ -114,10 +122,8 @@ def test_two_jobs_share_a_gpu_too_small_for_both_one_waits_queued(tmp_path, monk
 ])
 def test_a_bad_job_file_is_refused_naming_the_file_and_field(tmp_path, edit, field):
     path = tmp_path / "bad.yaml"
-    path.write_text(edit(JOB.format(name="bad", script="examples/train_mlp.py")))
-    with pytest.raises(TensileUserError) as error:
-        load_job(path)
-    assert str(path) in str(error.value) and field in str(error.value)
+    message = refusal(path, edit)
+    assert str(path) in message and field in message
 
 
 def test_the_live_view_shows_each_jobs_note_whole_on_an_80_column_terminal(tmp_path):
@@ -361,11 +367,9 @@ def test_names_kubernetes_takes_load_and_a_bad_namespace_is_refused(tmp_path):
 def test_model_and_profile_together_or_neither_is_refused_naming_both_fields(tmp_path, edit, expected):
     """jsonschema's oneOf said "... is valid under each of {'required': ['model']}, {'required': ['profile']}"."""
     path = tmp_path / "both.yaml"
-    path.write_text(edit(JOB.format(name="both", script="examples/train_mlp.py")))
-    with pytest.raises(TensileUserError) as error:
-        load_job(path)
-    assert str(error.value).startswith(f"{path}: {expected}"), str(error.value)
-    assert "valid under" not in str(error.value)
+    message = refusal(path, edit)
+    assert message.startswith(f"{path}: {expected}"), message
+    assert "valid under" not in message
 
 
 def test_a_file_of_several_trainingjobs_loads_each_as_kubectl_takes_it(tmp_path):
