@@ -25,18 +25,8 @@ from typing import Any
 import torch
 
 from tensile.runtime_hook.storages import tensors_in
+from tensile.timeline import WORKSPACES
 from tensile.tracer import written_values
-
-
-# Outputs (by index in the op's result) that PyTorch allocates uninitialized for the kernel's backward to
-# read. oneDNN writes its LSTM workspace only in part: a replay reproduces the other bytes by chance, if at all
-# (from 1 to 34 per cent of them changed, or none, run to run). cuDNN's and MIOpen's RNN reserves are the same
-# kind of buffer, listed without that measurement (no GPU here): a swap is always safe, a recompute not.
-WORKSPACES = {
-    "aten.mkldnn_rnn_layer.default": 3,  # workspace
-    "aten._cudnn_rnn.default": 3,  # reserve
-    "aten.miopen_rnn.default": 3,  # reserve
-}
 
 
 class DeviceRandom:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from tensile.workload import Workload
+from tensile.workload import Op, Workload
 
 TRANSFER_SETUP_SECONDS = 10e-6  # per cudaMemcpyAsync, on top of size / bandwidth
 
@@ -168,6 +168,26 @@ def chain_latency(workload: Workload, chain: tuple[int, ...]) -> float:
     return sum(workload.ops[k].latency for k in chain)
 
 
+# Outputs (by index in the op's result) that PyTorch allocates uninitialized for the kernel's backward to
+# read. oneDNN writes its LSTM workspace only in part: a replay reproduces the other bytes by chance, if at all
+# (from 1 to 34 per cent of them changed, or none, run to run). cuDNN's and MIOpen's RNN reserves are the same
+# kind of buffer, listed without that measurement (no GPU here): a swap is always safe, a recompute not.
+WORKSPACES = {
+    "aten.mkldnn_rnn_layer.default": 3,  # workspace
+    "aten._cudnn_rnn.default": 3,  # reserve
+    "aten.miopen_rnn.default": 3,  # reserve
+}
+
+
+def _is_workspace(op: Op, tensor: int) -> bool:
+    """Whether `tensor` is the workspace `op` returns. The tracer lists an op's new storages in result order;
+    if it listed fewer than the result has, which one is the workspace is unknown and none is replayed."""
+    position = WORKSPACES.get(op.name)
+    if position is None:
+        return False
+    return len(op.outputs) <= position or op.outputs[position] == tensor
+
+
 def _replayable_creator(workload: Workload, tensor: int, written: dict[int, list[int]]) -> int | None:
     """The op that made `tensor`, if running it again (followed by the in-place ops that wrote the
     tensor afterwards: a *chain*) gives the same bytes, as the hook replays it.
@@ -184,7 +204,7 @@ def _replayable_creator(workload: Workload, tensor: int, written: dict[int, list
     op = workload.ops[info.created_by]
     if op.name != "aten.native_batch_norm.default" and (op.writes or "batch_norm" in op.name):
         return None
-    if op.phase == "optimizer" or not op.inputs:
+    if op.phase == "optimizer" or not op.inputs or _is_workspace(op, tensor):
         return None
     for k in written.get(tensor, ()):
         rewrite = workload.ops[k]

@@ -15,6 +15,8 @@ from tensile.plan import Event, Plan
 from tensile.runtime_hook import recipes
 from tensile.runtime_hook.plan_source import local_planner
 from tensile.runtime_hook.settings import HookSettings
+from tensile.timeline import build_slots
+from tensile.tracer import TrainingStep, trace_step
 from tensile.workload import Workload
 from test_hook_correctness import assert_identical, deterministic, first_uses, train  # noqa: F401
 
@@ -125,3 +127,18 @@ def test_a_replay_runs_in_the_grad_mode_the_op_ran_in():
         for key, recipe in book.recipes.items():
             again = recipes.tensors_in(recipe.producer.replay(random))
             assert len(again) == 4 and torch.equal(again[recipe.position], recorded[key])
+
+
+def test_the_planner_never_plans_a_workspace_recomputed():
+    """The hook swaps an RNN workspace instead of recomputing it; a plan (and its forecast) that counted on
+    recomputing it would promise what the hook does not do. The layer's other outputs stay recomputable."""
+    model, batch, loss_fn, optimizer = lstm()(4)
+    step = TrainingStep(model, batch, loss_fn, [optimizer(model.parameters())])
+    workload = trace_step(step, model_name="lstm", batch_size=4, target_device="cpu")
+    layers = [op for op in workload.ops if op.name == "aten.mkldnn_rnn_layer.default"]
+    assert len(layers) == 2 and all(len(op.outputs) == 4 for op in layers), [op.outputs for op in layers]
+    slots = build_slots(workload)
+    for op in layers:
+        *outputs, workspace = op.outputs
+        assert slots[workspace].recomputable_by is None
+        assert all(slots[t].recomputable_by == op.index for t in outputs if t in slots)
