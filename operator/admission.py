@@ -23,6 +23,7 @@ from tensile.agent_contract import utc_timestamp
 from tensile.knobs import memory_text
 from tensile.operator import model
 from tensile.operator.agent import FORWARDED, UNREGISTERED, AgentLink
+from tensile.operator.events import NORMAL, Recorder, Said, transitions
 from tensile.operator.forecasting import Forecaster, ForecastError, JobForecast
 from tensile.operator.heap import freeze_long_lived
 from tensile.operator.kube import Conflict, Kube, KubeError, NotFound, retried, transient
@@ -82,6 +83,7 @@ class Admission:
     def __init__(self, forecaster: Forecaster | None = None, planner: JointPlanner | None = None,
                  image: str | None = None, token_key: bytes | None = None):
         self.kube = Kube()
+        self.events = Recorder(lambda: self.kube)
         self.forecaster = forecaster or Forecaster()
         self.planner = planner or JointPlanner()
         self.agent = AgentLink()
@@ -129,19 +131,66 @@ class Admission:
             self.inventory[name] = gpus_from_tensilenode(body)
         self.wake.set()
 
+    async def node_changed(self, body: dict | None, name: str) -> None:
+        """A TensileNode published, updated or removed (`body` None). Its removal (the node drained or deleted, its
+        agent uninstalled) is said on each job placed there (`NodeAvailable=False`), and its return: nothing else
+        was. The job's pod is left alone (Tensile never stops training by its own decision) and keeps its booking
+        until it ends; no job is placed there meanwhile, since its GPUs left the inventory."""
+        self.set_node(body, name)
+        await self.ready.wait()
+        await self._say_node(name, present=body is not None)
+
+    async def _say_node(self, node: str, present: bool) -> None:
+        """`NodeAvailable` on the jobs booked on `node`, written where it changes (one Event each); only a job
+        said to have lost its node hears of its return."""
+        said = _node_condition(node, present)
+
+        async def one(job: str) -> None:
+            namespace, name = job.split("/", 1)
+            try:
+                await self.set_status(namespace, name, {}, said)
+            except Exception as exc:  # noqa: BLE001 - one job's write must not keep the others' (or the inventory) back
+                log.warning("%s: NodeAvailable not written: %s", job, exc)
+
+        jobs = [b.job for b in list(self.ledger.bookings.values()) if b.node == node and self._node_missing(b.job) == present]
+        await asyncio.gather(*(one(job) for job in jobs))
+
+    def _node_missing(self, key: str) -> bool:
+        return any(c["type"] == "NodeAvailable" and c["status"] == "False" for c in self.conditions.get(key, []))
+
+    async def _say_missing_nodes(self, listed: list[dict]) -> None:
+        """At start-up: jobs booked on a node whose TensileNode was removed while no operator ran (their conditions
+        read first: what they say is kept, and a node said missing already is not said again)."""
+        missing = {b.node for b in self.ledger.bookings.values() if b.node not in self.inventory}
+        for body in listed:
+            booking = self.ledger.bookings.get(job_key(body))
+            if booking is not None and booking.node in missing:
+                self.remember_conditions(body)
+        for node in missing:
+            await self._say_node(node, present=False)
+
     # ---- status ---------------------------------------------------------------------------------
     async def set_status(self, namespace: str, name: str, status: dict, *conds: dict, delays: Sequence[float] = ()) -> None:
         """`delays`: the write is made again after each while the API server's trouble refuses it."""
         key = f"{namespace}/{name}"
         if conds:
-            self.conditions[key] = merge_conditions(self.conditions.get(key, []), *conds)
-            status = dict(status, conditions=self.conditions[key])
+            status = dict(status, conditions=self.merge(key, conds, failing=status.get("phase") == "Failed"))
         if status.get("phase"):
             self.phases[key] = status["phase"]
         try:
             await retried(lambda: self.kube.patch_job_status(namespace, name, status), delays)
         except NotFound:
             log.info("%s is gone; status not written", key)
+
+    def merge(self, key: str, conds: Sequence[dict], failing: bool = False) -> list[dict]:
+        """The job's conditions with `conds` merged in; an Event is posted for each that is a transition (what the
+        conditions said before, read back from the status by a restarted operator, is not said again)."""
+        before = self.conditions.get(key, [])
+        self.conditions[key] = merge_conditions(before, *conds)
+        namespace, name = key.split("/", 1)
+        for said in transitions(before, conds, failing):
+            self.events.post(namespace, name, self.uids.get(key, ""), said)
+        return self.conditions[key]
 
     def remember_conditions(self, body: dict) -> None:
         key = job_key(body)
@@ -176,7 +225,7 @@ class Admission:
             return
         valid = [condition("Validated", True, "Valid"), *noted]
         if self.forecaster.ready(spec.workload, spec.scope):  # cached: straight to Queued, one status write less
-            self.conditions[key] = merge_conditions(self.conditions.get(key, []), *valid)
+            self.merge(key, valid)
         elif status.get("phase") != "Forecasting":
             await self.set_status(namespace, name, {"phase": "Forecasting", "message": "tracing and planning on the CPU"}, *valid)
         forecast: JobForecast | None = None
@@ -194,8 +243,7 @@ class Admission:
                                       condition("Forecasted", False, "ForecastFailed",
                                                 f"{failure}; fix spec.workload, or set spec.memoryBudget to admit the job by it"))
                 return
-            self.conditions[key] = merge_conditions(self.conditions.get(key, []), condition(
-                "Forecasted", False, "ForecastFailed", f"{failure}; admitted by spec.memoryBudget"))
+            self.merge(key, [condition("Forecasted", False, "ForecastFailed", f"{failure}; admitted by spec.memoryBudget")])
         if forecast is None and spec.memory_budget is None:
             self.metrics.admissions.labels("no_budget").inc()
             await self.set_status(namespace, name, {"phase": "Failed", "message": "no forecastable workload and no budget"},
@@ -207,8 +255,9 @@ class Admission:
             await self._fail_unreachable(namespace, name, unreachable)
             return
         if forecast is not None:
-            conds = [condition("Forecasted", True, "Forecasted", f"{forecast.source}: vanilla {memory_text(forecast.vanilla_peak_bytes)}, "
-                                                                   f"lowest reachable {memory_text(forecast.min_peak_bytes)}")]
+            conds = [condition("Forecasted", True, "Forecasted", f"forecast from its {forecast.source} workload: peak "
+                                                                   f"{memory_text(forecast.vanilla_peak_bytes)} without Tensile, "
+                                                                   f"{memory_text(forecast.min_peak_bytes)} at the lowest a Tensile plan reaches")]
             fstatus = forecast.to_status()
         else:
             conds = [] if any(c["type"] == "Forecasted" for c in self.conditions.get(key, [])) else [
@@ -252,6 +301,7 @@ class Admission:
             self.inventory[node["metadata"]["name"]] = gpus_from_tensilenode(node)
         listed = await self.rebuild()
         self.ready.set()
+        await self._say_missing_nodes(listed)
         finished = {job_key(b) for b in listed if (b.get("status") or {}).get("phase") in model.FINISHED}
         for key, body in self._early.items():  # seen while the LIST was in flight: it may predate their placement
             if key not in finished:
@@ -266,6 +316,7 @@ class Admission:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.events.close()
         await self.kube.close()
 
     async def rebuild(self) -> list[dict]:
@@ -302,6 +353,7 @@ class Admission:
         self.ledger = ledger
         for body, end in ends:  # booked until the end is written, as every end
             if job_key(body) in ledger.bookings:
+                self.remember_conditions(body)  # the end keeps them, and its Event names the job's uid
                 self.token(body)  # its agent is told at the release (a restarted operator has no token yet)
                 self._spawn(self.finish(body["metadata"]["namespace"], body["metadata"]["name"], *end))
         for booking, body in bookings:
@@ -427,7 +479,8 @@ class Admission:
                      "agent": gpu.agent or "", "planEvents": pending.spec.plan_events, "admittedAt": utc_timestamp()}
         await self.set_status(pending.namespace, pending.name, {
             "phase": "Admitted", "message": f"placed on {gpu.node} GPU {gpu.uuid}", "placement": placement,
-            "forecast": fstatus, "queue": None}, condition("Admitted", True, "Placed", f"{memory_text(reserved)} on {gpu.node}/{gpu.uuid}"))
+            "forecast": fstatus, "queue": None}, condition("Admitted", True, "Placed", f"placed on {gpu.node} GPU {gpu.uuid} "
+                                                                                       f"with {memory_text(reserved)} reserved"))
         self.admitted_at[key] = asyncio.get_running_loop().time()
         self.metrics.admissions.labels("admitted").inc()
         self.pending.pop(key, None)
@@ -524,6 +577,8 @@ class Admission:
 
         try:
             await retried(lambda: self.kube.create_pod(namespace, pod), RETRY_DELAYS, retrying)
+            self.events.post(namespace, meta["name"], meta.get("uid", ""), Said(
+                NORMAL, "PodCreated", f"created pod {name} on {booking.node}, GPU {booking.gpu}", "CreatePod"))
         except Conflict:  # created before a restart, or a pod of that name that is not this job's
             existing = await self.kube.find_pod(namespace, name)
             if existing is None or owner_of(existing) == (meta["name"], meta.get("uid", "")):
@@ -569,7 +624,7 @@ class Admission:
                 self._profiling.add(key)
                 self._spawn(self._profile_while_running(key))
             await self.set_status(namespace, job, {"phase": "Running", "message": "training", "podName": meta["name"]},
-                                  condition("PodRunning", True, "Running", f"pod {meta['name']} on {pod['spec'].get('nodeName')}"))
+                                  condition("PodRunning", True, "Running", f"pod {meta['name']} is running on {pod['spec'].get('nodeName')}"))
         elif phase in model.FINISHED and (key in self.ledger.bookings or self.phases.get(key) not in model.FINISHED):
             # an ended pod's events come again (an operator restart lists every kept pod, a finished pod's deletion):
             # finishing a job already ended rewrote its `finishedAt` and message (`finish` releases once it is written)
@@ -661,6 +716,7 @@ class Admission:
         the placement in its status, until this returns, so a restarted operator books the room again."""
         meta = body["metadata"]
         namespace, name, key = meta["namespace"], meta["name"], job_key(body)
+        self.remember_conditions(body)  # a restarted operator may see the deletion first: its end keeps them
         self.pending.pop(key, None)
         await self.ready.wait()
         creating = self._creating.get(key)
@@ -687,6 +743,7 @@ class Admission:
         self.conditions.pop(key, None)
         self.phases.pop(key, None)
         self.uids.pop(key, None)
+        self.events.forget(key)
 
     async def knobs_changed(self, body: dict) -> None:
         meta = body["metadata"]
@@ -801,6 +858,15 @@ def _pod_budget(booking: Booking) -> int | None:
     if booking.budget_bytes is not None:
         return booking.budget_bytes
     return booking.reserved_bytes if booking.forecast is None else None
+
+
+def _node_condition(node: str, present: bool) -> dict:
+    if present:
+        return condition("NodeAvailable", True, "TensileNodePublished", f"TensileNode {node} is published again")
+    return condition("NodeAvailable", False, "TensileNodeRemoved", (
+        f"TensileNode {node} was removed (its node drained or deleted, or its agent uninstalled): the job's pod is left "
+        "to run and its GPU stays booked until it ends, but no node agent re-plans its memory or takes its knob "
+        "changes there, and no job is placed on it until the TensileNode is published again"))
 
 
 def _knobs_condition(outcome: str) -> dict:

@@ -68,7 +68,9 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, me
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="operator.tensile.dev")
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="operator.tensile.dev", key="last-handled-configuration")
         settings.watching.server_timeout = 300
-        settings.posting.level = logging.WARNING  # Kubernetes Events only for problems, not every handler run
+        # Kopf's own Events only for problems, not every handler run; a job's lifecycle Events are posted by
+        # events.Recorder (kopf.event has no event queue in the scheduler's and background tasks)
+        settings.posting.level = logging.WARNING
         if webhook is not None:
             settings.admission.server = webhook
         info = login(settings=settings)
@@ -133,7 +135,7 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, me
 
     @kopf.on.event(GROUP, VERSION, "tensilenodes", registry=registry)
     async def _node(event: kopf.RawEvent, body: kopf.Body, name: str, **_: Any) -> None:
-        app.set_node(None if event.get("type") == "DELETED" else _plain(body), name)
+        await app.node_changed(None if event.get("type") == "DELETED" else _plain(body), name)
 
     return registry
 

@@ -163,6 +163,9 @@ class Kube:
     async def list_pods(self, label_selector: str) -> list[dict]:
         return (await self.call("list", "", "v1", "pods", params={"labelSelector": label_selector})).get("items", [])
 
+    async def create_event(self, namespace: str, event: dict) -> dict:
+        return await self.call("create", "", "v1", "events", namespace=namespace, body=event)
+
     async def delete_pod(self, namespace: str, name: str) -> None:
         try:
             await self.call("delete", "", "v1", "pods", namespace=namespace, name=name)

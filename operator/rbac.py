@@ -1,7 +1,7 @@
 """Every Kubernetes API call the operator makes, as data.
 
 `tensile.operator.kube.Kube` refuses any call not listed here, and Kopf's own calls (watching,
-patching its handlers' progress, peering, posting events) are listed with it. The chart's ClusterRole
+patching its handlers' progress, peering, posting its events) are listed with it. The chart's ClusterRole
 (charts/tensile/templates/operator-rbac.yaml) is written by hand; tests/test_chart.py checks that it
 grants exactly these rules, so the role is what the code needs.
 """
@@ -16,7 +16,7 @@ RULES: list[tuple[str, str, tuple[str, ...], str]] = [
     (GROUP, "trainingjobs/status", ("get", "patch"), "phase, conditions, forecast, placement"),
     (GROUP, "tensilenodes", ("get", "list", "watch"), "GPU inventory and committed forecasts published by node agents"),
     ("", "pods", ("get", "list", "watch", "create", "delete"), "the job's training pod, followed to completion"),
-    ("", "events", ("create",), "Kopf posts handler outcomes as events"),
+    ("", "events", ("create",), "a TrainingJob's lifecycle (events.py), and Kopf's handler failures, as Events"),
     ("", "namespaces", ("list", "watch"), "Kopf discovers the namespaces it serves"),
     ("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"), "Kopf discovers the CRDs it serves"),
     ("kopf.dev", "clusterkopfpeerings", ("get", "list", "watch", "patch"), "one active operator (Kopf peering)"),

@@ -29,6 +29,8 @@ class KubeEmulator(KubernetesEmulator):
     _rv: int = attrs.field(default=0, init=False)
     _write_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
     _with_status: set = attrs.field(factory=set, init=False)
+    _refused: dict = attrs.field(factory=dict, init=False)  # resource -> the status its creations are answered with
+    refusals: list = attrs.field(factory=list, init=False)  # the bodies of the creations refused so far
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -58,6 +60,11 @@ class KubeEmulator(KubernetesEmulator):
                          spec["names"].get("shortNames", ()))
         self.objects[resource("apiextensions.k8s.io/v1/customresourcedefinitions"), None, crd["metadata"]["name"]] = crd
 
+    def refuse(self, plural_key: str, status: int) -> None:
+        """Creations of `plural_key` are answered `status` from now on (an API server in trouble with one resource);
+        what they would have created is kept in `refusals`."""
+        self._refused[resource(plural_key)] = status
+
     # ---- writes ---------------------------------------------------------------------------------
     def _next_rv(self) -> str:
         self._rv += 1
@@ -71,10 +78,17 @@ class KubeEmulator(KubernetesEmulator):
             return await super()._handle(request)
         async with self._write_lock:
             try:
+                self._refuse(request)
                 request = self._prepare(request)
             except KubernetesError as exc:
                 return await self._render_error(exc)
             return await super()._handle(request)
+
+    def _refuse(self, request) -> None:  # type: ignore[no-untyped-def]
+        status = self._refused.get(request.resource) if request.action == action.CREATE else None
+        if status is not None:
+            self.refusals.append(copy.deepcopy(request.data))
+            raise KubernetesError(status, "InternalError", f"refused by the test: {request.resource}")
 
     def _current(self, request) -> Any:  # type: ignore[no-untyped-def]
         key = (request.resource, request.namespace, request.name)

@@ -34,13 +34,14 @@ def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class Api:
-    """The API server for Admission unit tests: status writes and pods; `failures[call]` are raised by the next calls."""
+    """The API server for Admission unit tests: status writes, pods and Events; `failures[call]` are raised by the next calls."""
 
     def __init__(self) -> None:
         self.statuses: list[tuple[str, dict]] = []
         self.pods: dict[str, dict] = {}
         self.jobs: list[dict] = []
         self.failures: dict[str, list[KubeError]] = defaultdict(list)
+        self.events: list[dict] = []
 
     def _answer(self, call: str) -> None:
         if self.failures[call]:
@@ -67,6 +68,10 @@ class Api:
 
     async def list_pods(self, selector: str) -> list[dict]:
         return list(self.pods.values())
+
+    async def create_event(self, namespace: str, event: dict) -> dict:
+        self.events.append(event)
+        return event
 
 
 def job(name: str, uid: str, status: dict | None = None) -> dict:
