@@ -1,11 +1,12 @@
 """The hook's link to its node agent (TENSILE_AGENT): register, get the plan, report, unregister.
 
-The executor offers two extension points, and this module fills both: `planner` (called once with the
-live workload after iteration 1) and `listener` (called after every iteration). Every HTTP call runs in
-one background thread, so the training loop never waits on the agent except for `planner`, which waits
-at most `agent_wait` seconds for the agent's first plan and otherwise falls back (the local planner, or
-guarded) and adopts the agent's plan when it arrives. An agent that is down, slow or refusing costs the
-training nothing but that wait: the last plan is kept, and the report's messages and the log say so.
+The executor offers two extension points, and this module fills both: `planner` (called with the
+live workload after iteration 1, and with each one recorded anew: a re-plan, new shapes) and `listener`
+(called after every iteration). Every HTTP call runs in one background thread, so the training loop
+never waits on the agent except for `planner`, which waits at most `agent_wait` seconds for the agent's
+first plan and otherwise falls back (the local planner, or guarded) and adopts the agent's plan when it
+arrives. An agent that is down, slow or refusing costs the training nothing but that wait: the last plan
+is kept, and the report's messages and the log say so.
 """
 
 from __future__ import annotations
@@ -92,11 +93,12 @@ class AgentLink:
         """The agent's plan for the live workload, waited for at most `agent_wait` seconds; else the
         fallback's plan (version 0, so the agent's plan replaces it as soon as it comes)."""
         with self._lock:
-            self._live = live
-            if self._signature is not None:  # registered with the forecast workload: did it match?
+            if self._live is None and self._signature is not None:  # registered with the forecast: did it match?
                 self._matched = self._match_posted = self._signature == live.signature
+            self._live = live
             if self._signature != live.signature:
-                # registered with another workload (a stale forecast): upload the live one instead
+                # registered with another workload (a stale forecast, or the batch's shapes changed since): upload the
+                # live one instead; the agent plans the shapes uploaded last, the executor keeps earlier shapes' plans
                 unsent = self._todo is not None and not self._todo.upload
                 upload = self._signature is not None and not unsent
                 self._todo = _Registration(live, budget, upload=upload)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from tensile.latency.measure import CudaOpTimer
@@ -38,6 +39,7 @@ from tensile.runtime_hook.native_swaps import NativeSwaps
 from tensile.runtime_hook.recipes import DeviceRandom, Recipe, RecipeBook
 from tensile.runtime_hook.report import HookReport, IterationStats, ReportWriter
 from tensile.runtime_hook.settings import HookSettings, budget_bytes, native_plans
+from tensile.runtime_hook.shapes import MAX_SHAPE_SETS, ShapeKey, ShapeSet, describe, shape_key
 from tensile.runtime_hook.storages import Slot, StorageRegistry
 from tensile.runtime_hook.storages import tensors_in as _tensors
 from tensile.tracer import Recorder, classify_roles, written_values
@@ -194,6 +196,16 @@ class PlanExecutor(TorchDispatchMode):
         self.prepared: ActivePlan | None = None  # ... under this plan
         self.module_hook: Any = None  # the global module forward pre-hook, on the native path
         self.live: Workload | None = None  # the matched iteration
+        # shape sets (shapes.py): each matched one's iteration, vanilla peak and plan; the one the plan in force is for;
+        # this iteration's shapes, taken at its first module call (from the step: `_want_key`), and the hook that takes
+        # them where `module_hook` is off; whether they are not the prepared plan's, and whether no plan is theirs
+        self.shape_sets: dict[ShapeKey, ShapeSet] = {}
+        self.shape_key: ShapeKey | None = None
+        self.entry_key: ShapeKey | None = None
+        self.key_wanted = False
+        self.shape_hook: Any = None
+        self.reshaped = False
+        self.off_shape = False
         self.swaps = NativeSwaps(self)  # activation swaps on the native path: aligned, then carried
         # On the CPU device a native iteration's peak is only known when observed by the dispatch
         # mode (every op's outputs watched, nothing else done): tests and audits turn this on.
@@ -210,9 +222,12 @@ class PlanExecutor(TorchDispatchMode):
         self.report.plan_version = plan.version
         self.report.plan_source = source
         if plan.forecast is not None:
-            self.report.vanilla_peak_bytes = plan.forecast.vanilla_peak_bytes
             self.report.scheduled_peak_bytes = plan.forecast.scheduled_peak_bytes
             self._set_vanilla(plan.forecast.vanilla_peak_bytes)
+        self._take_budget(plan, source)
+
+    def _take_budget(self, plan: Plan, source: str) -> None:
+        """A plan's budget becomes the job's: the agent's (the operator lowered it), a file's unless the job has one."""
         budget = plan.memory_budget_bytes
         if budget is None or budget == self.budget:
             return
@@ -228,10 +243,11 @@ class PlanExecutor(TorchDispatchMode):
         self.plan_budget = self.budget = self.report.memory_budget_bytes = budget
 
     def _set_vanilla(self, vanilla_peak: int) -> None:
-        self.vanilla_peak = vanilla_peak
-        self.budget = self.plan_budget or budget_bytes(self.settings.memory_budget, vanilla_peak)
-        self.report.vanilla_peak_bytes = self.report.vanilla_peak_bytes or vanilla_peak
-        self.report.memory_budget_bytes = self.budget
+        """The vanilla peak of the shapes that run now. A fractional budget is made bytes on the first one only: a job
+        whose batch grows later keeps the memory it started with (as one admitted with bytes does)."""
+        self.vanilla_peak = self.report.vanilla_peak_bytes = vanilla_peak
+        if self.budget is None:
+            self.budget = self.report.memory_budget_bytes = budget_bytes(self.settings.memory_budget, vanilla_peak)
 
     def _say(self, message: str, level: int = logging.WARNING) -> None:
         """Said once, with the iteration it was first said in; a repeat is only counted (a GAN's other step
@@ -246,14 +262,19 @@ class PlanExecutor(TorchDispatchMode):
         report.messages.append(f"iteration {self.iteration}: {message}")
 
     def _match(self, live: Workload) -> None:
-        """After a steady iteration: compare signatures; on a mismatch, plan from the live workload."""
+        """After a steady iteration, or one on new shapes: compare signatures; on a mismatch (or new shapes), plan
+        from the live workload. The plan is kept for these shapes; the guard's slack is the largest of all shapes'."""
         self.report.live_signature = live.signature
         self.live = live
-        self.report.guard_slack_bytes = max(
-            (sum(live.tensors[t].size for t in {*op.inputs, *op.outputs}) for op in live.ops), default=0
-        ) + BUDGET_TOLERANCE_BYTES
-        if self.vanilla_peak is None:
+        slack = max((sum(live.tensors[t].size for t in {*op.inputs, *op.outputs}) for op in live.ops), default=0)
+        self.report.guard_slack_bytes = max(slack + BUDGET_TOLERANCE_BYTES, self.report.guard_slack_bytes or 0)
+        if self.vanilla_peak is None or self.shape_sets:  # a plan file's forecast gives the first shapes' one
             self._set_vanilla(analyze_vanilla(live).peak_bytes)
+        self._plan_for(live)
+        if self.shape_key is not None:
+            self.shape_sets[self.shape_key] = ShapeSet(live, self.vanilla_peak or 0, self.ready)
+
+    def _plan_for(self, live: Workload) -> None:
         candidate = self.candidate
         if candidate is not None:
             match = candidate.plan.signature == live.signature
@@ -316,6 +337,7 @@ class PlanExecutor(TorchDispatchMode):
             # another mode holds the stack, a module call starts it, without a plan (_choose_path)
             self._watch_for_start()
         self.swaps.prepare(native, self.match_at <= self.iteration)
+        self._want_key()
 
     def _native_map(self, plan: ActivePlan | None) -> NativeMap | None:
         """The plan on native hook points, or None where the next iteration needs the dispatch mode:
@@ -328,7 +350,9 @@ class PlanExecutor(TorchDispatchMode):
             expected = self.report.scheduled_peak_bytes if plan is not None else self.vanilla_peak
             last = self._measured_so_far()
             forecast_over = expected is None or expected > self.budget
-            measured_over = last is not None and last.peak_bytes > self.budget + BUDGET_TOLERANCE_BYTES
+            # an iteration on shapes without a plan of their own (past MAX_SHAPE_SETS) says nothing of the plan's
+            measured_over = (last is not None and not self.off_shape
+                             and last.peak_bytes > self.budget + BUDGET_TOLERANCE_BYTES)
             if forecast_over or measured_over:
                 if plan is not None and not plan.guard_said:  # said once per plan
                     plan.guard_said = True
@@ -420,11 +444,48 @@ class PlanExecutor(TorchDispatchMode):
         if self._start_due():
             started = time.perf_counter()
             try:
-                self._unhook_modules()
-                self._begin_iteration()
+                if self.key_wanted:
+                    self._take_key(args)
+                if self._other_shapes(self.entry_key) and self._enter_mode():
+                    # on the dispatch path now, the iteration starts at its first op on a parameter, as a recorded one
+                    # did (from here, ops on the input before it would shift the plan's op indices)
+                    self.next_path = "dispatch"
+                else:
+                    self._unhook_modules()
+                    self._begin_iteration()
             except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
                 self._stand_down(exc)
             self.stats.hook_seconds += time.perf_counter() - started
+
+    def _want_key(self) -> None:
+        """At a step: the next iteration's shapes are taken at its first module call, by the pre-hook that starts it
+        where that is on (the native path), else by a hook of their own, gone after that call."""
+        self.key_wanted, self.entry_key = True, None
+        if self.module_hook is None and self.shape_hook is None:
+            self.shape_hook = register_module_forward_pre_hook(self._shape_hook)
+
+    def _shape_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if self._start_due():
+            started = time.perf_counter()
+            try:
+                self._take_key(args)
+            except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
+                self._stand_down(exc)
+            self.stats.hook_seconds += time.perf_counter() - started
+
+    def _take_key(self, args: Any) -> None:
+        self.entry_key = shape_key(args, self.device.type)
+        self._drop_key_hook()
+
+    def _drop_key_hook(self) -> None:
+        self.key_wanted = False
+        if self.shape_hook is not None:
+            self.shape_hook.remove()
+            self.shape_hook = None
+
+    def _other_shapes(self, key: ShapeKey | None) -> bool:
+        """Shapes other than those the plan in force was made for (unknown ones compare with nothing)."""
+        return key is not None and self.shape_key is not None and key != self.shape_key and not self.disabled
 
     def __enter__(self) -> PlanExecutor:
         self.in_mode = True
@@ -433,6 +494,7 @@ class PlanExecutor(TorchDispatchMode):
     def __exit__(self, *exc: Any) -> None:
         """Deactivation: off the stack (if on it) and every native hook removed."""
         self._unhook_modules()
+        self._drop_key_hook()
         self.swaps.remove()
         if self.in_mode:
             self.in_mode = False
@@ -475,10 +537,17 @@ class PlanExecutor(TorchDispatchMode):
 
     def _take_newer(self, plan: Plan | None) -> None:
         """A re-plan of the workload already matched applies from the next iteration, unmatched again; so
-        does a first plan to a job that runs guarded since it matched (no planner had a plan then)."""
+        does a first plan to a job that runs guarded since it matched (no planner had a plan then). One for
+        shapes that ran before and do not now (the agent plans the shapes uploaded last, which may have been
+        left since, or are being recorded anew) is kept for them."""
         current = self.ready or self.candidate
         if plan is None or (current is not None and plan.version == current.plan.version):
             return
+        for key, shapes in self.shape_sets.items():
+            if key != self.shape_key and shapes.live.signature == plan.signature:
+                shapes.plan = ActivePlan(plan, shapes.live)
+                self._take_budget(plan, "agent")
+                return
         if current is not None:
             signature, workload = current.plan.signature, current.workload
         elif self.live is not None and self.iteration >= self.match_at:
@@ -505,19 +574,67 @@ class PlanExecutor(TorchDispatchMode):
         self.step_done = False
         self.recipes.clear()
         self.op_index = 0
+        key = None if self.key_wanted else self.entry_key  # none where an op started it before any module call
+        self._drop_key_hook()
+        self._follow_shapes(key)
         if self.iteration == self.match_at:
             self.recorder = _LiveRecorder(self.device.type, self.registry)
         self.active = None if self.disabled else self.ready
         mode = "planned" if self.active else ("recording" if self.iteration <= self.match_at else "guarded")
         self.stats = IterationStats(self.iteration, mode, self.active.plan.version if self.active else None)
         self._choose_path()
-        self.swaps.begin(self.active, self.path == "native")
+        learn = not (self.off_shape or self.iteration == self.match_at)  # aligning a plan on its own shapes only
+        self.swaps.begin(self.active, self.path == "native", learn)
         self.iteration_started = time.perf_counter()
+
+    def _follow_shapes(self, key: ShapeKey | None) -> None:
+        """An iteration on shapes other than the plan's (a larger batch, an epoch's last batch, bf16 autocast from
+        now on) is, as at a signature mismatch, recorded on the dispatch path, under the budget guard, and planned
+        from, said once; shapes seen before take back the plan made for them, on the dispatch path for that
+        iteration (the step prepared the other plan's native hooks); past MAX_SHAPE_SETS, shapes without a plan
+        run under the plan in force on the dispatch path, guarded, without re-planning."""
+        self.reshaped = self.off_shape = False
+        if self.iteration == self.match_at:  # recorded (iteration 1, a re-plan): the plan made from it is for these
+            self.shape_key = key if key is not None else self.shape_key
+            return
+        if not self._other_shapes(key):
+            return
+        assert key is not None and self.shape_key is not None
+        self.reshaped = True
+        known = self.shape_sets.get(key)
+        if known is None and len(self.shape_sets) >= MAX_SHAPE_SETS:
+            self.off_shape = True
+            self._say(f"the batch's shapes changed again, past the {MAX_SHAPE_SETS} shape sets planned for: iterations "
+                      "on shapes without a plan of their own run under the plan in force on the dispatch path, where "
+                      "the budget guard keeps the memory budget", logging.INFO)
+            return
+        self.previous_planned = False  # another workload: its cross-iteration events are not the last iteration's
+        self.keys.clear()
+        if self.shape_key in self.shape_sets:
+            self.shape_sets[self.shape_key].plan = self.ready  # the agent may have sent a newer one meanwhile
+        if known is None:
+            self._say(f"the batch's shapes changed at iteration {self.iteration} ({describe(self.shape_key)} -> "
+                      f"{describe(key)}); planning again", logging.INFO)
+            self.match_at, self.ready, self.candidate = self.iteration, None, None
+        else:
+            log.debug("tensile: iteration %d is back on shapes planned for: %s", self.iteration, describe(key))
+            self._resume(known)
+        self.shape_key = key
+
+    def _resume(self, shapes: ShapeSet) -> None:
+        """The plan made for shapes seen before, and the figures that go with it."""
+        self.live, self.ready, self.candidate = shapes.live, shapes.plan, shapes.plan
+        self._set_vanilla(shapes.vanilla_peak)
+        self.report.live_signature = shapes.live.signature
+        if shapes.plan is not None:
+            forecast = shapes.plan.plan.forecast
+            self.report.plan_version = shapes.plan.plan.version
+            self.report.scheduled_peak_bytes = forecast.scheduled_peak_bytes if forecast is not None else None
 
     def _choose_path(self) -> None:
         """What the step decided, unless the plan changed since (a newer one from the agent) or the
         hook stood down: then this iteration runs on the dispatch path, where it can."""
-        native = self.next_path == "native" and self.active is self.prepared and not self.disabled
+        native = self.next_path == "native" and self.active is self.prepared and not self.disabled and not self.reshaped
         if not native and not self._enter_mode():
             if self.active is not None:
                 self._say("another dispatch mode is active: this iteration's plan is not applied")

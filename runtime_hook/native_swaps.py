@@ -467,15 +467,15 @@ class NativeSwaps:
         native = executor._mapped(plan)
         return native is not None and bool(native.swaps) and native.carrier is None
 
-    def begin(self, active: ActivePlan | None, native: bool) -> None:
+    def begin(self, active: ActivePlan | None, native: bool, learn: bool = True) -> None:
         """An iteration starts: a native one carries its plan's swaps if that plan's carrier is
         installed; a learner whose iteration has no swaps to align after all (the plan matched at
-        this start has none) goes."""
+        this start has none, or it runs on shapes the plan was not made for: `learn` False) goes."""
         if native and self.carrier is not None and active is not None and active.native is not None \
                 and active.native.carrier is self.carrier:
             self.carrying = self.carrier
             self.carrying.begin()
-        if self.learner is not None and (native or not self.needs_alignment(active)):
+        if self.learner is not None and (native or not learn or not self.needs_alignment(active)):
             self.learner.remove()
             self.learner = None
 
