@@ -28,9 +28,10 @@ from tensile.operator.forecasting import Forecaster, ForecastError, JobForecast
 from tensile.operator.heap import freeze_long_lived
 from tensile.operator.kube import Conflict, Kube, KubeError, NotFound, retried, transient
 from tensile.operator.metrics import OperatorMetrics
-from tensile.operator.placement import (Booking, Candidate, Gpu, JointPlanner, Ledger, choose, fit_unchanged,
-                                        gpus_from_tensilenode, matching)
+from tensile.operator.placement import (Booking, Candidate, Decision, Gpu, JointPlanner, Ledger, choose, fit_unchanged,
+                                        gpus_from_tensilenode, matching, too_large)
 from tensile.operator.pods import DEFAULT_IMAGE, JOB_LABEL, build_pod, job_token, owner_of, pod_name
+from tensile.operator.queueing import Priorities, Priority, QueueConfig, Walk, missing_class_message
 from tensile.operator.validation import unreachable_budget
 
 log = logging.getLogger("tensile.operator")
@@ -68,20 +69,23 @@ class Pending:
     body: dict
     spec: model.JobSpec
     forecast: JobForecast | None
-    queued_reason: str = ""
+    said: dict | None = None  # the `status.queue` last written for the job (written again only when it changes)
     since: str = ""  # when the job first waited (`status.queue.since`, read back after a restart)
+    head_since: str = ""  # when it became the head of the queue (`status.queue.headSince`, read back after a restart)
 
-    @property
-    def order(self) -> tuple[str, str]:
-        """The queue's order: FIFO by the job's creation (`metadata.creationTimestamp`, whole seconds), ties by
-        namespace/name. By the loop time its forecast and `Queued` write ended (as it was), jobs created in order
-        were placed out of it, and a restarted operator's queue followed which forecast was cached."""
-        return self.body["metadata"].get("creationTimestamp", ""), self.key
+    def order(self, priority: Priority) -> tuple[int, str, str]:
+        """The queue's order: by priority (highest first), then FIFO by the job's creation
+        (`metadata.creationTimestamp`, whole seconds), ties by namespace/name. By the loop time its forecast and
+        `Queued` write ended (as it was), jobs created in order were placed out of it, and a restarted operator's
+        queue followed which forecast was cached."""
+        return -priority.value, self.body["metadata"].get("creationTimestamp", ""), self.key
 
 
 class Admission:
     def __init__(self, forecaster: Forecaster | None = None, planner: JointPlanner | None = None,
-                 image: str | None = None, token_key: bytes | None = None):
+                 image: str | None = None, token_key: bytes | None = None, queueing: QueueConfig | None = None):
+        self.queueing = queueing or QueueConfig.from_env()  # a bad setting stops the operator before it starts
+        self.priorities = Priorities()
         self.kube = Kube()
         self.events = Recorder(lambda: self.kube)
         self.forecaster = forecaster or Forecaster()
@@ -104,6 +108,7 @@ class Admission:
         self._early: dict[str, dict] = {}  # key -> the newest TrainingJob seen before the start-up rebuild ended
         self.ready = asyncio.Event()  # set once the ledger was rebuilt and the scheduler runs
         self._scheduler: asyncio.Task | None = None
+        self._hold_timer: asyncio.TimerHandle | None = None  # wakes the scheduler when a head's wait bound ends
         self._background: set[asyncio.Task] = set()  # pod creations, profile fetches
         # held while a placement is written: stopping waits for it, so no status write of this operator
         # lands after a successor has listed the statuses (its in-memory ledger would miss the booking)
@@ -139,6 +144,18 @@ class Admission:
         self.set_node(body, name)
         await self.ready.wait()
         await self._say_node(name, present=body is not None)
+
+    async def load_priority_classes(self) -> None:
+        """Every PriorityClass, listed once at start-up so the first pass orders by them (a job naming a class the
+        watch had not delivered yet would be said to name none); Kopf's watch keeps them after (`priority_class_changed`)."""
+        for body in await self.kube.list_priorityclasses():
+            self.priorities.changed(body["metadata"]["name"], body)
+
+    def priority_class_changed(self, body: dict | None, name: str) -> None:
+        """A PriorityClass created, changed or deleted (`body` None): the queue is ordered again by it, and a job that
+        waits for a class that now exists is placed."""
+        self.priorities.changed(name, body)
+        self.wake.set()
 
     async def _say_node(self, node: str, present: bool) -> None:
         """`NodeAvailable` on the jobs booked on `node`, written where it changes (one Event each); only a job
@@ -265,7 +282,9 @@ class Admission:
                                                             "its first run's live workload becomes the profile")]
             fstatus = {"source": "budget"}
         await self.set_status(namespace, name, {"phase": "Queued", "message": "waiting for placement", "forecast": fstatus}, *conds)
-        self.pending[key] = Pending(key, namespace, name, body, spec, forecast, since=(status.get("queue") or {}).get("since") or "")
+        queue = status.get("queue") or {}
+        self.pending[key] = Pending(key, namespace, name, body, spec, forecast, since=queue.get("since") or "",
+                                    head_since=queue.get("headSince") or "")
         self.wake.set()
 
     async def _fail_unreachable(self, namespace: str, name: str, problem: model.SpecProblem, *conds: dict) -> None:
@@ -312,6 +331,8 @@ class Admission:
 
     async def stop(self) -> None:
         await self._committing.acquire()
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
         tasks = [t for t in [self._scheduler, *self._background] if t is not None]
         for task in tasks:
             task.cancel()
@@ -415,8 +436,7 @@ class Admission:
             try:
                 if asyncio.get_running_loop().time() - self.rebuilt_at > RESYNC_SECONDS:
                     await self.rebuild()
-                for pending in sorted(self.pending.values(), key=lambda p: p.order):
-                    await self.place(pending)
+                await self._pass()
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the scheduler must survive a failed pass
@@ -425,37 +445,108 @@ class Admission:
                 await asyncio.sleep(1.0)
                 self.wake.set()
 
-    async def place(self, pending: Pending) -> None:
+    async def _pass(self) -> None:
+        """One pass in the queue's order (priority, then creation). A job whose PriorityClass does not exist is not
+        ordered, nor placed: Kubernetes would refuse its pod, and the class may be created later."""
+        walk = Walk(self.queueing, time.time())
+        ranked: list[tuple[Priority, Pending]] = []
+        for pending in list(self.pending.values()):
+            priority = self.priorities.of(pending.body.get("spec") or {})
+            if priority.known:
+                ranked.append((priority, pending))
+            else:
+                await self._wait_for_class(pending, priority.class_name)
+        for priority, pending in sorted(ranked, key=lambda r: r[1].order(r[0])):
+            if self._class_was_missing(pending.key):
+                await self.set_status(pending.namespace, pending.name, {}, condition(
+                    "PriorityResolved", True, "PriorityClassFound",
+                    f"PriorityClass {priority.class_name} exists now: queued with priority {priority.value}"))
+            await self.place(pending, walk, priority)
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        if walk.next_hold is not None:  # a head's wait bound ends then: it is said, and held for, without other news
+            self._hold_timer = asyncio.get_running_loop().call_later(max(0.0, walk.next_hold - time.time()), self.wake.set)
+
+    def _class_was_missing(self, key: str) -> bool:
+        return any(c["type"] == "PriorityResolved" and c["status"] == "False" for c in self.conditions.get(key, []))
+
+    async def _wait_for_class(self, pending: Pending, name: str) -> None:
+        """A priorityClassName no PriorityClass has: said on the job (condition and Warning Event) with the fix, rather
+        than as a refused pod at creation; it waits queued and unplaced until the class exists (as a Kubernetes
+        controller's pod creation is retried), since it cannot be ordered without its priority."""
+        message = missing_class_message(name)
+        pending.since = pending.since or utc_timestamp()
+        queue = _queue_status(reason=message, shortfallBytes=0, since=pending.since, priorityClassName=name)
+        if queue != pending.said:
+            self._said_queued(pending, queue)
+            await self.set_status(pending.namespace, pending.name, {"phase": "Queued", "message": message, "queue": queue},
+                                  condition("PriorityResolved", False, "PriorityClassNotFound", message))
+
+    def _said_queued(self, pending: Pending, queue: dict) -> None:
+        if pending.said is None:
+            self.metrics.admissions.labels("queued").inc()
+        pending.said = queue
+
+    async def place(self, pending: Pending, walk: Walk | None = None, priority: Priority | None = None) -> None:
+        """Places the job on a GPU not held for an earlier job of the pass (`walk`), or says how it waits."""
         if pending.key in self.ledger.bookings:  # placed by an earlier pass (or operator)
             self.pending.pop(pending.key, None)
             return
+        walk = walk or Walk(self.queueing, time.time())
         spec = pending.spec
         candidate = Candidate(pending.key, pending.forecast, spec.memory_budget, spec.selector, spec.max_swap_rate)
-        decision = fit_unchanged(matching(self.gpus, candidate), self.ledger, candidate)
-        if decision is None:  # the joint planner may run: off the event loop, on a snapshot of the ledger
+        usable = matching(self.gpus, candidate)
+        free = walk.free([g.uuid for g in usable])
+        gpus = [g for g in usable if g.uuid in free]
+        decision = fit_unchanged(gpus, self.ledger, candidate)
+        if decision is None and gpus:  # the joint planner may run: off the event loop, on a snapshot of the ledger
             snapshot = Ledger()
             snapshot.bookings = dict(self.ledger.bookings)
-            decision = await asyncio.to_thread(choose, self.gpus, snapshot, candidate, self.planner)
-        if decision.gpu is None:
-            reason = decision.reason if self.gpus else "no TensileNode publishes a GPU yet"
-            if reason != pending.queued_reason:
-                if not pending.queued_reason:
-                    self.metrics.admissions.labels("queued").inc()
-                pending.queued_reason = reason
-                # when it first waited: a new shortfall (the reason names it) or a restart reset it before
-                pending.since = pending.since or utc_timestamp()
-                if decision.too_large:  # kept queued, as Kubernetes keeps an unschedulable pod Pending: a larger GPU may join
-                    fix = "reduce spec.workload.batchSize" if pending.forecast is not None else f"lower {spec.budget_field}"
-                    admitted = condition("Admitted", False, "NoGpuLargeEnough", f"{reason} (a TensileNode with more memory), or {fix}")
-                else:
-                    admitted = condition("Admitted", False, "Queued", f"{reason}; retried when capacity frees")
-                await self.set_status(pending.namespace, pending.name, {
-                    "phase": "Queued", "message": reason,
-                    "queue": {"reason": reason, "shortfallBytes": decision.shortfall_bytes, "since": pending.since},
-                }, admitted)
+            decision = await asyncio.to_thread(choose, gpus, snapshot, candidate, self.planner)
+        if decision is not None and decision.gpu is not None:
+            async with self._committing:
+                await self.commit(pending, decision.gpu, decision.peaks)
             return
-        async with self._committing:
-            await self.commit(pending, decision.gpu, decision.peaks)
+        held = [g.uuid for g in usable if g.uuid not in free]
+        if not self.gpus:
+            decision = Decision(None, reason="no TensileNode publishes a GPU yet")
+        elif not usable:
+            decision = Decision(None, reason="no GPU matches spec.gpuSelector")
+        elif decision is None or (decision.too_large and too_large(usable, candidate) is None):
+            decision = Decision(None)  # only GPUs held for earlier jobs could hold it: the reason is that hold
+        wait = walk.waiting(pending.key, [g.uuid for g in usable if too_large([g], candidate) is None], pending.head_since)
+        await self._say_waiting(pending, priority or Priority(), decision, wait.head_since, wait.holds,
+                                walk.holders(held), held)
+
+    async def _say_waiting(self, pending: Pending, priority: Priority, decision: Decision, head_since: str,
+                           holds: tuple[str, ...], behind: list[str], held: list[str]) -> None:
+        """`status.queue` and the `Admitted` condition of a job that waits: its shortfall, its priority, since when it is
+        the head of the queue, the GPUs held for it, and the earlier jobs it waits behind. Written when it changes."""
+        pending.head_since = head_since
+        reason = decision.reason
+        if behind:
+            reason = (f"waits behind {', '.join(behind)}: holding GPU room on {', '.join(held)} for "
+                      f"{'them' if len(behind) > 1 else 'it'} ({self.queueing.rule()})") + (f"; {reason}" if reason else "")
+        elif holds:
+            reason = (f"holding GPU room on {', '.join(holds)} for {pending.key} ({self.queueing.rule()}): later jobs are "
+                      f"not placed there until it is; {reason}")
+        # when it first waited: a new shortfall (the reason names it) or a restart reset it before
+        pending.since = pending.since or utc_timestamp()
+        queue = _queue_status(reason=reason, shortfallBytes=decision.shortfall_bytes, since=pending.since,
+                              priority=priority.value, priorityClassName=priority.class_name or None,
+                              headSince=head_since or None, holding=list(holds) or None, waitingBehind=behind or None)
+        if queue == pending.said:
+            return
+        self._said_queued(pending, queue)
+        if decision.too_large:  # kept queued, as Kubernetes keeps an unschedulable pod Pending: a larger GPU may join
+            fix = "reduce spec.workload.batchSize" if pending.forecast is not None else f"lower {pending.spec.budget_field}"
+            admitted = condition("Admitted", False, "NoGpuLargeEnough", f"{reason} (a TensileNode with more memory), or {fix}")
+        else:
+            why = "WaitingBehind" if behind else "HoldingRoom" if holds else "Queued"
+            admitted = condition("Admitted", False, why, f"{reason}; retried when capacity frees")
+        await self.set_status(pending.namespace, pending.name, {"phase": "Queued", "message": reason, "queue": queue},
+                              admitted)
 
     async def commit(self, pending: Pending, gpu: Gpu, peaks: dict[str, int]) -> None:
         """Books the placement `place` decided, unless the job left the queue meanwhile (deleted while the joint
@@ -848,6 +939,14 @@ class Admission:
         again = self.pending.get(pending.key)
         if again is not None:
             again.since = pending.since or again.since
+            again.head_since = pending.head_since or again.head_since
+
+
+def _queue_status(**fields: object) -> dict:
+    """`status.queue` with every field it may hold: one left None is removed by the merge patch (left out, the
+    API server would keep what an earlier write said, such as a hold that has ended)."""
+    return dict.fromkeys(("reason", "shortfallBytes", "since", "priority", "priorityClassName", "headSince", "holding",
+                          "waitingBehind")) | fields
 
 
 KNOBS_RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 15.0) + (30.0,) * 18  # seconds: about ten minutes for a pod to start

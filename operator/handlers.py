@@ -82,6 +82,7 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, me
             app.metrics.serve(metrics_port, metrics_addr)
         except TensileUserError as exc:
             raise kopf.PermanentError(str(exc)) from exc
+        await app.load_priority_classes()  # before the watch below starts: the first pass orders by them
         await app.start()
 
     @kopf.on.cleanup(registry=registry)
@@ -93,6 +94,7 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, me
         @kopf.on.validate(**tj, id="tensile-validate", operations=["CREATE", "UPDATE"])
         async def _validate(spec: kopf.Spec, meta: kopf.Meta, warnings: list[str], **_: Any) -> None:
             warnings.extend(admission_warnings(dict(meta.annotations)))  # kubectl prints them; the job is not refused
+            warnings.extend(app.priorities.warnings(dict(spec)))  # the class may be created later: the job waits for it
             problems = await check(dict(spec), dict(meta.annotations), app.gpus, app.forecaster)
             if problems:
                 raise kopf.AdmissionError("; ".join(str(p) for p in problems), code=422)
@@ -132,6 +134,10 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, me
     @kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)
     async def _pod(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
         await app.pod_changed(_plain(body), deleted=event.get("type") == "DELETED")
+
+    @kopf.on.event("scheduling.k8s.io", "v1", "priorityclasses", registry=registry)
+    async def _priority_class(event: kopf.RawEvent, body: kopf.Body, name: str, **_: Any) -> None:
+        app.priority_class_changed(None if event.get("type") == "DELETED" else _plain(body), name)
 
     @kopf.on.event(GROUP, VERSION, "tensilenodes", registry=registry)
     async def _node(event: kopf.RawEvent, body: kopf.Body, name: str, **_: Any) -> None:

@@ -138,6 +138,9 @@ class Kube:
     async def list_trainingjobs(self) -> list[dict]:
         return (await self.call("list", GROUP, VERSION, "trainingjobs")).get("items", [])
 
+    async def list_priorityclasses(self) -> list[dict]:
+        return (await self.call("list", "scheduling.k8s.io", "v1", "priorityclasses")).get("items", [])
+
     async def list_tensilenodes(self) -> list[dict]:
         return (await self.call("list", GROUP, VERSION, "tensilenodes")).get("items", [])
 

@@ -15,6 +15,7 @@ RULES: list[tuple[str, str, tuple[str, ...], str]] = [
     (GROUP, "trainingjobs", ("get", "list", "watch", "patch"), "the jobs it admits; Kopf's finalizer and progress annotations"),
     (GROUP, "trainingjobs/status", ("get", "patch"), "phase, conditions, forecast, placement"),
     (GROUP, "tensilenodes", ("get", "list", "watch"), "GPU inventory and committed forecasts published by node agents"),
+    ("scheduling.k8s.io", "priorityclasses", ("list", "watch"), "the queue's order: PriorityClass values (listed at start-up, then watched)"),
     ("", "pods", ("get", "list", "watch", "create", "delete"), "the job's training pod, followed to completion"),
     ("", "events", ("create",), "a TrainingJob's lifecycle (events.py), and Kopf's handler failures, as Events"),
     ("", "namespaces", ("list", "watch"), "Kopf discovers the namespaces it serves"),

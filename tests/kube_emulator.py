@@ -37,6 +37,7 @@ class KubeEmulator(KubernetesEmulator):
         self.declare("v1/namespaces", "Namespace", namespaced=False)
         self.declare("v1/pods", "Pod", namespaced=True, subresources=("status",))
         self.declare("v1/events", "Event", namespaced=True)
+        self.declare("scheduling.k8s.io/v1/priorityclasses", "PriorityClass", namespaced=False)
         self.declare("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", namespaced=False)
         self.declare("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", namespaced=False)
         self.declare("kopf.dev/v1/kopfpeerings", "KopfPeering", namespaced=True)

@@ -57,6 +57,12 @@ class Cluster:
         status = {"gpus": gpus, "agentAddress": agent, "updatedAt": "2026-01-01T00:00:00Z"}
         await self.request("PATCH", f"/apis/tensile.dev/v1alpha1/tensilenodes/{name}/status", {"status": status})
 
+    async def priority_class(self, name: str, value: int, global_default: bool = False) -> None:
+        """A PriorityClass (scheduling.k8s.io/v1), as `kubectl create priorityclass NAME --value=N` makes it."""
+        await self.request("POST", "/apis/scheduling.k8s.io/v1/priorityclasses", {
+            "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": name},
+            "value": value, "globalDefault": global_default})
+
     def node(self, name: str) -> dict | None:
         return self.emu.get(TN, None, name)
 
@@ -292,10 +298,14 @@ def jitter(low: float, high: float) -> Callable[[dict], float]:
 
 
 @contextlib.asynccontextmanager
-async def gpu_held_by_big(tmp_path: Path, forecaster: Forecaster) -> AsyncIterator[tuple[Cluster, Admission]]:
-    """One 4 GiB GPU, the operator running (its Admission), and job "big" admitted with 3 GiB of it."""
+async def gpu_held_by_big(tmp_path: Path, forecaster: Forecaster,
+                          prepare: Callable[[Cluster], Awaitable[None]] | None = None) -> AsyncIterator[tuple[Cluster, Admission]]:
+    """One 4 GiB GPU, the operator running (its Admission), and job "big" admitted with 3 GiB of it; `prepare` runs on
+    the cluster before the operator starts (e.g. objects it lists at start-up)."""
     async with cluster(tmp_path) as c:
         await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4)])
+        if prepare is not None:
+            await prepare(c)
         op = await start_operator(forecaster)
         try:
             await c.apply(trainingjob("big", None, profile="p", memoryBudget="3Gi"))
