@@ -141,6 +141,8 @@ class PlanOut(_Model):
     budget_bytes: int | None
     plan: PlanBody | None
     knobs: KnobsOut = Field(description="the job's knobs as the agent holds them: a hook re-registering after an agent restart sends these")
+    gpu_share_bytes: int | None = Field(None, description="the job's share of a GPU it shares: the plan's memory budget "
+                                                          "without a budget of its own, and at most this when the jobs cannot fit")
 
 
 class MeasurementsIn(_Request):
@@ -209,6 +211,8 @@ class JobOut(_Model):
     forecast: ForecastOut | None
     observed: ObservedOut
     registered_at: float
+    gpu_share_bytes: int | None = None
+    silent_seconds: float = Field(0.0, description="since the job's last call with its token (a live hook polls twice a second)")
     replanning: bool | None = None
 
 

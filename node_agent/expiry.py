@@ -1,5 +1,6 @@
 """Silent external jobs expire: a hook that registered by itself (`tensile run --agent`) and was killed before
-it could unregister would otherwise keep its scheduled peak on the GPU for the agent's life."""
+it could unregister would otherwise keep its scheduled peak on the GPU for the agent's life. A job registered with
+the operator's token is kept (the operator books its share until its pod goes) and its silence logged once."""
 
 from __future__ import annotations
 

@@ -44,7 +44,8 @@ class AgentCollector(Collector):
                                      labels=["gpu", "index", "name", "simulated"])
         memory = GaugeMetricFamily("tensile_gpu_memory_bytes", "Device memory", labels=["gpu"])
         capacity = GaugeMetricFamily("tensile_gpu_capacity_bytes", "Memory available to admission (device memory less headroom)", labels=["gpu"])
-        used = GaugeMetricFamily("tensile_gpu_used_bytes", "Used memory from NVML (simulated GPUs: the jobs' observed peaks)", labels=["gpu", "simulated"])
+        used = GaugeMetricFamily("tensile_gpu_used_bytes", "Used memory from NVML (simulated GPUs: the jobs' observed peaks "
+                                 "plus the per-job context the GPU is simulated with, --context-bytes)", labels=["gpu", "simulated"])
         util = GaugeMetricFamily("tensile_gpu_utilization_ratio", "GPU utilization from NVML, 0..1", labels=["gpu"])
         vanilla = GaugeMetricFamily("tensile_gpu_forecast_vanilla_peak_bytes", "Sum of the jobs' forecast vanilla peaks", labels=["gpu"])
         scheduled = GaugeMetricFamily("tensile_gpu_forecast_scheduled_peak_bytes", "Sum of the jobs' forecast scheduled peaks", labels=["gpu"])
@@ -64,7 +65,12 @@ class AgentCollector(Collector):
                 labels=JOB_LABELS),
             "iteration": GaugeMetricFamily("tensile_job_iteration_seconds", "Mean iteration time in the hook's last report", labels=JOB_LABELS),
             "predicted": GaugeMetricFamily("tensile_job_predicted_iteration_seconds", "Vanilla iteration time the plan was made with", labels=JOB_LABELS),
-            "eor": GaugeMetricFamily("tensile_job_observed_eor_ratio", "Observed extra overhead rate (iteration time / time without scheduling)", labels=JOB_LABELS),
+            "eor": GaugeMetricFamily("tensile_job_observed_eor_ratio", "Observed extra overhead rate: iteration time / the vanilla "
+                                     "iteration time the hook measured (absent until it sends one)", labels=JOB_LABELS),
+            "forecast_eor": GaugeMetricFamily("tensile_job_forecast_eor_ratio", "Predicted extra overhead rate of the current plan "
+                                              "(the latency model's: planned / vanilla iteration time)", labels=JOB_LABELS),
+            "silent": GaugeMetricFamily("tensile_job_silent_seconds", "Seconds since the job's last call with its token (a live "
+                                        "hook polls twice a second)", labels=JOB_LABELS),
             "version": GaugeMetricFamily("tensile_job_plan_version", "Version of the job's current plan", labels=JOB_LABELS),
             "applied": GaugeMetricFamily("tensile_job_applied_plan_version", "Plan version the hook reported running", labels=JOB_LABELS),
             "budget": GaugeMetricFamily("tensile_job_memory_budget_bytes", "The job's memory budget", labels=JOB_LABELS),
@@ -85,7 +91,7 @@ class AgentCollector(Collector):
             for j in jobs:
                 f = j.plan.forecast if j.plan else None
                 rows.append(([j.gpu, j.ref.namespace, j.ref.name], f, j.version, j.memory_budget_bytes,
-                             j.observed.to_dict()))
+                             j.observed.to_dict(), j.silent_seconds))
         for uuid, s in summaries.items():
             gpu_info.add_metric([uuid, str(s["index"]), s["name"], str(s["simulated"]).lower()], 1)
             memory.add_metric([uuid], s["memory_bytes"])
@@ -105,12 +111,14 @@ class AgentCollector(Collector):
         zeros = {(uuid, reason): 0 for uuid in inventory.gpus for reason in REPLAN_REASONS}
         for (uuid, reason), count in sorted((zeros | replan_counts).items()):
             replans.add_metric([uuid, reason], count)
-        for labels, forecast, version, budget, obs in rows:
+        for labels, forecast, version, budget, obs, silent in rows:
             if forecast is not None:
                 job_metrics["vanilla"].add_metric(labels, forecast.vanilla_peak_bytes)
                 job_metrics["scheduled"].add_metric(labels, forecast.scheduled_peak_bytes)
                 job_metrics["predicted"].add_metric(labels, forecast.predicted_iteration_seconds)
+                job_metrics["forecast_eor"].add_metric(labels, forecast.predicted_eor)
             job_metrics["version"].add_metric(labels, version)
+            job_metrics["silent"].add_metric(labels, silent)
             if budget is not None:
                 job_metrics["budget"].add_metric(labels, budget)
             if obs["peak_bytes"] is not None:

@@ -50,6 +50,19 @@ def gpu_budget(state: AgentState, uuid: str, jobs: list[Job]) -> int:
     return max(available, 0)
 
 
+def gpu_shares(result: GpuPlan, budget: int) -> dict[str, int]:
+    """Each planned job's share of the round's budget, in proportion to its scheduled peak. When the jobs fit, a
+    share is at least that peak (the room left is shared out alike, so a forecast a little low does not make the
+    guard evict); when they cannot, the peaks are the lowest the planner reached and the shares still add up to
+    at most the budget: each job gives up room in proportion to what it needs, and the hooks' guards keep the
+    jobs within the GPU together instead of letting them OOM together."""
+    peaks = {name: plan.forecast.scheduled_peak_bytes for name, plan in result.plans.items() if plan.forecast}
+    total = sum(peaks.values())
+    if budget <= 0 or total <= 0:
+        return {}
+    return {name: share for name, peak in peaks.items() if (share := budget * peak // total) > 0}
+
+
 def same_plan(a: Plan | None, b: Plan | None) -> bool:
     """Same events for the same signature, forecast and budget: no new version is handed out."""
     if a is None or b is None:
@@ -330,10 +343,12 @@ class PlanningService:
             latencies_of[job.key] = latencies
         snapshot = [(job, incarnation, workload, latencies_of[job.key]) for job, incarnation, workload, _ in taken
                     if workload is not None]  # plannable: all of them
-        if not snapshot:
+        if not snapshot:  # the last job left (or none has a workload): still a round of its reasons for the metrics
             with state.lock:
                 state.rounds[gpu] = GpuRound(state.rounds[gpu].round, 0.0, None, "no jobs to plan", budget,
                                              state.rounds[gpu].rounds_seconds_total)
+                for reason in reasons:
+                    state.replans[(gpu, reason)] += 1
             state.changed.set()
             return
         specs = []
@@ -353,6 +368,8 @@ class PlanningService:
             result, error = None, f"planning failed: {type(exc).__name__}: {exc}"
         seconds = time.perf_counter() - started
         names = [job.key for job, *_ in snapshot]
+        # a GPU's jobs share it (or one job cannot fit it): each is held to its share, so one cannot take the others' room
+        shares = gpu_shares(result, budget) if result is not None and (len(jobs) > 1 or not result.fits) else {}
         with state.lock:
             last = state.rounds.setdefault(gpu, GpuRound())
             number = last.round + 1
@@ -366,17 +383,24 @@ class PlanningService:
                     job.fits = None
                     continue
                 plan = result.plans[job.key]
-                plan.memory_budget_bytes = job.memory_budget_bytes
+                share = job.gpu_share_bytes = shares.get(job.key)
+                own = job.memory_budget_bytes
+                # a budget of the job's own is never raised, and lowered to its share only when the jobs cannot fit:
+                # when they fit, the joint plan holds each below its own budget (which admission counted already)
+                plan.memory_budget_bytes = own if share is None or (own and result.fits) else min(own or share, share)
                 if not same_plan(plan, job.plan):
                     job.version += 1
                     plan.version = job.version
                     job.plan = plan
                 job.fits = result.fits
                 message = result.message
-                peak = job.scheduled_peak
-                if job.memory_budget_bytes and peak and peak > job.memory_budget_bytes:
+                peak, guard = job.scheduled_peak, plan.memory_budget_bytes
+                if share is not None and guard == share and share != own:
+                    message += (f"; this job's share of the GPU is {share / 2**20:,.1f} MiB, its memory budget here: "
+                                "the hook's guard holds it there so the jobs sharing the GPU fit together")
+                if guard and peak and peak > guard:
                     message += (f"; this job's scheduled peak {peak / 2**20:,.1f} MiB is above its budget of "
-                                f"{job.memory_budget_bytes / 2**20:,.1f} MiB: the hook's guard evicts passively")
+                                f"{guard / 2**20:,.1f} MiB: the hook's guard evicts passively")
                 state.set_status(job, PLANNED, message)
             state.rounds[gpu] = GpuRound(number, seconds, result.fits if result else None,
                                          result.message if result else (error or ""), budget,

@@ -22,7 +22,7 @@ from tensile.node_agent.metrics import make_registry
 from tensile.node_agent.planning import PlanningService, ProcessPlanner
 from tensile.plan_update import DEFAULT_THRESHOLD
 from tensile.planner import plan_gpu
-from tensile.node_agent.service import AgentService
+from tensile.node_agent.service import AgentService, no_gpus_message
 from tensile.node_agent.state import AgentState
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class Agent:
             if self.publisher is not None:
                 self.publisher.start()
         if not self.inventory.gpus:
-            log.warning("no GPUs: %s", self.inventory.reason)
+            log.warning("%s; until then it refuses every job (404 no_gpus)", no_gpus_message(self.inventory.reason))
         else:
             kind = "simulated " if self.inventory.simulated else ""
             log.info("%d %sGPU(s): %s", len(self.inventory.gpus), kind,

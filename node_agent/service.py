@@ -82,6 +82,13 @@ def parse_workload(data: dict, source: str) -> Workload:
     return workload
 
 
+def no_gpus_message(reason: str | None) -> str:
+    """Why this agent refuses every job, and the fix: `tensile local` simulates a GPU by itself, `tensile agent` only
+    when told to."""
+    return (f"this agent found no GPU ({reason}): start it with --simulate-gpu NAME:MEMORY (e.g. --simulate-gpu "
+            "a6000:48GiB) to plan for a simulated one")
+
+
 class AgentService:
     def __init__(self, state: AgentState, planning: PlanningService) -> None:
         self.state = state
@@ -100,13 +107,13 @@ class AgentService:
             raise Problem(401, "missing_token", "this call needs the job's token in the X-Tensile-Token header")
         if not job.check_token(token):
             raise Problem(403, "wrong_token", f"the token does not match job {key}'s")
-        job.seen_at = time.monotonic()
+        job.seen_at, job.silence_logged = time.monotonic(), False
         return job
 
     def _gpu(self, ref: str | None) -> str:
         inventory = self.state.inventory
         if not inventory.gpus:
-            raise Problem(404, "no_gpus", f"this agent has no GPUs: {inventory.reason}")
+            raise Problem(404, "no_gpus", no_gpus_message(inventory.reason))
         gpu = inventory.find(ref)
         if gpu is None:
             known = ", ".join(f"{g.uuid} (index {g.index})" for g in inventory.gpus.values())
@@ -158,7 +165,10 @@ class AgentService:
             existing = self.state.jobs.get(ref.key)
         if existing is not None:
             if request.token is None or not existing.check_token(request.token):
-                raise Problem(403, "wrong_token", f"job {ref.key} is registered already under another token")
+                raise Problem(403, "wrong_token", f"a job named {ref.key} is registered already, under another token (a run "
+                                                  "still going, or one stopped less than the agent's --expire-silent-jobs ago, "
+                                                  "300 s by default: the agent forgets a job that registered by itself once it "
+                                                  "has been silent that long)")
             if (existing.gpu == gpu and existing.signature == signature and existing.memory_budget_bytes == request.memory_budget_bytes
                     and existing.max_swap_rate == request.max_swap_rate and existing.recompute == request.recompute
                     and existing.activations_only == request.activations_only
@@ -230,11 +240,14 @@ class AgentService:
             o.iterations += m.iterations
             o.peak_bytes = higher(o.peak_bytes, m.peak_bytes)
             o.fold_planned_peak(m.planned_peak_bytes, m.plan_version, job.version)
+            if m.vanilla_iteration_seconds:
+                o.vanilla_iteration_seconds = m.vanilla_iteration_seconds
             if m.iteration_seconds is not None:
                 o.iteration_seconds = m.iteration_seconds
-                busy = m.iteration_seconds - m.stall_seconds / m.iterations
-                base = m.vanilla_iteration_seconds or busy
-                eor = m.iteration_seconds / base if base > 1e-9 else None
+                # only against a vanilla time the hook measured: time / (time - stalls) read ~1.0 whatever the plan
+                # cost (recomputes, swap copies and the hook's own work are no stalls), so it is not exported at all
+                base = o.vanilla_iteration_seconds
+                eor = m.iteration_seconds / base if base is not None and base > 1e-9 else None
                 o.eor = eor if eor is not None and math.isfinite(eor) else None
             o.stall_seconds += m.stall_seconds
             o.swap_out_bytes += m.swap_out_bytes
@@ -261,14 +274,24 @@ class AgentService:
         """Unregister external jobs (a hook the operator did not place: `tensile run --agent`) that made no call
         for `seconds`: their process died before it could unregister (SIGKILL, a crash), and their scheduled
         peak would hold the GPU's room for good. The operator unregisters the jobs it placed when their pods go;
-        a hook that was only silent registers again at its next call (its client does so on 404)."""
+        a hook that was only silent registers again at its next call (its client does so on 404). A job registered
+        with a token is the operator's: it books the job's share on the GPU until the pod goes, so dropping it here
+        would free room the operator still counts as taken; its silence is logged once and shown instead
+        (`silent_seconds` in the job's view, `tensile_job_silent_seconds`)."""
         now = time.monotonic()
         with self.state.lock:
-            silent = [job for job in self.state.jobs.values() if job.external and now - job.seen_at > seconds]
-        for job in silent:
+            silent = [job for job in self.state.jobs.values() if now - job.seen_at > seconds]
+            placed = [job for job in silent if not job.external and not job.silence_logged]
+            for job in placed:
+                job.silence_logged = True
+        for job in placed:  # the operator's (it books the job's share): shown (silent_seconds), said once, kept
+            log.warning("job %s, registered with the operator's token, made no call for %.0f s: kept (the operator "
+                        "unregisters it when its pod goes; tensile_job_silent_seconds shows how long)", job.key, now - job.seen_at)
+        expired = [job for job in silent if job.external]
+        for job in expired:
             log.warning("job %s made no call for %.0f s (its process is gone?): unregistered", job.key, now - job.seen_at)
             self.unregister(job)
-        return [job.key for job in silent]
+        return [job.key for job in expired]
 
     def workload_dict(self, job: Job) -> dict:
         if job.workload is None:

@@ -35,7 +35,8 @@ class Observed:
     planned_peak_bytes: int | None = None  # of the iterations measured under the current plan: what its forecast predicts
     planned_peak_version: int | None = None  # the plan version planned_peak_bytes was measured under
     iteration_seconds: float | None = None
-    eor: float | None = None
+    vanilla_iteration_seconds: float | None = None  # the hook's own measurement without a plan, the last it sent
+    eor: float | None = None  # iteration_seconds / vanilla_iteration_seconds: None until the hook measured a vanilla time
     stall_seconds: float = 0.0
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
@@ -56,8 +57,8 @@ class Observed:
             self.planned_peak_bytes, self.planned_peak_version = peak, version
 
     def to_dict(self) -> dict:
-        """The reported figures (API's ObservedOut); planned_peak_version is bookkeeping, left out."""
-        return {k: v for k, v in self.__dict__.items() if k != "planned_peak_version"}
+        """The reported figures (API's ObservedOut); the bookkeeping behind planned_peak_bytes and eor is left out."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("planned_peak_version", "vanilla_iteration_seconds")}
 
 
 @dataclass(eq=False)
@@ -84,10 +85,12 @@ class Job:
     co_planned: list[str] = field(default_factory=list)
     fits: bool | None = None
     budget_bytes: int | None = None  # the GPU budget the round planned for
+    gpu_share_bytes: int | None = None  # its share of that budget on a shared GPU (planning.gpu_shares), else None
     body: bytes | None = None  # the plan response, serialized once per version
     observed: Observed = field(default_factory=Observed)
     registered_at: float = field(default_factory=time.time)
     seen_at: float = field(default_factory=time.monotonic)  # its last call with its token (silent-job expiry)
+    silence_logged: bool = False  # a tokened job's long silence was logged (once per silence: service.expire_silent)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards `ewma`
 
     @property
@@ -118,7 +121,14 @@ class Job:
             "fits": self.fits, "budget_bytes": self.budget_bytes, "plan": self.plan,
             "knobs": {"max_swap_rate": self.max_swap_rate, "memory_budget_bytes": self.memory_budget_bytes,
                       "recompute": self.recompute},
+            "gpu_share_bytes": self.gpu_share_bytes,
         }
+
+    @property
+    def silent_seconds(self) -> float:
+        """Since its last call with its token: a live hook polls its plan twice a second, so a long silence
+        means its process is gone (or, for a job the operator registered, its pod has not started yet)."""
+        return max(time.monotonic() - self.seen_at, 0.0)
 
     @staticmethod
     def encode_plan(data: dict) -> bytes:
@@ -160,6 +170,8 @@ class Job:
             } if forecast else None,
             "observed": self.observed.to_dict(),
             "registered_at": self.registered_at,
+            "gpu_share_bytes": self.gpu_share_bytes,
+            "silent_seconds": round(self.silent_seconds, 3),
         }
 
 
@@ -222,7 +234,8 @@ class AgentState:
         used, util = self.inventory.live(uuid)
         with self.lock:
             jobs = self.on_gpu(uuid)
-            if gpu.simulated:  # no NVML: what the jobs' hooks measured, plus their contexts
+            if gpu.simulated:  # no NVML: what the jobs' hooks measured plus the per-job context the rounds reserve (the
+                # preset's or --context-bytes: NVML's figure on the GPU simulated; `tensile local` simulates none)
                 seen = [j.observed.peak_bytes for j in jobs if j.observed.peak_bytes is not None]
                 used = sum(seen) + gpu.context_bytes * len(seen)
             last = self.rounds.get(uuid, GpuRound())

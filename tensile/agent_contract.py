@@ -318,6 +318,11 @@ class PlanResponse:
     # the job's knobs as the agent holds them (the operator PATCHes them): a hook that registers again after
     # an agent restart sends these, not the ones it started with; None from an agent older than this field
     knobs: Knobs | None = None
+    # this job's share of a GPU it shares with others (the joint plan's: its scheduled peak, plus its part of the
+    # room left, or less when the GPU cannot fit them all). The plan's memory_budget_bytes is this for a job without
+    # a budget of its own, and the smaller of the two when the jobs cannot fit, so the hook's guard keeps co-runners
+    # apart (docs/agent.md "Shares of a shared GPU"). None alone on a GPU it fits, or from an agent older than this
+    gpu_share_bytes: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -325,8 +330,10 @@ class PlanResponse:
     @classmethod
     def from_dict(cls, data: dict) -> PlanResponse:
         knobs = data.get("knobs")
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name != "knobs"},
-                   knobs=Knobs(**{f.name: knobs.get(f.name) for f in fields(Knobs)}) if knobs else None)
+        optional = {"knobs", "gpu_share_bytes"}  # absent from an older agent's answers
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name not in optional},
+                   knobs=Knobs(**{f.name: knobs.get(f.name) for f in fields(Knobs)}) if knobs else None,
+                   gpu_share_bytes=data.get("gpu_share_bytes"))
 
     def plan_object(self) -> Plan | None:
         """The plan as a tensile.plan.Plan (or None)."""

@@ -229,8 +229,12 @@ def jobs_dashboard() -> Dashboard:
     )
     stalls = Panel("Stalls", "Share of wall time ops waited for tensors that were not resident.", "percentunit",
                    (Target(rate("tensile_job_stall_seconds_total", *JOB_LABELS), who),))
-    eor = Panel("Observed EOR", "Iteration time against the time without scheduling: 100% is no overhead.", "percentunit",
-                (Target(sel("tensile_job_observed_eor_ratio", *JOB_LABELS), who),))
+    eor = Panel("EOR: observed and forecast",
+                "Extra overhead rate, 100% is none. Observed: the measured iteration time against the vanilla time the "
+                "hook measured (no line until a hook sends one: the agent exports no EOR it has no vanilla time for). "
+                "Forecast: what the latency model predicts for the current plan.", "percentunit",
+                (Target(sel("tensile_job_observed_eor_ratio", *JOB_LABELS), f"{who} observed"),
+                 Target(sel("tensile_job_forecast_eor_ratio", *JOB_LABELS), f"{who} forecast")))
     version = Panel("Plan version", "The agent's current plan and the plan the hook reports running; a step is a re-plan.",
                     "none",
                     (Target(sel("tensile_job_plan_version", *JOB_LABELS), f"{who} planned"),
