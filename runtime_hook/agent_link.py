@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tensile.agent_client import AgentClient, AgentError
-from tensile.agent_contract import FAILED, ContractError, Measurements, PlanResponse
+from tensile.agent_contract import FAILED, MAX_OP_SAMPLES, ContractError, Measurements, PlanResponse
 from tensile.plan import Plan, rebind
 from tensile.runtime_hook.executor import Planner
+from tensile.runtime_hook.latency_samples import OpSamples
 from tensile.runtime_hook.report import HookReport, IterationStats
 from tensile.runtime_hook.settings import HookSettings, budget_bytes, native_plans
 from tensile.workload import Workload
@@ -44,6 +47,8 @@ class AgentLink:
         self._lock = threading.Condition()
         self._todo: _Registration | None = None
         self._pending: list[IterationStats] = []
+        # op latencies to post (op indices, seconds), the newest MAX_OP_SAMPLES
+        self._sampled: tuple[list[int], list[float]] = ([], [])
         self._signature: str | None = None  # the workload whose plans the hook applies
         # the workload the agent plans on (registered or uploaded) and the live one the executor binds plans
         # with: equal signatures, but a forecast numbers its tensors in its own order (see tensile.plan.rebind)
@@ -61,6 +66,10 @@ class AgentLink:
         self._waiting = False  # the training thread waits for the first plan: poll fast
         self._fetch_forecast = False  # the first round asks the agent for the forecast workload (TENSILE_SIGNATURE)
         self._last_error: str | None = None
+        # the first plan response saying the GPU cannot fit its jobs (version, the agent's message), said once after
+        # the executor took that plan (and with it the plan's budget); then None, and `_unfit_said`
+        self._unfit: tuple[int, str] | None = None
+        self._unfit_said = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tensile-agent-link", daemon=True)
 
@@ -134,14 +143,19 @@ class AgentLink:
             self._source = "local"
         return plan
 
-    def listener(self, stats: IterationStats, report: HookReport) -> Plan | None:
-        """Queue this iteration's figures for the agent and hand over a newer plan if one came."""
+    def listener(self, stats: IterationStats, report: HookReport, samples: OpSamples | None = None) -> Plan | None:
+        """Queue this iteration's figures (and a sampling iteration's op latencies, for the workload the agent plans
+        with) for the agent and hand over a newer plan if one came."""
         if self._source is not None:
             report.plan_source, self._source = self._source, None
         if self._matched is not None:
             report.signature_match, self._matched = self._matched, None
         with self._lock:
             self._pending.append(stats)
+            if samples is not None and samples.signature == self._signature:
+                indices, seconds = self._sampled
+                self._sampled = (indices + samples.indices)[-MAX_OP_SAMPLES:], (seconds + samples.seconds)[-MAX_OP_SAMPLES:]
+            self._say_unfit(report)  # before a plan handed now: the executor takes its budget after this call
             plan = self._onto_live(self._take_plan())
             notes, self._notes = self._notes, []
         for note in notes:
@@ -150,20 +164,44 @@ class AgentLink:
         return plan
 
     def close(self) -> None:
-        """At exit: the last figures, then unregister (bounded by the client's timeouts)."""
+        """At exit: the last figures, then unregister, all within `agent_timeout` seconds (the background thread's call
+        in flight, then one attempt each, no retry, on one deadline), saying what was not delivered. With retries and a
+        join of its own, an agent that accepted connections and never answered held the exit 7.7 s."""
         if not self._thread.is_alive():
             return
+        deadline = time.monotonic() + self.settings.agent_timeout
         self._stop.set()
         with self._lock:
             self._lock.notify_all()
-        self._thread.join(2 * self.settings.agent_timeout + 1)
-        if self._refused is None:
-            try:
-                self._flush()
-                self.client.unregister()
-            except Exception as exc:  # noqa: BLE001 - exiting: say so, never raise into the user's exit
-                log.warning("tensile: could not unregister from the node agent: %s", exc)
-        self.client.close()
+            figures = f"the figures of the last {len(self._pending)} iterations" if self._pending else None
+        self._thread.join(self.settings.agent_timeout)
+        if self._refused is not None:
+            self.client.close()
+            return
+        if self._thread.is_alive():  # its call holds the client until its own timeout: nothing more can go out
+            undelivered = [what for what in (figures, "the unregistration") if what is not None]
+        else:
+            undelivered = [what for what, call in ((figures, self._flush), ("the unregistration", self.client.unregister))
+                           if what is not None and not self._once(call, what, deadline)]
+            self.client.close()
+        if undelivered:
+            log.warning("tensile: not delivered to the node agent at exit (no answer within %g s): %s; an agent drops a "
+                        "job of its own that stays silent (--expire-silent-jobs)", self.settings.agent_timeout,
+                        ", ".join(undelivered))
+
+    def _once(self, call: Callable[[], bool], what: str, deadline: float) -> bool:
+        """One attempt at an exit call, no retry, in the time left before `deadline`; False when it did not go out."""
+        http = self.client.http
+        http.retries = 0
+        http.close()  # a new connection takes the time left as its timeout
+        http.timeout = deadline - time.monotonic()
+        if http.timeout <= 0:
+            return False
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - exiting: say so, never raise into the user's exit
+            log.warning("tensile: at exit, the node agent refused %s: %s", what, exc)
+            return True  # it answered
 
     # -- helpers under the lock ------------------------------------------------------------------
     def _plan_ready(self, again: bool = False) -> bool:
@@ -184,6 +222,19 @@ class AgentLink:
         assert self._response is not None
         self._handed = self._response.version
         return self._response.plan_object()
+
+    def _say_unfit(self, report: HookReport) -> None:
+        """Once, the agent's word that its GPU cannot fit its jobs (the plan is the best it found), with the budget the
+        guard holds this job to: said after the executor took that plan, and with it the plan's budget (the agent
+        holds each job to its share when they do not fit). Before, it reached only the agent's /v1/jobs."""
+        unfit = self._unfit
+        if unfit is None or self._handed is None or self._handed < unfit[0]:
+            return
+        self._unfit, self._unfit_said = None, True
+        budget = report.memory_budget_bytes
+        guard = (f"the budget guard keeps this job under {budget} bytes ({budget / 2**20:,.1f} MiB)" if budget
+                 else "no budget is set: give --memory-budget")
+        self._notes.append(f"the node agent cannot fit this GPU's jobs: {unfit[1]}; {guard}")
 
     def _onto_live(self, plan: Plan | None) -> Plan | None:
         """The agent's plan in the live iteration's tensor ids, once the executor has matched it (before, or with
@@ -223,7 +274,10 @@ class AgentLink:
             try:
                 self._send(todo)
             except (AgentError, ContractError) as exc:
-                self._refuse(f"node agent refused the job ({exc}); training goes on without it")
+                self._refuse(f"node agent refused the job ({exc}); training goes on without it" + {
+                    "wrong_token": "; give this run another --job NAME (TENSILE_JOB)",
+                    "unknown_gpu": "; name one of its GPUs with --gpu UUID|INDEX (TENSILE_GPU)",
+                }.get(getattr(exc, "code", None) or "", ""))
                 return
         self._flush()
         response = self.client.fetch_plan() if self.client.registration is not None else None
@@ -231,6 +285,8 @@ class AgentLink:
         with self._lock:
             if response is not None and response.plan is not None and response.plan.get("signature") == self._signature:
                 self._response = response
+                if not self._unfit_said:  # the latest word counts: a neighbour may have left since
+                    self._unfit = (response.version, response.message) if response.fits is False else None
             elif response is not None and response.status == FAILED:
                 self._response = response
             self._lock.notify_all()
@@ -264,16 +320,20 @@ class AgentLink:
                                  external=self.settings.token is None,
                                  activations_only=native_plans(self.settings, todo.workload.device))
 
-    def _flush(self) -> None:
-        """Post what the iterations since the last post measured (dropped if the agent is away)."""
+    def _flush(self) -> bool:
+        """Post what the iterations since the last post measured, with the op latencies sampled meanwhile (dropped if
+        the agent is away); False when there was something and it did not go out."""
         with self._lock:
             pending, self._pending = self._pending, []
+            (indices, seconds), self._sampled = self._sampled, ([], [])
         if not pending or self.client.registration is None:
-            return
+            return not pending
         figures = [{"mode": s.mode, "peak_bytes": s.peak_bytes, "peak_source": s.peak_source, "seconds": s.seconds,
                     "stall_seconds": s.stall_seconds, "swap_out_bytes": s.swap_out_bytes, "swap_in_bytes": s.swap_in_bytes,
                     "recompute_bytes": s.recompute_bytes, "plan_version": s.plan_version} for s in pending]
-        self.client.post_measurements(Measurements.from_iterations(figures, signature_match=self._match_posted))
+        samples: list[list[float]] = [[index, s] for index, s in zip(indices, seconds)]
+        measurements = Measurements.from_iterations(figures, op_latencies=samples, signature_match=self._match_posted)
+        return self.client.post_measurements(measurements) is not None
 
     def _observe(self) -> None:
         """Turn the client's state changes into messages: gone, back, registered again."""

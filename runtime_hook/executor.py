@@ -23,16 +23,17 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 
 from tensile.latency.measure import CudaOpTimer
 from tensile.peak import analyze_vanilla
 from tensile.plan import Event, Plan
 from tensile.runtime_hook.compiled import COMPILE_SKIPPED, dynamo_frames
+from tensile.runtime_hook.latency_samples import OpSampler, OpSamples
 from tensile.runtime_hook.movers import CpuMover, CudaMover
 from tensile.runtime_hook.native_map import NativeMap, map_plan
 from tensile.runtime_hook.native_swaps import NativeSwaps
@@ -54,14 +55,24 @@ BUDGET_TOLERANCE_BYTES = MIN_EVICT_BYTES
 MAX_DIVERGED = 3  # iterations in a row that leave the plan before it is made again
 FREED_SOON_OPS = 8  # a release this close to PyTorch's own free of the tensor is left to PyTorch
 BRING_BACK = ("swap_in", "recompute")  # events that allocate: they fire at the next op's entry
-# ops that read a tensor without computing with it: never the start of a forward pass
-INSPECTION_OPS = frozenset({
-    torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default,
-})
 Planner = Callable[[Workload, "int | None"], "Plan | None"]
-# Called after every iteration with its figures and the run's report; returns a newer plan for the
-# same workload (the agent re-planned: drift, knobs, a neighbour came or went) or None.
-IterationListener = Callable[[IterationStats, HookReport], "Plan | None"]
+
+
+class IterationListener(Protocol):
+    """Called after every iteration with its figures and the run's report, and for a sampling iteration (only with a
+    node agent: `latency_samples.py`) its op latencies; returns a newer plan for the same workload (the agent
+    re-planned: drift, knobs, a neighbour came or went) or None."""
+
+    def __call__(self, stats: IterationStats, report: HookReport, samples: OpSamples | None = None) -> Plan | None: ...
+
+
+def reads_only(func: Any) -> bool:
+    """An op that returns no tensor and writes none: a read (`loss.item()`'s _local_scalar_dense, `torch.equal`,
+    `bool(t)`'s is_nonzero, `_assert_async`) that neither allocates nor frees device memory. A script runs such reads in
+    some steps only (logging every tenth): they are no ops of the plan's iteration, never the start of a forward pass."""
+    schema = func._schema
+    return (not any("Tensor" in str(value.type) for value in schema.returns)
+            and not any(argument.alias_info is not None and argument.alias_info.is_write for argument in schema.arguments))
 
 
 OTHER_THREAD = ("optimizer steps ran, but no op of their iterations on the thread the hook watches (the one that started "
@@ -156,6 +167,8 @@ class PlanExecutor(TorchDispatchMode):
         self.registry.release_host = self.mover.pool.put
         self.recorder = _LiveRecorder(device.type, self.registry)
         self.op_timer = CudaOpTimer() if device.type == "cuda" else None  # the recorded ops' kernel times
+        # op latencies for the node agent's drift rule, only where a link to one listens
+        self.sampler = OpSampler(device.type, settings.latency_sample_every if settings.agent_url and listener else 0)
         self.planner = planner
         self.report = HookReport(job=settings.job, device=str(device))
         self.said: set[str] = set()  # messages said so far (`_say`)
@@ -188,6 +201,8 @@ class PlanExecutor(TorchDispatchMode):
         self.candidate: ActivePlan | None = None  # offered, not yet matched against a live iteration
         self.op_index = 0  # position in the iteration (fast path)
         self.names: dict[Any, str] = {}  # op -> its name, cached: str(op) is costly per call
+        self.reads: dict[Any, bool] = {}  # op -> whether it only reads (`reads_only`), cached
+        self.reads_by_name: dict[str, bool] = {}  # the same by a plan op's name
         self.match_at = 1  # the iteration whose recording is matched against the plan (0 is a warm-up)
         self.diverged_in_a_row = 0
         self.in_mode = False  # pushed on the dispatch mode stack
@@ -328,6 +343,8 @@ class PlanExecutor(TorchDispatchMode):
             return
         self.prepared = self.ready
         native = self._native_map(self.prepared) if self.match_at <= self.iteration and not diverged else None
+        if native is not None and self.sampler.due(self.iteration + 1) and _get_current_dispatch_mode() in (None, self):
+            native = None  # a sampling iteration (latency_samples.py): on the dispatch path, which times every op
         self.next_path = "dispatch" if native is None else "native"
         if native is not None and not self.observe_native:
             self._leave_mode()
@@ -512,6 +529,7 @@ class PlanExecutor(TorchDispatchMode):
         self.mover.settle()
         stats = self.stats
         stats.seconds = time.perf_counter() - self.iteration_started
+        samples = self.sampler.end()  # on CUDA after the iteration's time: its synchronisation is no part of it
         stats.ops = len(self.recorder.ops) if self.iteration == self.match_at else self.op_index
         if self.device.type == "cuda":
             stats.peak_bytes = torch.cuda.max_memory_allocated(self.device)
@@ -528,7 +546,8 @@ class PlanExecutor(TorchDispatchMode):
             live = Workload(self.settings.job, 0, self.device.type, self.recorder.tensors, self.recorder.ops)
             self._match(live)
         if self.listener is not None and not self.disabled:
-            self._take_newer(self.listener(stats, self.report))
+            # only a link to an agent gets samples (`sampler`): a listener of two arguments is called with two
+            self._take_newer(self.listener(stats, self.report) if samples is None else self.listener(stats, self.report, samples))
 
     def _write_report(self, now: bool = False) -> None:
         """The --report file, when due (its writer spaces the writes out) or `now` (at the end)."""
@@ -583,6 +602,9 @@ class PlanExecutor(TorchDispatchMode):
         mode = "planned" if self.active else ("recording" if self.iteration <= self.match_at else "guarded")
         self.stats = IterationStats(self.iteration, mode, self.active.plan.version if self.active else None)
         self._choose_path()
+        if (self.path == "dispatch" and self.live is not None and self.iteration > self.match_at and not self.off_shape
+                and not self.disabled and self.sampler.due(self.iteration)):
+            self.sampler.begin(self.iteration, self.live)
         learn = not (self.off_shape or self.iteration == self.match_at)  # aligning a plan on its own shapes only
         self.swaps.begin(self.active, self.path == "native", learn)
         self.iteration_started = time.perf_counter()
@@ -704,6 +726,19 @@ class PlanExecutor(TorchDispatchMode):
             self.stats.peak_bytes = self.registry.device_bytes
         return out
 
+    def _dispatch_read(self, func: Any, args: tuple, kwargs: dict, leaves: list[Any], started: float) -> Any:
+        """A read (`reads_only`) the plan's iteration did not make here: its inputs checked before use, then run,
+        outside the plan's op stream. A script logging `loss.item()` every tenth step made that step diverge from the
+        plan at the read."""
+        keys = [id(v.untyped_storage()) for v in leaves if v.device.type == self.device.type]
+        self._ensure_keys_resident(keys)
+        before_op = time.perf_counter()
+        out = self._run(func, args, kwargs)
+        after_op = time.perf_counter()
+        self._after_accounting(set(keys))  # a fetch may have brought a storage back
+        self.stats.hook_seconds += (before_op - started) + (time.perf_counter() - after_op)
+        return out
+
     def _dispatch_recording(self, func: Any, args: tuple, kwargs: dict, leaves: list[Any], started: float) -> Any:
         """The iteration the plan is matched against: recorded in full with the tracer's Recorder."""
         self._ensure_resident(leaves)
@@ -727,8 +762,12 @@ class PlanExecutor(TorchDispatchMode):
     def _dispatch_fast(self, func: Any, args: tuple, kwargs: dict, leaves: list[Any], started: float) -> Any:
         """Every other iteration: check inputs, run, watch new storages, fire this op's events."""
         index = self.op_index
-        self.op_index += 1
         active = self.active
+        if active is not None and index < len(active.names) and active.names[index] != self._name(func):
+            if self._reads_only(func):
+                return self._dispatch_read(func, args, kwargs, leaves, started)
+            index = self._skip_reads(active, index, self._name(func))
+        self.op_index = index + 1
         if active is not None and index >= len(active.names):
             active = None  # after the plan's last op (a script logging loss.item()): nothing left to fire
         elif active is not None and active.names[index] != self._name(func):
@@ -747,9 +786,13 @@ class PlanExecutor(TorchDispatchMode):
             self._recompute_before_write(written)
         wants_rng = (active is not None and index in active.capture and active.recompute) or any(k in self.recipes for k in written)
         rng = self.random.state() if wants_rng else None
+        sampler = self.sampler
+        sampled = sampler.start(index, self._name(func)) if sampler.on else None
         before_op = time.perf_counter()
         out = self._run(func, args, kwargs)
         after_op = time.perf_counter()
+        if sampled is not None:
+            sampler.stop(index, sampled, after_op - before_op)
         try:
             self._after_fast(active, index, arg_keys, written, func, args, kwargs, out, rng)
         except Exception as exc:  # noqa: BLE001 - the op ran: keep its result, stand down
@@ -774,15 +817,35 @@ class PlanExecutor(TorchDispatchMode):
             self.recipes.update(written, func, args, kwargs, rng)
         if active is not None:
             self._bind(active, index, arg_keys, new_keys, func, args, kwargs, out, rng)
-            events = active.by_trigger.get(index, [])
-            if self.previous_planned:
-                events = events + active.next_by_trigger.get(index, [])
-            for event in events:
-                if event.kind in BRING_BACK:
-                    self.deferred.append(event)
-                else:
-                    self._apply(event)
+            self._fire(active, index)
         self._after_accounting({*arg_keys, *new_keys})
+
+    def _fire(self, active: ActivePlan, index: int) -> None:
+        """The events op `index` triggers: those that bring a tensor back at the next op's entry, the others now."""
+        events = active.by_trigger.get(index, [])
+        if self.previous_planned:
+            events = events + active.next_by_trigger.get(index, [])
+        for event in events:
+            if event.kind in BRING_BACK:
+                self.deferred.append(event)
+            else:
+                self._apply(event)
+
+    def _skip_reads(self, active: ActivePlan, index: int, name: str) -> int:
+        """The plan's ops from `index` on that are reads this iteration does not make (the recorded iteration logged,
+        this one does not), up to the op named `name`: each fires its events where it stood, and the op's index in
+        the plan is returned; `index` where no such run of reads leads to it (a divergence)."""
+        names = active.names
+        ahead = index
+        while ahead < len(names) and names[ahead] != name and self._read_named(names[ahead]):
+            ahead += 1
+        if ahead == index or ahead == len(names) or names[ahead] != name:
+            return index
+        for skipped in range(index, ahead):
+            if self.deferred:
+                self._apply_deferred()
+            self._fire(active, skipped)
+        return ahead
 
     def _name(self, func: Any) -> str:
         name = self.names.get(func)
@@ -838,7 +901,22 @@ class PlanExecutor(TorchDispatchMode):
         they belong to. (A parameter copied out with `detach()` does start one: after the last step
         that ends the plan's iteration cleanly, and a detach inside a forward is rare.)
         """
-        return func not in INSPECTION_OPS and self._start_due() and any(v.requires_grad and v.is_leaf for v in leaves)
+        return self._start_due() and not self._reads_only(func) and any(v.requires_grad and v.is_leaf for v in leaves)
+
+    def _reads_only(self, func: Any) -> bool:
+        reads = self.reads.get(func)
+        if reads is None:
+            reads = self.reads[func] = reads_only(func)
+        return reads
+
+    def _read_named(self, name: str) -> bool:
+        """Whether the plan's op of this name (`aten._local_scalar_dense.default`) only reads."""
+        reads = self.reads_by_name.get(name)
+        if reads is None:
+            namespace, op, overload = (name.split(".") + ["", ""])[:3]
+            func = getattr(getattr(getattr(torch.ops, namespace, None), op, None), overload, None)
+            reads = self.reads_by_name[name] = func is not None and reads_only(func)
+        return reads
 
     def _start_due(self) -> bool:
         """After the step(s), outside any step and backward, with grad enabled: a training forward may start."""

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from tensile.agent_contract import higher, measured_under_plan, planned_peak
 from tensile.plan import EVENT_KINDS
@@ -30,6 +32,11 @@ class IterationStats:
     hook_seconds: float = 0.0  # the hook's own logic, without the mover's copies
     transfer_seconds: float = 0.0  # time in the mover's copies (synchronous on the CPU device, enqueued on CUDA)
     ops: int = 0
+    # what the iteration ran against (HookReport.add stamps them): the guard's budget (None: no budget, or a fraction
+    # not yet made bytes), and the forecast scheduled peak of the plan in force. A run's plan and budget change (a
+    # re-plan, an operator's PATCH of the budget): its report's own figures are only the last ones
+    memory_budget_bytes: int | None = None
+    scheduled_peak_bytes: int | None = None
 
 
 KEPT_ITERATIONS = 1000  # a long run's report lists its first and its last this many iterations one by one
@@ -37,6 +44,74 @@ KEPT_ITERATIONS = 1000  # a long run's report lists its first and its last this 
 
 SUMMED = ("seconds", "stall_seconds", "swap_out_bytes", "swap_in_bytes", "recompute_bytes", "passive_evictions",
           "hook_seconds", "transfer_seconds", "ops")  # IterationStats' figures that add up over iterations
+
+
+@dataclass
+class PlanPeak:
+    """The peaks measured under one plan, its version and forecast: re-plans (drift, knobs, a neighbour) and new
+    shapes change both mid-run, and one plan's iterations compare with its own forecast alone. Its first iteration
+    each time it takes over is kept apart: it starts with what the plan keeps off the device between iterations
+    still there (the iteration before ran no swap-outs of this plan at its step, so the swap-ins of this plan's
+    cross-iteration events find their tensors on the device), and it peaks above the forecast by up to those
+    bytes, within the budget the guard keeps (the guard evicts instead)."""
+
+    plan_version: int | None
+    scheduled_peak_bytes: int | None  # the forecast
+    iterations: int = 0  # measured under it, its first ones included
+    peak_bytes: int | None = None  # the largest of its other iterations: what compares with the forecast
+    first_peak_bytes: int | None = None  # the largest of its first iterations
+
+
+@dataclass
+class UnderPlan:
+    """The iterations measured under a plan (`measured_under_plan`), taken in order: each plan's peaks, and the
+    iteration furthest over the budget in force when it ran (an operator's budget PATCH lowers it mid-run: the
+    iterations before kept to the budget they had)."""
+
+    plans: list[PlanPeak] = field(default_factory=list)  # in the order they first took over
+    over_budget: list[int] | None = None  # [peak, budget] of the iteration furthest over its budget; None: none was
+
+    @classmethod
+    def of(cls, data: dict | None) -> UnderPlan:
+        """From a report's JSON (an older hook's report has none: empty)."""
+        if not data:
+            return cls()
+        return cls([PlanPeak(**p) for p in data["plans"]], data["over_budget"])
+
+    def absorb(self, it: Mapping[str, Any], previous: Mapping[str, Any] | None) -> None:
+        """One iteration (IterationStats' fields, as a mapping), after `previous` (None: the run's first)."""
+        if not measured_under_plan(it.get("mode"), it.get("peak_source", "measured")):
+            return
+        key = (it.get("plan_version"), it.get("scheduled_peak_bytes"))
+        plan = self._plan(*key)
+        plan.iterations += 1
+        peak = int(it.get("peak_bytes") or 0)
+        if previous is None or (previous.get("plan_version"), previous.get("scheduled_peak_bytes")) != key:
+            plan.first_peak_bytes = higher(plan.first_peak_bytes, peak)
+        else:
+            plan.peak_bytes = higher(plan.peak_bytes, peak)
+        self._over(peak, it.get("memory_budget_bytes"))
+
+    def merge(self, other: UnderPlan) -> None:
+        """Another stretch of the run's iterations (a long run's omitted ones), taken after this one's."""
+        for theirs in other.plans:
+            plan = self._plan(theirs.plan_version, theirs.scheduled_peak_bytes)
+            plan.iterations += theirs.iterations
+            plan.peak_bytes = higher(plan.peak_bytes, theirs.peak_bytes)
+            plan.first_peak_bytes = higher(plan.first_peak_bytes, theirs.first_peak_bytes)
+        if other.over_budget is not None:
+            self._over(*other.over_budget)
+
+    def _plan(self, version: int | None, forecast: int | None) -> PlanPeak:
+        plan = next((p for p in self.plans if (p.plan_version, p.scheduled_peak_bytes) == (version, forecast)), None)
+        if plan is None:
+            plan = PlanPeak(version, forecast)
+            self.plans.append(plan)
+        return plan
+
+    def _over(self, peak: int, budget: int | None) -> None:
+        if budget and peak > budget and (self.over_budget is None or peak - budget > self.over_budget[0] - self.over_budget[1]):
+            self.over_budget = [peak, budget]
 
 
 @dataclass
@@ -48,11 +123,14 @@ class OmittedIterations:
     count: int = 0
     first: int | None = None  # the first omitted iteration's number
     modes: dict[str, int] = field(default_factory=dict)  # iterations per mode
-    # their figures summed, peak_bytes the largest; iteration, mode, path and plan version the last one's
+    # their figures summed, peak_bytes the largest; iteration, mode, path, plan version, budget and forecast the last one's
     totals: IterationStats = field(default_factory=lambda: IterationStats(0))
     planned_peak_bytes: int | None = None  # the largest peak of those measured under a plan (measured_under_plan)
+    under_plan: UnderPlan = field(default_factory=UnderPlan)  # theirs, by plan
 
-    def absorb(self, stats: IterationStats) -> None:
+    def absorb(self, stats: IterationStats, listed_before: IterationStats) -> None:
+        """`stats` follows the last one absorbed, or `listed_before` (the last of the first listed) for the first."""
+        self.under_plan.absorb(vars(stats), vars(self.totals if self.count else listed_before))
         self.count += 1
         self.first = stats.iteration if self.first is None else self.first
         self.modes[stats.mode] = self.modes.get(stats.mode, 0) + 1
@@ -64,6 +142,7 @@ class OmittedIterations:
         totals.peak_bytes = max(totals.peak_bytes, stats.peak_bytes)
         totals.iteration, totals.mode, totals.path, totals.plan_version = stats.iteration, stats.mode, stats.path, stats.plan_version
         totals.peak_source = stats.peak_source
+        totals.memory_budget_bytes, totals.scheduled_peak_bytes = stats.memory_budget_bytes, stats.scheduled_peak_bytes
         if measured_under_plan(stats.mode, stats.peak_source):
             self.planned_peak_bytes = higher(self.planned_peak_bytes, stats.peak_bytes)
 
@@ -87,10 +166,15 @@ class HookReport:
     iterations: list[IterationStats] = field(default_factory=list)
 
     def add(self, stats: IterationStats) -> None:
-        """One more iteration: listed, and the one that leaves the middle of a long run's list totalled."""
+        """One more iteration, at its end, stamped with the budget and the forecast it ran under (a plan or budget
+        that comes at its end is taken from the next iteration on); listed, and the one that leaves the middle of a
+        long run's list totalled."""
+        stats.memory_budget_bytes = self.memory_budget_bytes
+        under_this = stats.plan_version is not None and stats.plan_version == self.plan_version
+        stats.scheduled_peak_bytes = self.scheduled_peak_bytes if under_this else None
         self.iterations.append(stats)
         if len(self.iterations) > 2 * KEPT_ITERATIONS:
-            self.omitted.absorb(self.iterations.pop(KEPT_ITERATIONS))
+            self.omitted.absorb(self.iterations.pop(KEPT_ITERATIONS), self.iterations[KEPT_ITERATIONS - 1])
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,18 +187,28 @@ class RunTotals:
     iterations: int
     planned: int  # iterations under a plan
     peak_bytes: int  # of every iteration: what the device had to hold
-    planned_peak_bytes: int | None  # of the iterations measured under a plan: what compares with the forecast
+    planned_peak_bytes: int | None  # of the iterations measured under a plan
     stall_seconds: float
+    under_plan: UnderPlan  # by plan, against each one's forecast and the budget in force: what `tensile run` says
 
     @classmethod
     def of(cls, data: dict) -> RunTotals:
         listed, omitted = data["iterations"], data["omitted"]
+        under_plan = UnderPlan()
+        previous = None
+        for i, it in enumerate(listed):
+            if i == KEPT_ITERATIONS and omitted["count"]:  # the omitted iterations come between the first and last listed
+                under_plan.merge(UnderPlan.of(omitted.get("under_plan")))
+                previous = omitted["totals"]
+            under_plan.absorb(it, previous)
+            previous = it
         return cls(
             iterations=len(listed) + omitted["count"],
             planned=sum(1 for it in listed if it["mode"] == "planned") + omitted["modes"].get("planned", 0),
             peak_bytes=max([it["peak_bytes"] for it in listed] + [omitted["totals"]["peak_bytes"]]),
             planned_peak_bytes=higher(planned_peak(listed), omitted["planned_peak_bytes"]),
             stall_seconds=sum(it["stall_seconds"] for it in listed) + omitted["totals"]["stall_seconds"],
+            under_plan=under_plan,
         )
 
 

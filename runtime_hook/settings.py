@@ -12,6 +12,8 @@ from tensile.errors import TensileUserError
 from tensile.knobs import parse_number, parse_swap_rate
 from tensile.plan import PLAN_EVENTS, native_plan_events
 
+DEFAULT_SAMPLE_EVERY = 200  # docs/runtime-hook.md, "Op latencies for the agent": what a sampling iteration costs
+
 
 @dataclass(frozen=True)
 class HookSettings:
@@ -38,6 +40,9 @@ class HookSettings:
     agent_timeout: float = 2.0
     agent_max_backoff: float = 10.0
     agent_interval: float = 0.5
+    # with an agent: one iteration in this many runs on the dispatch path with its ops timed, for the agent's drift
+    # rule (runtime_hook/latency_samples.py; 0: never)
+    latency_sample_every: int = DEFAULT_SAMPLE_EVERY
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> HookSettings:
@@ -63,6 +68,8 @@ class HookSettings:
             agent_timeout=_seconds(env, "TENSILE_AGENT_TIMEOUT", cls.agent_timeout),
             agent_max_backoff=_seconds(env, "TENSILE_AGENT_MAX_BACKOFF", cls.agent_max_backoff),
             agent_interval=_seconds(env, "TENSILE_AGENT_INTERVAL", cls.agent_interval),
+            latency_sample_every=int(_number(env, "TENSILE_LATENCY_SAMPLE_EVERY", cls.latency_sample_every,
+                                             lambda v: v >= 0 and v.is_integer(), "a whole number of iterations, 0 for never")),
         )
 
 

@@ -5,35 +5,49 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import secrets
+import signal
 import subprocess
-import sys
 import tempfile
+import time
 from pathlib import Path
 
 from rich.console import Console
 
 import tensile.runtime_hook
 from tensile.agent_client import Http
+from tensile.agent_contract import GPU_PATTERN
 from tensile.commands import option_value, output_file
 from tensile.errors import TensileUserError
 from tensile.knobs import parse_swap_rate
 from tensile.local_jobs import local_command
 from tensile.plan import PLAN_EVENTS, load_plan
-from tensile.runtime_hook.report import RunTotals
-from tensile.runtime_hook.settings import parse_budget
+from tensile.runtime_hook.report import PlanPeak, RunTotals, UnderPlan
+from tensile.runtime_hook.settings import HookSettings, parse_budget
 from tensile.workload_io import load_workload
 
 SITE_DIR = Path(tensile.runtime_hook.__file__).parent / "site"
+# passed on to the command when sent to `tensile run` alone; siginfo's si_code of one the kernel sent to the whole
+# foreground process group (a terminal's Ctrl-C, its hangup), which the command, in that group, got too
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+SI_KERNEL = 0x80
+MIB = 2**20
+MAX_PLANS_SAID = 3  # plans the summary names; the report lists every iteration's
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("run", help="run a training command under the Tensile hook", description=__doc__)
-    parser.add_argument("--job", default="local", help="job name shown in reports and metrics")
+    parser.add_argument("--job", help="the job's name in reports, metrics and the node agent (default: 'local'; with "
+                                      "--agent, the script's name and 6 random hex digits, e.g. train-3f9a1c, so that two "
+                                      "runs never share a registration)")
     parser.add_argument("--memory-budget", help="bytes (12GiB), or a fraction of the vanilla peak (e.g. 0.6)")
     parser.add_argument("--workload", help="the workload the plan is for (tensile forecast --save)")
     parser.add_argument("--plan", help="a plan for that workload (tensile forecast --save-plan); default: plan in-process")
     parser.add_argument("--agent", help="node agent URL; without it the hook plans in-process")
     parser.add_argument("--token", help="the job's token for the agent")
+    parser.add_argument("--gpu", metavar="UUID|INDEX",
+                        help="the agent's GPU the job runs on (TENSILE_GPU): needed where the agent has several")
     parser.add_argument("--max-swap-rate", type=float, help="the share of the GPU's swap traffic in (0, 1] plans may use")
     parser.add_argument("--report", help="write the hook's JSON report here")
     parser.add_argument("--plan-events", choices=PLAN_EVENTS,
@@ -56,6 +70,7 @@ def hook_environment(args: argparse.Namespace) -> dict[str, str]:
         "TENSILE_PLAN": args.plan,
         "TENSILE_AGENT": args.agent,
         "TENSILE_TOKEN": args.token,
+        "TENSILE_GPU": getattr(args, "gpu", None),  # `tensile local` (local_runner.hook_args) names none: one GPU
         "TENSILE_MAX_SWAP_RATE": None if args.max_swap_rate is None else str(args.max_swap_rate),
         "TENSILE_REPORT": args.report,
         "TENSILE_PLAN_EVENTS": args.plan_events,
@@ -83,6 +98,11 @@ def _check(args: argparse.Namespace) -> list[str]:
             Http(args.agent)  # the client's own check of the URL, before the hook in the child meets it
         except ValueError as exc:
             raise TensileUserError(f"--agent: {exc}") from None
+    if args.gpu is not None:
+        if not args.agent:
+            raise TensileUserError("--gpu names one of the node agent's GPUs: give --agent too")
+        if not re.match(GPU_PATTERN, args.gpu):
+            raise TensileUserError(f"--gpu: '{args.gpu}' is no GPU UUID or index (the agent lists its GPUs at /v1/gpus)")
     if args.report:
         output_file(args.report, "--report")
     if args.plan and not args.workload:
@@ -100,54 +120,146 @@ def _check(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     command = _check(args)
     console = Console(stderr=True)
+    if args.job is None:
+        args.job = _unique_job(command) if args.agent else "local"
+        if args.agent:
+            console.print(f"tensile: the job registers with the node agent as {args.job} (--job names it)", highlight=False)
     report = args.report
     if report is None:
         report = args.report = str(Path(tempfile.mkdtemp(prefix="tensile-")) / "report.json")
-    try:
-        returncode = subprocess.call(command, env=hook_environment(args))
-    except OSError as exc:  # e.g. a file marked executable that is no program ("Exec format error")
-        raise TensileUserError(f"cannot start '{command[0]}': {exc.strerror}; check the command after '--'") from None
-    if Path(report).exists():
-        data = json.loads(Path(report).read_text())
+    started = time.time() - 1  # file times are coarse: a write just after this may read a few ms earlier
+    returncode = _run_forwarding(command, hook_environment(args))
+    killed = _signal_name(-returncode) if returncode < 0 else None
+    # a report file of an earlier run, which this one never rewrote (killed first), is not this run's
+    data = json.loads(Path(report).read_text()) if Path(report).exists() and Path(report).stat().st_mtime >= started else None
+    if killed:
+        console.print(f"[yellow]tensile: {_killed(_script(command), killed, report, data)}[/]", highlight=False)
+    if data is not None:
         totals = RunTotals.of(data)
         console.print(
             f"tensile: {totals.iterations} iterations, {totals.planned} under plan "
-            f"(source: {data['plan_source'] or 'none'}), peak {totals.peak_bytes / 2**20:,.1f} MiB"
-            f"{_under_plan(totals, data.get('scheduled_peak_bytes'))}; report: {report}"
+            f"(source: {data['plan_source'] or 'none'}), peak {totals.peak_bytes / MIB:,.1f} MiB"
+            f"{_under_plan(totals.under_plan)}; report: {report}"
         )
-        over = _over_budget(totals, data.get("memory_budget_bytes"), data.get("guard_slack_bytes"))
+        over = _over_budget(totals.under_plan, data.get("guard_slack_bytes"))
         if over:
             console.print(f"[yellow]tensile: {over}[/]")
         if data.get("stood_down"):
             console.print(f"[yellow]tensile: the hook stood down: {data['stood_down']}[/]")
-    return returncode
+    return 128 - returncode if returncode < 0 else returncode  # a signal's exit status, as a shell gives it
 
 
-def _over_budget(totals: RunTotals, budget: int | None, slack: int | None) -> str:
-    """The peak under plan against the memory budget, said where it went over: the guard keeps the job under the
-    budget plus what one op needs at once (its inputs and outputs, which it cannot evict), and the summary said
-    neither. (The iterations before the plan run at the vanilla peak: a fractional budget needs it measured.)"""
-    peak = totals.planned_peak_bytes
-    if not budget or peak is None or peak <= budget:
+def _run_forwarding(command: list[str], env: dict[str, str]) -> int:
+    """The command's exit status (negative: the signal that ended it, as Popen's), passing on SIGINT, SIGTERM and
+    SIGHUP sent to `tensile run` alone: `kill` of it left the training running with no parent, its GPU memory
+    held. The command stays in this process group, so it keeps the terminal (reads it, stops at Ctrl-Z); a signal
+    the terminal sent reached the command already, and is not sent twice (a second SIGINT would cut short the
+    hook's exit: the report's last write, the agent's unregistering). The signals are blocked and waited for
+    (with SIGCHLD, the command's end) rather than handled, for their si_code, which tells the terminal's apart."""
+    watched = {*FORWARDED, signal.SIGCHLD}
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, watched)
+    try:
+        try:
+            child = subprocess.Popen(command, env=env, preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_SETMASK, unblocked))
+        except OSError as exc:  # e.g. a file marked executable that is no program ("Exec format error")
+            raise TensileUserError(f"cannot start '{command[0]}': {exc.strerror}; check the command after '--'") from None
+        while True:
+            info = signal.sigtimedwait(watched, 1.0)  # the timeout only guards against a missed SIGCHLD
+            if info is not None and info.si_signo != signal.SIGCHLD and info.si_code != SI_KERNEL:
+                child.send_signal(info.si_signo)
+            if child.poll() is not None:
+                while signal.sigtimedwait(watched, 0) is not None:  # those that came as it ended: consumed, not raised
+                    pass
+                return child.returncode
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+
+
+def _script(command: list[str]) -> str:
+    """What the command runs, by name: the first .py file, a `-m` module, else the program."""
+    script = next((a for a in command[1:] if a.endswith(".py")), None)
+    if script is not None:
+        return Path(script).name
+    if "-m" in command[1:-1]:
+        return command[command.index("-m", 1) + 1]
+    return Path(command[0]).name
+
+
+def _unique_job(command: list[str]) -> str:
+    """A job name for the node agent that no other run has: a fixed one ('local') made every second job started
+    without --job, and a job re-run within the agent's --expire-silent-jobs after a kill, a clash the agent refused.
+    Random, not the process id: a container's processes get the same ids every start."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", _script(command).removesuffix(".py")).strip("._-")[:40].strip("._-")
+    return f"{stem or 'job'}-{secrets.token_hex(3)}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _killed(script: str, signal_name: str, report: str, data: dict | None) -> str:
+    """The command ended by a signal: its report is the last one the hook wrote before (its exit handlers ran only
+    for SIGINT, which Python turns into KeyboardInterrupt), and the summary read as if it had finished."""
+    if data is None:
+        return f"{script} was killed by {signal_name} before the hook wrote its report"
+    written = time.strftime("%H:%M:%S", time.localtime(Path(report).stat().st_mtime))
+    interval = os.environ.get("TENSILE_REPORT_INTERVAL") or HookSettings.report_interval
+    return (f"{script} was killed by {signal_name} after {RunTotals.of(data).iterations} iterations; the report holds what "
+            f"was written up to {written} (the hook rewrites it every TENSILE_REPORT_INTERVAL, {interval} s)")
+
+
+def _over_budget(under_plan: UnderPlan, slack: int | None) -> str:
+    """The iteration under plan furthest over the memory budget in force when it ran, where one went over: the
+    guard keeps the job under the budget plus what one op needs at once (its inputs and outputs, which it cannot
+    evict), and the summary said neither. Each against its own budget: one lowered mid-run (an operator's PATCH)
+    is not what the iterations before kept to. (The iterations before the plan run at the vanilla peak: a
+    fractional budget needs it measured.)"""
+    if under_plan.over_budget is None:
         return ""
-    mib = 2**20
+    peak, budget = under_plan.over_budget
     over = peak - budget
-    said = f"the peak under plan, {peak / mib:,.1f} MiB, went over the memory budget of {budget / mib:,.1f} MiB by {over / mib:,.2f} MiB"
+    said = f"the peak under plan, {peak / MIB:,.1f} MiB, went over the memory budget of {budget / MIB:,.1f} MiB by {over / MIB:,.2f} MiB"
     if slack is None:
         return said
     if over <= slack:
-        return f"{said}: within the guard's slack of {slack / mib:,.1f} MiB (what one op needs on the device at once)"
-    # the slack is measured on the iteration the plan was matched with: shapes grown since (a batch size or dtype
-    # changed mid-run, with the same ops) keep that plan, and no message said so
-    return (f"{said}: more than the guard's slack of {slack / mib:,.1f} MiB (what one op of the matched iteration needs); "
-            "the report's messages may say why, and shapes grown since that iteration (a larger batch or dtype "
-            "mid-run) are not planned for")
+        return f"{said}: within the guard's slack of {slack / MIB:,.1f} MiB (what one op needs on the device at once)"
+    # the slack is the largest op of the iterations recorded: shapes grown since go unseen where the model takes
+    # keyword arguments only (runtime_hook/shapes.py compares the first module call's positional tensors)
+    return (f"{said}: more than the guard's slack of {slack / MIB:,.1f} MiB (what one op of a recorded iteration needs); "
+            "the report's messages may say why; a model called with keyword arguments only (model(**batch)) is not "
+            "checked for a batch grown mid-run")
 
 
-def _under_plan(totals: RunTotals, scheduled: int | None) -> str:
-    """The peak measured under the plan, beside its forecast: the run's peak includes the first, unplanned
-    iterations at the vanilla peak, which read against the forecast look like a miss."""
-    if totals.planned_peak_bytes is None:
+def _under_plan(under_plan: UnderPlan) -> str:
+    """Each plan's peak measured under it beside its own forecast: the run's peak includes the first, unplanned
+    iterations at the vanilla peak, and one plan's peak read against another's forecast (a re-plan's) looks like
+    a miss. A plan's first iteration is left out, said where it peaked higher (PlanPeak says why)."""
+    plans = under_plan.plans
+    if not plans:
         return ""
-    forecast = f" against {scheduled / 2**20:,.1f} forecast" if scheduled else ""
-    return f" ({totals.planned_peak_bytes / 2**20:,.1f} MiB measured under plan{forecast})"
+    shown = plans
+    if len(plans) > MAX_PLANS_SAID:  # the last plan, and the latest of those over their forecast
+        shown = [p for p in plans[:-1] if _over_forecast(p)][-(MAX_PLANS_SAID - 1):] + plans[-1:]
+    said = [_plan_peak(p) for p in shown]
+    if len(shown) < len(plans):
+        within = " within their forecasts" if not any(_over_forecast(p) for p in plans if p not in shown) else ""
+        said.append(f"{len(plans) - len(shown)} other plans{within}")
+    firsts = [first for p in plans if p.peak_bytes is not None and (first := p.first_peak_bytes or 0) > p.peak_bytes]
+    if firsts:
+        said.append(f"the first iteration under a plan left out ({max(firsts) / MIB:,.1f} MiB): it starts with what the "
+                    "plan keeps off the device between iterations still there")
+    return f" ({'; '.join(said)})"
+
+
+def _over_forecast(plan: PlanPeak) -> bool:
+    return plan.peak_bytes is not None and plan.scheduled_peak_bytes is not None and plan.peak_bytes > plan.scheduled_peak_bytes
+
+
+def _plan_peak(plan: PlanPeak) -> str:
+    forecast = f" against {plan.scheduled_peak_bytes / MIB:,.1f} forecast" if plan.scheduled_peak_bytes else ""
+    if plan.peak_bytes is None:  # it ran one iteration each time it took over
+        return f"plan version {plan.plan_version}: only its first iteration measured, {(plan.first_peak_bytes or 0) / MIB:,.1f} MiB{forecast}"
+    return f"{plan.peak_bytes / MIB:,.1f} MiB measured under plan version {plan.plan_version}{forecast}"
