@@ -22,6 +22,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tensile.agent_contract import TIMESTAMP_FORMAT
 from tensile.errors import TensileUserError
 
 BEST_EFFORT, STRICT = "BestEffortFIFO", "StrictFIFO"
@@ -35,7 +36,6 @@ NEVER = "never"
 _PART = "[1-9][0-9]*"
 DURATION = f"^({NEVER}|{_PART}h({_PART}m)?({_PART}s)?|{_PART}m({_PART}s)?|{_PART}s)$"
 _UNITS = {"h": 3600, "m": 60, "s": 1}
-_STAMP = "%Y-%m-%dT%H:%M:%SZ"  # tensile.agent_contract.utc_timestamp's format
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,11 @@ def duration_text(seconds: float | None) -> str:
 
 def epoch(stamp: str) -> float:
     """A status timestamp (whole seconds, UTC) as seconds since the epoch."""
-    return datetime.datetime.strptime(stamp, _STAMP).replace(tzinfo=datetime.UTC).timestamp()
+    return datetime.datetime.strptime(stamp, TIMESTAMP_FORMAT).replace(tzinfo=datetime.UTC).timestamp()
 
 
 def stamp(seconds: float) -> str:
-    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime(_STAMP)
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime(TIMESTAMP_FORMAT)
 
 
 @dataclass(frozen=True)

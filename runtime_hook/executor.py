@@ -763,14 +763,15 @@ class PlanExecutor(TorchDispatchMode):
         """Every other iteration: check inputs, run, watch new storages, fire this op's events."""
         index = self.op_index
         active = self.active
-        if active is not None and index < len(active.names) and active.names[index] != self._name(func):
+        name = self._name(func)
+        if active is not None and index < len(active.names) and active.names[index] != name:
             if self._reads_only(func):
                 return self._dispatch_read(func, args, kwargs, leaves, started)
-            index = self._skip_reads(active, index, self._name(func))
+            index = self._skip_reads(active, index, name)
         self.op_index = index + 1
         if active is not None and index >= len(active.names):
             active = None  # after the plan's last op (a script logging loss.item()): nothing left to fire
-        elif active is not None and active.names[index] != self._name(func):
+        elif active is not None and active.names[index] != name:
             self._diverge(index, func, active.names[index])
             active = None
         if self.deferred:
@@ -787,7 +788,7 @@ class PlanExecutor(TorchDispatchMode):
         wants_rng = (active is not None and index in active.capture and active.recompute) or any(k in self.recipes for k in written)
         rng = self.random.state() if wants_rng else None
         sampler = self.sampler
-        sampled = sampler.start(index, self._name(func)) if sampler.on else None
+        sampled = sampler.start(index, name) if sampler.on else None
         before_op = time.perf_counter()
         out = self._run(func, args, kwargs)
         after_op = time.perf_counter()

@@ -70,10 +70,13 @@ FAILED = "failed"  # planning raised; the message says why (the hook runs guarde
 REPLAN_REASONS = ("register", "unregister", "knobs", "drift", "workload")
 
 
+TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # as Kubernetes writes times: UTC, to the second
+
+
 def utc_timestamp() -> str:
-    """Now, as Kubernetes writes times (UTC, to the second): one format for the agent's TensileNode and
-    the operator's TrainingJob statuses."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """Now, as Kubernetes writes times: one format for the agent's TensileNode and the operator's TrainingJob
+    statuses."""
+    return datetime.now(UTC).strftime(TIMESTAMP_FORMAT)
 
 
 class ContractError(ValueError):

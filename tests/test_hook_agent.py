@@ -213,7 +213,8 @@ def test_a_pod_the_operator_registered_takes_its_forecast_from_the_agent(agent_s
     admitted = AgentClient(agent.url, "ns/placed", token=token).register(workload=forecast)
     assert admitted is not None and admitted.created
     settings = HookSettings(job="ns/placed", agent_url=agent.url, agent_wait=30.0, agent_interval=0.05,
-                            agent_timeout=0.5, agent_max_backoff=0.3, token=token, signature=forecast.signature)
+                            agent_timeout=0.5, agent_max_backoff=0.3, token=token, signature=forecast.signature,
+                            latency_sample_every=0)  # as _agent_settings
     client = AgentClient(agent.url, settings.job, token=token, max_backoff=0.2)
     link = AgentLink(settings, client, local_planner(settings, device)).start()
     _wait(lambda: link._plan_ready(), 30, "the agent's plan at the link")  # before iteration 0 starts

@@ -92,31 +92,31 @@ def shaped_loop(sizes: Sequence[int], autocast_from: int | None = None) -> Loop:
     return loop
 
 
+def trained_and_planned_again(loop, budget: float, change: str) -> None:  # type: ignore[no-untyped-def]
+    """The loop under the in-process planner, native plans, for `budget` of the vanilla peak: bit-identical to the
+    plain run, never stood down, and planned again at iteration 4 for the shapes `change` says."""
+    plain = loop()
+    settings = HookSettings(job="job", memory_budget=budget, plan_events="native")
+    result, report = hooked(loop, settings, local_planner(settings, CPU))
+    assert_same(plain, result)
+    assert report.stood_down is None, report.stood_down
+    planned_again(report, 4, change)
+
+
 def test_a_batch_doubled_mid_run_is_planned_again_within_the_budget() -> None:
     """CUDA's default plans (activation swaps, native), for a budget of the vanilla peak: the plan for batch 16 has
     no event. At batch 32 it ran native every other iteration, 1.17 MB against a budget of 0.64 MB and a slack of
     0.22 MB (unobserved, the report gave the forecast for batch 16 and said nothing). Now iteration 4 is recorded
     under the budget guard and planned from, for the budget the job started with (a fraction, made bytes once)."""
-    loop = shaped_loop(DOUBLED)
-    plain = loop()
-    settings = HookSettings(job="job", memory_budget=1.0, plan_events="native")
-    result, report = hooked(loop, settings, local_planner(settings, CPU))
-    assert_same(plain, result)
-    assert report.stood_down is None, report.stood_down
-    planned_again(report, 4, "[16, 3, 8, 8] float32 -> [32, 3, 8, 8] float32")
+    trained_and_planned_again(shaped_loop(DOUBLED), 1.0, "[16, 3, 8, 8] float32 -> [32, 3, 8, 8] float32")
 
 
 def test_bf16_autocast_from_a_step_on_is_planned_again() -> None:
     """The input keeps its shape and dtype; the autocast dtype in force tells the workload changed. Before, the fp32
     plan's ops left the iterations from the first op cast to bf16: three ran diverged, guarded, before the next was
     recorded, and the fractional budget was made bytes again on the smaller bf16 peak (0.32 MB, not 0.51)."""
-    loop = shaped_loop([16] * 8, autocast_from=4)
-    plain = loop()
-    settings = HookSettings(job="job", memory_budget=0.8, plan_events="native")
-    result, report = hooked(loop, settings, local_planner(settings, CPU))
-    assert_same(plain, result)
-    assert report.stood_down is None, report.stood_down
-    planned_again(report, 4, "[16, 3, 8, 8] float32 -> [16, 3, 8, 8] float32, bfloat16 autocast")
+    trained_and_planned_again(shaped_loop([16] * 8, autocast_from=4), 0.8,
+                              "[16, 3, 8, 8] float32 -> [16, 3, 8, 8] float32, bfloat16 autocast")
 
 
 def test_a_smaller_last_batch_each_epoch_is_planned_once() -> None:
