@@ -156,6 +156,7 @@ def test_strict_fifo_keeps_a_later_small_job_from_passing_a_waiting_one(tmp_path
             await c.wait(lambda: admitted(c, "small").get("reason") == "WaitingBehind", 10, "small waits behind head")
             assert queue(c, "small")["waitingBehind"] == ["default/head"] and phase(c.job("small")) == "Queued"
             assert admitted(c, "head")["reason"] == "HoldingRoom" and queue(c, "head")["holding"] == ["GPU-a0"]
+            await c.wait(lambda: "HoldingRoom" in events(c, "head"), 10, "head's HoldingRoom Event")  # posted off-path
             assert "holding GPU room on GPU-a0 for default/head" in events(c, "head")["HoldingRoom"]["message"]
             await c.apply(job("urgent", "512Mi", "high"))
             await c.wait(lambda: phase(c.job("urgent")) == "Admitted", 10, "the higher priority placed")
@@ -181,6 +182,7 @@ def test_best_effort_fifo_lets_later_jobs_pass_until_the_heads_wait_bound_then_h
             await c.apply(job("small-1", "256Mi"))
             await c.wait(lambda: phase(c.job("small-1")) == "Admitted", 10, "small-1 passes the head")
             await c.wait(lambda: admitted(c, "head").get("reason") == "HoldingRoom", 8, "the head holds after 2 s")
+            await c.wait(lambda: "HoldingRoom" in events(c, "head"), 10, "head's HoldingRoom Event")  # posted off-path
             assert "at the head of the queue for longer than 2s, BestEffortFIFO" in events(c, "head")["HoldingRoom"]["message"]
             await c.apply(job("small-2", "256Mi"))
             await c.wait(lambda: admitted(c, "small-2").get("reason") == "WaitingBehind", 10, "small-2 waits behind")
