@@ -187,7 +187,8 @@ def test_new_output_sizes_match_the_tracer_and_big_ones_pay_page_faults():
 def test_copy_features_see_the_phase_and_keys_tell_a_permuted_copy_from_a_contiguous_one():
     """A forward copy's output is an activation kept for backward (new heap pages), a backward one's lands in
     memory just freed: the copy family sees the phase. A clone of a transposed input (Op.runs) and one of a
-    contiguous input of the same shape are different op keys (calibration's measured ops, the EWMA)."""
+    contiguous input of the same shape are different op keys (calibration's measured ops, the EWMA) and
+    different features."""
     from dataclasses import replace
 
     from tensile.latency.online import op_key
@@ -199,6 +200,10 @@ def test_copy_features_see_the_phase_and_keys_tell_a_permuted_copy_from_a_contig
     assert features(forward, "copy")[: count - 1] == features(backward, "copy")[: count - 1]
     heads = replace(forward, runs=(32,))
     assert op_key(heads) != op_key(forward) and op_key(replace(forward, runs=())) == op_key(forward)
+    # the model sees the run too: rows of 32 elements, single elements, and the whole tensor in order
+    elements = replace(forward, runs=(1,))
+    runs = {tuple(features(o, "copy")[: count - 1]) for o in (forward, heads, elements)}
+    assert len(runs) == 3
 
 
 @pytest.mark.parametrize(("x", "kernel", "stride", "strided_pointwise", "onednn"), [

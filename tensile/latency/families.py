@@ -12,10 +12,11 @@ from collections.abc import Callable, Sequence
 
 from tensile.workload import Op
 
-FEATURE_VERSION = 8  # 3: the prior counts fresh-page faults; 4: of every family's outputs, + the preceding op,
+FEATURE_VERSION = 9  # 3: the prior counts fresh-page faults; 4: of every family's outputs, + the preceding op,
 # + measured ops; 5: a cheap op's target is the mean of a batch of repeats (measure.batched_seconds);
 # 6: copies see their phase, convolutions a strided 1x1 and a oneDNN flag; op keys carry Op.runs;
-# 7: every family sees the bytes its whole iteration moves; 8: op keys leave out float operands that pick no kernel
+# 7: every family sees the bytes its whole iteration moves; 8: op keys leave out float operands that pick no kernel;
+# 9: copies see their shortest contiguous run (Op.runs)
 
 # Ops that only make a new view or an uninitialised allocation: no data moves, cost is dispatch.
 VIEW_OPS = frozenset({
@@ -264,13 +265,18 @@ _COPY = ("copy_", "_to_copy", "clone", "cat", "stack", "constant_pad_nd", "slice
 
 
 def _copy(op: Op) -> list[float]:
-    """Sizes, dtype, name, and whether it runs in the forward pass: there its output is an activation kept for
-    backward, so the heap grows and the output's pages are new (attention's 26K-element head-merging clone
-    took 22-29 us forward; a clone of the same size in backward, into memory just freed, 9 us)."""
+    """Sizes, dtype, name, the shortest contiguous run it reads (Op.runs; its size when every argument is
+    contiguous: a clone of a (2, 8, 158, 20) tensor whose last dim was transposed reads single elements and
+    took 3x the time the same features without it predicted), and whether it runs in the forward pass: there
+    its output is an activation kept for backward, so the heap grows and the output's pages are new
+    (attention's 26K-element head-merging clone took 22-29 us forward; one of the same size in backward, into
+    memory just freed, 9 us)."""
     base = base_name(op.name)
     sizes = [_numel(s) for s in op.shapes] or [0]
+    run = min(op.runs) if op.runs else max(sizes)
     return [_lg(sum(sizes)), _lg(max(sizes)), _lg(len(op.shapes)), _lg(dtype_bytes(op)),
-            float(len(set(op.dtypes)) > 1), *_one_hot(base, _COPY), float(op.phase == "forward")]
+            float(len(set(op.dtypes)) > 1), _lg(run), float(bool(op.runs)), *_one_hot(base, _COPY),
+            float(op.phase == "forward")]
 
 
 _ELEMENTWISE = (
