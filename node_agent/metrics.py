@@ -73,7 +73,8 @@ class AgentCollector(Collector):
                                         "hook polls twice a second)", labels=JOB_LABELS),
             "version": GaugeMetricFamily("tensile_job_plan_version", "Version of the job's current plan", labels=JOB_LABELS),
             "applied": GaugeMetricFamily("tensile_job_applied_plan_version", "Plan version the hook reported running", labels=JOB_LABELS),
-            "budget": GaugeMetricFamily("tensile_job_memory_budget_bytes", "The job's memory budget", labels=JOB_LABELS),
+            "budget": GaugeMetricFamily("tensile_job_memory_budget_bytes", "The memory budget the job's hook holds it to: its "
+                                        "own, or its share of a GPU it shares (the current plan's)", labels=JOB_LABELS),
         }
         counters = {
             "iterations": CounterMetricFamily("tensile_job_iterations", "Iterations the hook reported", labels=JOB_LABELS),
@@ -90,7 +91,8 @@ class AgentCollector(Collector):
             rows = []
             for j in jobs:
                 f = j.plan.forecast if j.plan else None
-                rows.append(([j.gpu, j.ref.namespace, j.ref.name], f, j.version, j.memory_budget_bytes,
+                held_to = j.plan.memory_budget_bytes if j.plan and j.plan.memory_budget_bytes else j.memory_budget_bytes
+                rows.append(([j.gpu, j.ref.namespace, j.ref.name], f, j.version, held_to,
                              j.observed.to_dict(), j.silent_seconds))
         for uuid, s in summaries.items():
             gpu_info.add_metric([uuid, str(s["index"]), s["name"], str(s["simulated"]).lower()], 1)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tensile.agent_contract import higher
+from tensile.child_process import ends_with_this_process
 from tensile.knobs import unreachable_budget_text
 from tensile.local_jobs import LocalJob
 
@@ -193,7 +194,8 @@ class LocalRunner:
         env = hook_environment(hook_args(run, self.agent.url))
         with open(run.log, "wb") as log:
             try:
-                run.process = subprocess.Popen(run.job.command, env=env, stdout=log, stderr=subprocess.STDOUT)
+                run.process = subprocess.Popen(run.job.command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                               preexec_fn=ends_with_this_process())
             except OSError as exc:
                 run.phase, run.message = "Failed", f"cannot start {run.job.command[0]}: {exc.strerror}"
                 return

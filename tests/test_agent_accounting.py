@@ -62,6 +62,10 @@ def test_jobs_a_gpu_cannot_fit_are_each_held_to_a_share_that_keeps_them_within_i
     assert plans["b"].knobs is not None and plans["b"].knobs.memory_budget_bytes == big  # the user's knob is kept
     views = {j["job"]: j for j in get(server.url, "/v1/jobs")[1]["jobs"]}
     assert views["a"]["gpu_share_bytes"] == plans["a"].gpu_share_bytes
+    budgets = metric_lines(server.url, "tensile_job_memory_budget_bytes")  # the share, not b's own 1 GiB
+    for name, plan in plans.items():
+        assert any(f'job="{name}"' in line and float(line.split()[-1]) == pytest.approx(plan.gpu_share_bytes, rel=1e-6)
+                   for line in budgets), budgets
 
 
 def test_jobs_sharing_a_gpu_that_fits_get_their_peak_and_a_part_of_the_room_left(agent_server, tiny_workload):

@@ -132,6 +132,25 @@ def test_a_signal_to_tensile_run_reaches_the_command_which_it_waits_for(tmp_path
         os.kill(child, 0)
 
 
+def test_sigkill_of_tensile_run_ends_the_command_with_sigterm(tmp_path):
+    """No handler sees SIGKILL, so nothing passed it on: the training went on with no parent (PPID 1), its memory held.
+    The kernel sends the command SIGTERM instead (the parent-death signal), which the hook's exit handling sees."""
+    proc, got, child = _signalled_child(tmp_path)
+    proc.kill()
+    proc.wait(30)
+    _wait(lambda: got.exists() and got.read_text(), 30, "the command's record of its signal")
+    assert got.read_text() == "SIGTERM"
+    _wait(lambda: _gone(child), 30, "the command's end")
+
+
+def _gone(pid: int) -> bool:
+    """Ended: no such process, or a zombie that its new parent (a container's PID 1 may not reap) has yet to reap."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def test_ctrl_c_at_the_terminal_reaches_the_command_once(tmp_path):
     """The terminal sends SIGINT to the whole foreground group, the command included: passed on too, the command
     got two, and a second KeyboardInterrupt can cut the hook's exit short (its last report, unregistering)."""

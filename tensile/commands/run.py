@@ -18,6 +18,7 @@ from rich.console import Console
 import tensile.runtime_hook
 from tensile.agent_client import Http
 from tensile.agent_contract import GPU_PATTERN
+from tensile.child_process import ends_with_this_process
 from tensile.commands import option_value, output_file
 from tensile.errors import TensileUserError
 from tensile.knobs import parse_swap_rate
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_forwarding(command: list[str], env: dict[str, str]) -> int:
     """The command's exit status (negative: the signal that ended it, as Popen's), passing on SIGINT, SIGTERM and
     SIGHUP sent to `tensile run` alone: `kill` of it left the training running with no parent, its GPU memory
-    held. The command stays in this process group, so it keeps the terminal (reads it, stops at Ctrl-Z); a signal
+    held (`kill -9`, which no handler sees: the kernel sends the command SIGTERM, ends_with_this_process). The command stays in this process group, so it keeps the terminal (reads it, stops at Ctrl-Z); a signal
     the terminal sent reached the command already, and is not sent twice (a second SIGINT would cut short the
     hook's exit: the report's last write, the agent's unregistering). The signals are blocked and waited for
     (with SIGCHLD, the command's end) rather than handled, for their si_code, which tells the terminal's apart."""
@@ -160,7 +161,8 @@ def _run_forwarding(command: list[str], env: dict[str, str]) -> int:
     unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, watched)
     try:
         try:
-            child = subprocess.Popen(command, env=env, preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_SETMASK, unblocked))
+            child = subprocess.Popen(command, env=env, preexec_fn=ends_with_this_process(
+                lambda: signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)))
         except OSError as exc:  # e.g. a file marked executable that is no program ("Exec format error")
             raise TensileUserError(f"cannot start '{command[0]}': {exc.strerror}; check the command after '--'") from None
         while True:
