@@ -210,6 +210,16 @@ def test_the_command_line_refuses_bad_paths_and_gpus_before_starting_anything(tm
     assert named.format(tmp=tmp_path) in " ".join(capsys.readouterr().err.split())
 
 
+def test_the_command_line_refuses_a_bad_hook_setting_in_the_environment(tmp_path, capsys, monkeypatch):
+    """Every job's hook stood down on it, each said so only in its own log, and the jobs ran without Tensile."""
+    from tensile.cli import main
+
+    monkeypatch.setenv("TENSILE_LINK_SHARE", "2")
+    assert main(["local", str(_write(tmp_path, "job"))]) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert "TENSILE_LINK_SHARE" in said and "set in the environment: fix or unset it" in said, said
+
+
 def test_the_peaks_plot_makes_its_folder(tmp_path):
     png = plot_peaks([], tmp_path / "new" / "folder" / "peaks.png", "test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -305,3 +305,18 @@ def test_an_agent_with_several_gpus_takes_the_job_on_the_one_given_with_gpu(agen
 def test_tensile_run_refuses_a_gpu_it_cannot_name(capsys, options, named):
     assert main(["run", *options, "--", sys.executable, "-c", "pass"]) == 2
     assert named in " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.parametrize("variable, value, named", [
+    ("TENSILE_LATENCY_SAMPLE_EVERY", "abc", "TENSILE_LATENCY_SAMPLE_EVERY: 'abc' is not a number"),
+    ("TENSILE_AGENT_TIMEOUT", "-1", "TENSILE_AGENT_TIMEOUT"),
+])
+def test_tensile_run_refuses_a_bad_setting_from_the_environment_before_the_command_starts(capsys, monkeypatch, tmp_path,
+                                                                                         variable, value, named):
+    """The hook in the child stood down on it and the training ran without Tensile, said in one line of its output."""
+    ran = tmp_path / "ran"
+    monkeypatch.setenv(variable, value)
+    assert main(["run", "--", sys.executable, "-c", f"open({str(ran)!r}, 'w')"]) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert named in said and "set in the environment: fix or unset it" in said, said
+    assert not ran.exists()

@@ -4,6 +4,7 @@ by their forecast scheduled peaks, with the node agent in-process and a live tab
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from tensile.commands.run import check_environment
     from tensile.local_agent import LocalAgent
     from tensile.local_runner import POLL_SECONDS, LocalRunner
     from tensile.local_view import job_view, plot_peaks
@@ -43,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.linger < 0:
         raise TensileUserError(f"--linger must be 0 or more seconds (was {args.linger})")
     simulated_gpus(args.simulate_gpu)  # NAME:MEMORY as the agent reads it, refused before anything runs
+    check_environment(dict(os.environ))  # the TENSILE_* settings every job's hook reads
     if args.plot:
         output_file(args.plot, "--plot")  # before the jobs run: a bad path once met only the plot, after them
     jobs = load_jobs(args.jobs)

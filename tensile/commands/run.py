@@ -118,6 +118,16 @@ def _check(args: argparse.Namespace) -> list[str]:
     return command
 
 
+def check_environment(env: dict[str, str]) -> None:
+    """The TENSILE_* settings only the environment gives (TENSILE_LATENCY_SAMPLE_EVERY, TENSILE_AGENT_TIMEOUT, ...),
+    read as the hook reads them: a bad one made the hook stand down in the child, and the training ran without
+    Tensile, which a line in its output was all that said (`tensile local`: in its jobs' logs)."""
+    try:
+        HookSettings.from_env(env)
+    except ValueError as exc:
+        raise TensileUserError(f"{exc} (set in the environment: fix or unset it)") from None
+
+
 def run(args: argparse.Namespace) -> int:
     command = _check(args)
     console = Console(stderr=True)
@@ -128,8 +138,10 @@ def run(args: argparse.Namespace) -> int:
     report = args.report
     if report is None:
         report = args.report = str(Path(tempfile.mkdtemp(prefix="tensile-")) / "report.json")
+    env = hook_environment(args)
+    check_environment(env)
     started = time.time() - 1  # file times are coarse: a write just after this may read a few ms earlier
-    returncode = _run_forwarding(command, hook_environment(args))
+    returncode = _run_forwarding(command, env)
     killed = _signal_name(-returncode) if returncode < 0 else None
     # a report file of an earlier run, which this one never rewrote (killed first), is not this run's
     data = json.loads(Path(report).read_text()) if Path(report).exists() and Path(report).stat().st_mtime >= started else None
