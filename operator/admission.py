@@ -81,6 +81,19 @@ class Pending:
         return -priority.value, self.body["metadata"].get("creationTimestamp", ""), self.key
 
 
+NODE_REMOVED, GPU_REMOVED = "TensileNodeRemoved", "GPURemoved"
+# conditions about a job's placement and its pod: dropped when the job is placed again (its next pod is made anew)
+PLACED_CONDITIONS = frozenset({"PodRunning", "NodeAvailable", "SpecApplied", "PlanEventsApplied", "KnobsApplied"})
+
+
+@dataclass(frozen=True)
+class Gone:
+    """Why a job's booked GPU left the inventory: the condition reason (NODE_REMOVED, GPU_REMOVED) and what went."""
+
+    reason: str
+    what: str
+
+
 class Admission:
     def __init__(self, forecaster: Forecaster | None = None, planner: JointPlanner | None = None,
                  image: str | None = None, token_key: bytes | None = None, queueing: QueueConfig | None = None):
@@ -96,6 +109,7 @@ class Admission:
         self.token_key = key or secrets.token_bytes(32)
         self.ledger = Ledger()
         self.inventory: dict[str, list[Gpu]] = {}
+        self.unlisted: set[str] = set()  # TensileNodes whose GPUs are not published yet (they say nothing of them)
         self.pending: dict[str, Pending] = {}
         self.conditions: dict[str, list[dict]] = {}
         self.phases: dict[str, str] = {}  # key -> the phase last seen or written (metrics)
@@ -118,6 +132,10 @@ class Admission:
         self._knob_retries: dict[str, asyncio.Task] = {}  # key -> the task sending knobs until the hook registers
         self._freed: dict[str, asyncio.Event] = {}  # key -> set when a deleted job's booking is released
         self._ending: dict[str, asyncio.Event] = {}  # key -> set once the end `finish` is writing has been written
+        self._checking: set[str] = set()  # jobs whose booked GPU went, being looked at (`_booked_gpu_gone`)
+        self._admitting: set[str] = set()  # jobs being validated and forecast (`admit`)
+        # uid of an unstarted pod deleted to place its job again -> set at its DELETED event (which is not the job's end)
+        self._deleting: dict[str, asyncio.Event] = {}
         self.uids: dict[str, str] = {}  # key -> uid of the TrainingJob of that name this operator admitted or read
 
     # ---- inventory ------------------------------------------------------------------------------
@@ -132,18 +150,21 @@ class Admission:
     def set_node(self, body: dict | None, name: str) -> None:
         if body is None:
             self.inventory.pop(name, None)
+            self.unlisted.discard(name)
         else:
             self.inventory[name] = gpus_from_tensilenode(body)
+            if "gpus" in (body.get("status") or {}):
+                self.unlisted.discard(name)
+            else:  # created, its status not written yet (its agent writes it next)
+                self.unlisted.add(name)
         self.wake.set()
 
     async def node_changed(self, body: dict | None, name: str) -> None:
-        """A TensileNode published, updated or removed (`body` None). Its removal (the node drained or deleted, its
-        agent uninstalled) is said on each job placed there (`NodeAvailable=False`), and its return: nothing else
-        was. The job's pod is left alone (Tensile never stops training by its own decision) and keeps its booking
-        until it ends; no job is placed there meanwhile, since its GPUs left the inventory."""
+        """A TensileNode published, updated or removed (`body` None): the jobs booked there are checked against what
+        it lists now (`_check_node`)."""
         self.set_node(body, name)
         await self.ready.wait()
-        await self._say_node(name, present=body is not None)
+        await self._check_node(name)
 
     async def load_priority_classes(self) -> None:
         """Every PriorityClass, listed once at start-up so the first pass orders by them (a job naming a class the
@@ -157,34 +178,152 @@ class Admission:
         self.priorities.changed(name, body)
         self.wake.set()
 
-    async def _say_node(self, node: str, present: bool) -> None:
-        """`NodeAvailable` on the jobs booked on `node`, written where it changes (one Event each); only a job
-        said to have lost its node hears of its return."""
-        said = _node_condition(node, present)
+    def _gone(self, booking: Booking) -> Gone | None:
+        """Why a job's booked GPU left the inventory; None while it is listed, or while its TensileNode has not
+        published its GPUs yet (created again, it says nothing of them until its agent writes its status)."""
+        if booking.node not in self.inventory:
+            return Gone(NODE_REMOVED, f"TensileNode {booking.node} was removed (its node drained or deleted, or its "
+                                      "agent uninstalled)")
+        if booking.node in self.unlisted or any(g.uuid == booking.gpu for g in self.inventory[booking.node]):
+            return None
+        return Gone(GPU_REMOVED, f"GPU {booking.gpu} is no longer listed by TensileNode {booking.node} (it failed, or "
+                                 "was reconfigured, e.g. its MIG layout)")
 
-        async def one(job: str) -> None:
-            namespace, name = job.split("/", 1)
+    async def _check_node(self, node: str) -> None:
+        """The jobs booked on `node` against what its TensileNode lists now. A job whose GPU went is looked at on a
+        task of its own (`_booked_gpu_gone`: placed again if its pod has not started, said if it has), once per
+        removal; one said to have lost its node or GPU hears of its return once it is listed again. Before, a
+        removed TensileNode was only said, and a GPU its TensileNode stopped listing not even that."""
+        if node in self.unlisted:  # created again, its GPUs not published yet: it says nothing of them
+            return
+        back: list[Booking] = []
+        for booking in list(self.ledger.bookings.values()):
+            if booking.node != node:
+                continue
+            gone, said = self._gone(booking), self._node_said(booking.job)
+            if gone is None:
+                if said is not None:
+                    back.append(booking)
+            elif booking.job not in self._checking and (said is None or said["reason"] != gone.reason):
+                self._checking.add(booking.job)
+                self._spawn(self._booked_gpu_gone(booking, gone))
+        await asyncio.gather(*(self._say_node(b, None) for b in back))
+
+    def _node_said(self, key: str) -> dict | None:
+        """The job's `NodeAvailable=False` (its node or GPU said gone), if it has one."""
+        return next((c for c in self.conditions.get(key, []) if c["type"] == "NodeAvailable" and c["status"] == "False"), None)
+
+    async def _say_node(self, booking: Booking, gone: Gone | None) -> None:
+        """`NodeAvailable` on a job whose pod has started on a GPU that went (`gone`), or that is back (None)."""
+        namespace, name = booking.job.split("/", 1)
+        try:
+            await self.set_status(namespace, name, {}, _node_condition(booking, gone, self._node_said(booking.job)))
+        except Exception as exc:  # noqa: BLE001 - one job's write must not keep the others' (or the inventory) back
+            log.warning("%s: NodeAvailable not written: %s", booking.job, exc)
+
+    async def _booked_gpu_gone(self, booking: Booking, gone: Gone) -> None:
+        """A job whose booked GPU went. Its pod started (running, or a container started), it is said and left alone:
+        Tensile never stops training by its own decision, and the pod keeps its GPU's memory. Not started (no pod
+        yet, or one Pending with no container started), it is placed again (`_requeue`): pinned by `nodeName` to a
+        node whose TensileNode or GPU is gone, its pod would never run, and the job waited on it for good while
+        other GPUs had room."""
+        key = booking.job
+        try:
+            async with self._committing:  # a placement being written lands first; its pod creation is then under way
+                pass
+            creating = self._creating.get(key)
+            if creating is not None:  # the pod being created lands before the job is looked at
+                await asyncio.wait({creating})
+            if not self._booked_on(key, booking.gpu):  # ended, deleted or placed again meanwhile
+                return
+            if self.phases.get(key) == "Running" or not await self._requeue(booking, gone):
+                await self._say_node(booking, gone)
+        except Exception:  # noqa: BLE001 - one job's trouble must not stop the others' (a node event checks it again)
+            log.exception("%s: its GPU went, and it was not placed again", key)
+        finally:
+            self._checking.discard(key)
+
+    def _booked_on(self, key: str, gpu: str) -> bool:
+        """By value: a rebuild replaces the ledger's bookings with equal ones."""
+        booking = self.ledger.bookings.get(key)
+        return booking is not None and booking.gpu == gpu
+
+    async def _requeue(self, booking: Booking, gone: Gone) -> bool:
+        """The job's unstarted pod deleted, its booking released (after the status says it is queued again, so a
+        rebuild does not book it from its placement), and the job admitted again: queued in its place (by priority
+        and creation) and placed where it fits, by its spec and annotations as they are now (its pod is made anew).
+        False when its pod has started (it is left alone); True when it is queued again, or ended or deleted meanwhile."""
+        key = booking.job
+        namespace, name = key.split("/", 1)
+        try:
+            body = await self.kube.get_job(namespace, name)
+        except NotFound:
+            return True  # gone: `deleted` freed its room
+        meta = body["metadata"]
+        if meta.get("deletionTimestamp"):
+            return True  # `deleted` frees its room
+        self.remember_conditions(body)
+        deleted = await self._delete_unstarted_pod(namespace, pod_name(namespace, name, meta.get("uid", "")),
+                                                   (name, meta.get("uid", "")))
+        if deleted is None:
+            return False
+        if not self._booked_on(key, booking.gpu) or key in self._freed:
+            return True  # ended, or being deleted: `finish` or `deleted` has its room
+        self.conditions[key] = [c for c in self.conditions.get(key, []) if c["type"] not in PLACED_CONDITIONS]
+        pod = f", its pod {pod_name(namespace, name, meta.get('uid', ''))} deleted" if deleted else ""
+        said = (f"{gone.what} before the job's pod started: its booking on {booking.node} GPU {booking.gpu} was "
+                f"released{pod}, and it is queued again, in its place (by priority and creation), to be placed where it fits")
+        await self.set_status(namespace, name, {
+            "phase": "Queued", "message": said, "placement": None,
+            "forecast": dict.fromkeys(("scheduledPeakBytes", "reservedBytes", "plannedWith"))},
+            condition("Admitted", False, gone.reason, said), delays=RETRY_DELAYS)
+        released = self.release(key)
+        retry = self._knob_retries.pop(key, None)
+        if retry is not None:  # its next pod starts with the knobs in its environment
+            retry.cancel()
+        await self.after_release(key, released)
+        status = {k: v for k, v in (body.get("status") or {}).items() if k != "placement"}
+        await self.admit(body | {"status": status | {"phase": "Queued"}})
+        return True
+
+    async def _delete_unstarted_pod(self, namespace: str, pod: str, owner: tuple[str, str]) -> bool | None:
+        """Deletes the job's pod unless it has started, and waits until it is gone (the job's next pod takes its
+        name). Deleted at once (no grace period: none of its containers runs, and a kubelet of a node that is gone
+        never confirms a graceful deletion) and only as it was read (preconditions: uid and resourceVersion), so a
+        pod that changed meanwhile (it may have started) is read again. None: it has started (left alone);
+        True: deleted; False: the job had none (a pod of that name with another owner is never touched)."""
+        for _ in range(5):
+            found = await self.kube.find_pod(namespace, pod)
+            if found is None or owner_of(found) != owner:
+                return False
+            if _started(found):
+                return None
+            uid = found["metadata"].get("uid", "")
+            # by uid: its DELETED event may come after the job's next pod (of the same name) exists
+            gone = self._deleting.setdefault(uid, asyncio.Event())
             try:
-                await self.set_status(namespace, name, {}, said)
-            except Exception as exc:  # noqa: BLE001 - one job's write must not keep the others' (or the inventory) back
-                log.warning("%s: NodeAvailable not written: %s", job, exc)
+                await self.kube.delete_pod(namespace, pod, {"gracePeriodSeconds": 0, "preconditions": {
+                    "uid": uid, "resourceVersion": found["metadata"].get("resourceVersion")}})
+            except Conflict:
+                self._deleting.pop(uid, None)
+                continue
+            while not gone.is_set() and (found := await self.kube.find_pod(namespace, pod)) is not None \
+                    and found["metadata"].get("uid") == uid:
+                with contextlib.suppress(TimeoutError):  # looked up again meanwhile, in case its event is missed
+                    await asyncio.wait_for(gone.wait(), POD_CHECK_SECONDS)
+            return True
+        return None  # changed at every read: left alone, as a started pod is
 
-        jobs = [b.job for b in list(self.ledger.bookings.values()) if b.node == node and self._node_missing(b.job) == present]
-        await asyncio.gather(*(one(job) for job in jobs))
-
-    def _node_missing(self, key: str) -> bool:
-        return any(c["type"] == "NodeAvailable" and c["status"] == "False" for c in self.conditions.get(key, []))
-
-    async def _say_missing_nodes(self, listed: list[dict]) -> None:
-        """At start-up: jobs booked on a node whose TensileNode was removed while no operator ran (their conditions
-        read first: what they say is kept, and a node said missing already is not said again)."""
-        missing = {b.node for b in self.ledger.bookings.values() if b.node not in self.inventory}
+    async def _check_nodes_at_start(self, listed: list[dict]) -> None:
+        """At start-up: jobs whose booked GPU went while no operator ran (their conditions read first: what they say
+        is kept, and a removal said already is not said again)."""
+        nodes = {b.node for b in self.ledger.bookings.values() if self._gone(b) is not None}
         for body in listed:
             booking = self.ledger.bookings.get(job_key(body))
-            if booking is not None and booking.node in missing:
+            if booking is not None and booking.node in nodes:
                 self.remember_conditions(body)
-        for node in missing:
-            await self._say_node(node, present=False)
+        for node in nodes:
+            await self._check_node(node)
 
     # ---- status ---------------------------------------------------------------------------------
     async def set_status(self, namespace: str, name: str, status: dict, *conds: dict, delays: Sequence[float] = ()) -> None:
@@ -229,9 +368,26 @@ class Admission:
         if status.get("placement"):
             # a pod is made on resume only for a job that never had one: a job whose pod ran and is gone now
             # (ended and cleaned up, or deleted, while no operator ran) is ended by the rebuild, not run again
-            if key in self.ledger.bookings and not had_pod(status):
-                await self.ensure_pod(body, self.ledger.bookings[key])
+            # (a job whose GPU went is placed again instead: `_check_nodes_at_start`)
+            booking = self.ledger.bookings.get(key)
+            if booking is not None and not had_pod(status) and self._gone(booking) is None:
+                await self.ensure_pod(body, booking)
             return
+        # admitted already, or being admitted: Kopf resumes a job from the body it saw at start-up, which may be one
+        # that `_requeue` wrote and is admitting (a second admission's "queued" write landed after its placement)
+        if key in self._admitting or key in self.pending or key in self.ledger.bookings:
+            return
+        self._admitting.add(key)
+        try:
+            await self._admit(body)
+        finally:
+            self._admitting.discard(key)
+
+    async def _admit(self, body: dict) -> None:
+        """Validate, forecast and enqueue a job that is not placed."""
+        meta = body["metadata"]
+        namespace, name, key = meta["namespace"], meta["name"], job_key(body)
+        status = body.get("status") or {}
         noted = self.annotation_conditions(key, meta.get("annotations"))
         try:
             spec = model.parse_spec(body.get("spec") or {}, meta.get("annotations"))
@@ -317,10 +473,10 @@ class Admission:
     async def start(self) -> None:
         """Rebuild from the cluster, then run the scheduler (Kopf startup)."""
         for node in await self.kube.list_tensilenodes():
-            self.inventory[node["metadata"]["name"]] = gpus_from_tensilenode(node)
+            self.set_node(node, node["metadata"]["name"])
         listed = await self.rebuild()
         self.ready.set()
-        await self._say_missing_nodes(listed)
+        await self._check_nodes_at_start(listed)
         finished = {job_key(b) for b in listed if (b.get("status") or {}).get("phase") in model.FINISHED}
         for key, body in self._early.items():  # seen while the LIST was in flight: it may predate their placement
             if key not in finished:
@@ -560,6 +716,9 @@ class Admission:
         await self._repeak(lower)
         if self.pending.get(key) is not pending:  # lowered peaks stay valid: the channels only got freer
             return
+        if all(g.uuid != gpu.uuid for g in self.gpus):  # it went while the job was planned: placed in the next pass
+            self.wake.set()
+            return
         profile = pending.spec.workload.profile if pending.forecast is None else None
         booking = Booking(key, gpu.uuid, gpu.node, reserved, pending.forecast, pending.spec.memory_budget, pending.spec.max_swap_rate,
                           profile, pending.spec.plan_events, pending.spec.recompute)
@@ -691,6 +850,9 @@ class Admission:
     # ---- follow ---------------------------------------------------------------------------------
     async def pod_changed(self, pod: dict, deleted: bool = False) -> None:
         meta = pod["metadata"]
+        if deleted and (gone := self._deleting.pop(meta.get("uid", ""), None)) is not None:
+            gone.set()  # the unstarted pod deleted to place its job again: not the job's end
+            return
         owner = owner_of(pod)
         if owner is None or not await self._of_current_job(meta["namespace"], *owner):
             return
@@ -959,13 +1121,17 @@ def _pod_budget(booking: Booking) -> int | None:
     return booking.reserved_bytes if booking.forecast is None else None
 
 
-def _node_condition(node: str, present: bool) -> dict:
-    if present:
-        return condition("NodeAvailable", True, "TensileNodePublished", f"TensileNode {node} is published again")
-    return condition("NodeAvailable", False, "TensileNodeRemoved", (
-        f"TensileNode {node} was removed (its node drained or deleted, or its agent uninstalled): the job's pod is left "
-        "to run and its GPU stays booked until it ends, but no node agent re-plans its memory or takes its knob "
-        "changes there, and no job is placed on it until the TensileNode is published again"))
+def _node_condition(booking: Booking, gone: Gone | None, said: dict | None) -> dict:
+    """`NodeAvailable` of a job whose pod has started on a GPU that went (`gone`), or that is back (`said`: the
+    condition that said it went)."""
+    if gone is None:
+        if said is not None and said.get("reason") == GPU_REMOVED:
+            return condition("NodeAvailable", True, "GPUPublished", f"TensileNode {booking.node} lists GPU {booking.gpu} again")
+        return condition("NodeAvailable", True, "TensileNodePublished", f"TensileNode {booking.node} is published again")
+    return condition("NodeAvailable", False, gone.reason, (
+        f"{gone.what}: the job's pod had started, so it is left to run and its GPU stays booked until it ends, but no "
+        "node agent re-plans its memory or takes its knob changes there, and no job is placed on that GPU until it is "
+        "published again"))
 
 
 def _knobs_condition(outcome: str) -> dict:
@@ -1004,6 +1170,18 @@ def _waiting(pod: dict) -> tuple[str, str] | None:
         if waiting.get("reason") and waiting["reason"] not in STARTING:
             return waiting["reason"], f"container {container.get('name')}: {waiting.get('message') or waiting['reason']}"
     return None
+
+
+def _started(pod: dict) -> bool:
+    """Whether a pod has left Pending or started any of its containers (init containers too): only a pod that has
+    not is deleted to place its job again (Tensile never stops training, or a container about to train, by its own
+    decision)."""
+    status = pod.get("status") or {}
+    if status.get("phase", "Pending") != "Pending":
+        return True
+    return any(c.get("started") or c.get("restartCount") or {"running", "terminated"} & (c.get("state") or {}).keys()
+               or (c.get("lastState") or {}).get("terminated")
+               for c in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])])
 
 
 def _pod_end(pod: dict) -> tuple[str, str, str]:

@@ -56,6 +56,11 @@ EVENTS: dict[tuple[str, str], tuple[str, str]] = {
     ("UnknownAnnotations", "Ignored"): (WARNING, "UnknownAnnotations"),
     ("NodeAvailable", "TensileNodeRemoved"): (WARNING, "TensileNodeRemoved"),
     ("NodeAvailable", "TensileNodePublished"): (NORMAL, "TensileNodePublished"),
+    ("NodeAvailable", "GPURemoved"): (WARNING, "GPURemoved"),
+    ("NodeAvailable", "GPUPublished"): (NORMAL, "GPUPublished"),
+    # a job whose pod had not started, placed again after its node or GPU went (as Kueue's requeued workloads)
+    ("Admitted", "TensileNodeRemoved"): (NORMAL, "Requeued"),
+    ("Admitted", "GPURemoved"): (NORMAL, "Requeued"),
 }
 # conditions whose new message is news (a new forecast, another edit or annotation); the others' messages carry
 # amounts that move without anything happening to the job (the queue's shortfall, a retry's delay)

@@ -169,8 +169,11 @@ class Kube:
     async def create_event(self, namespace: str, event: dict) -> dict:
         return await self.call("create", "", "v1", "events", namespace=namespace, body=event)
 
-    async def delete_pod(self, namespace: str, name: str) -> None:
+    async def delete_pod(self, namespace: str, name: str, options: dict | None = None) -> None:
+        """`options`: DeleteOptions fields (`gracePeriodSeconds`, `preconditions`: a pod changed since is answered
+        409). A pod already gone is no error."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", **options} if options else None
         try:
-            await self.call("delete", "", "v1", "pods", namespace=namespace, name=name)
+            await self.call("delete", "", "v1", "pods", namespace=namespace, name=name, body=body)
         except NotFound:
             pass
