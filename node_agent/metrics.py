@@ -73,8 +73,8 @@ class AgentCollector(Collector):
                                         "hook polls twice a second)", labels=JOB_LABELS),
             "version": GaugeMetricFamily("tensile_job_plan_version", "Version of the job's current plan", labels=JOB_LABELS),
             "applied": GaugeMetricFamily("tensile_job_applied_plan_version", "Plan version the hook reported running", labels=JOB_LABELS),
-            "budget": GaugeMetricFamily("tensile_job_memory_budget_bytes", "The memory budget the job's hook holds it to: its "
-                                        "own, or its share of a GPU it shares (the current plan's)", labels=JOB_LABELS),
+            "budget": GaugeMetricFamily("tensile_job_memory_budget_bytes", "The memory budget the job's hook holds it to (the "
+                                        "current plan's): its own, or its share of a GPU it shares (see docs/agent.md)", labels=JOB_LABELS),
         }
         counters = {
             "iterations": CounterMetricFamily("tensile_job_iterations", "Iterations the hook reported", labels=JOB_LABELS),

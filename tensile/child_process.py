@@ -2,7 +2,8 @@
 
 A `kill -9` of `tensile run` (or of the local runner) is seen by no handler, so nothing passes it on: the training
 went on with no parent, its GPU memory held, its report never read. Linux's parent-death signal asks the kernel to
-send the command SIGTERM instead, which the hook's exit handling sees (its last report, the agent's unregistering).
+send the command SIGTERM instead, as `kill` of `tensile run` passes it on. It reaches the command Tensile started,
+not what that starts: a wrapper (`bash train.sh`) that does not pass SIGTERM on leaves its Python running.
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ def ends_with_this_process(then: Callable[[], object] | None = None) -> Callable
     prctl = _prctl()
 
     def arm() -> None:
-        if prctl is not None:
-            prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-            if os.getppid() != parent:  # the parent died before the signal was armed: it will never come
-                os.kill(os.getpid(), signal.SIGTERM)
+        if prctl is not None and prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGTERM)) == 0 \
+                and os.getppid() != parent:  # the parent died before the signal was armed: it will never come
+            os.kill(os.getpid(), signal.SIGTERM)
         if then is not None:
             then()
 
@@ -39,6 +39,8 @@ def _prctl() -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
+    prctl.restype = ctypes.c_int
+    return prctl

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import termios
 import time
 from pathlib import Path
@@ -310,13 +311,18 @@ def test_tensile_run_refuses_a_gpu_it_cannot_name(capsys, options, named):
 @pytest.mark.parametrize("variable, value, named", [
     ("TENSILE_LATENCY_SAMPLE_EVERY", "abc", "TENSILE_LATENCY_SAMPLE_EVERY: 'abc' is not a number"),
     ("TENSILE_AGENT_TIMEOUT", "-1", "TENSILE_AGENT_TIMEOUT"),
+    ("TENSILE_AGENT", "ftp://host", "TENSILE_AGENT: "),
+    ("TENSILE_GPU", "GPU 1", "TENSILE_GPU: 'GPU 1' is no GPU UUID or index"),
+    ("TENSILE_WORKLOAD", "{tmp}/none.json", "{tmp}/none.json: cannot read workload file"),
+    ("TENSILE_PLAN", "{tmp}/plan.json", "TENSILE_PLAN needs TENSILE_WORKLOAD"),
 ])
 def test_tensile_run_refuses_a_bad_setting_from_the_environment_before_the_command_starts(capsys, monkeypatch, tmp_path,
                                                                                          variable, value, named):
     """The hook in the child stood down on it and the training ran without Tensile, said in one line of its output."""
     ran = tmp_path / "ran"
-    monkeypatch.setenv(variable, value)
+    monkeypatch.setenv(variable, value.format(tmp=tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a report's folder would be made
     assert main(["run", "--", sys.executable, "-c", f"open({str(ran)!r}, 'w')"]) == 2
     said = " ".join(capsys.readouterr().err.split())
-    assert named in said and "set in the environment: fix or unset it" in said, said
-    assert not ran.exists()
+    assert named.format(tmp=tmp_path) in said and "set in the environment: fix or unset it" in said, said
+    assert not ran.exists() and not list(tmp_path.glob("tensile-*"))  # refused before anything was made

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.linger < 0:
         raise TensileUserError(f"--linger must be 0 or more seconds (was {args.linger})")
     simulated_gpus(args.simulate_gpu)  # NAME:MEMORY as the agent reads it, refused before anything runs
-    check_environment(dict(os.environ))  # the TENSILE_* settings every job's hook reads
+    check_environment(dict(os.environ), ("TENSILE_AGENT",))  # what every job's hook reads (each is given the local agent)
     if args.plot:
         output_file(args.plot, "--plot")  # before the jobs run: a bad path once met only the plot, after them
     jobs = load_jobs(args.jobs)

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from rich.console import Console
@@ -24,6 +25,7 @@ from tensile.errors import TensileUserError
 from tensile.knobs import parse_swap_rate
 from tensile.local_jobs import local_command
 from tensile.plan import PLAN_EVENTS, load_plan
+from tensile.runtime_hook.plan_source import load_plan_files
 from tensile.runtime_hook.report import PlanPeak, RunTotals, UnderPlan
 from tensile.runtime_hook.settings import HookSettings, parse_budget
 from tensile.workload_io import load_workload
@@ -65,7 +67,13 @@ def hook_environment(args: argparse.Namespace) -> dict[str, str]:
     env["TENSILE_JOB"] = args.job
     python_path = [str(SITE_DIR), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in python_path if p)
-    optional = {
+    env.update({k: v for k, v in option_variables(args).items() if v})
+    return env
+
+
+def option_variables(args: argparse.Namespace) -> dict[str, str | None]:
+    """The TENSILE_* variables the command's options set (None: not given, the environment's value stands)."""
+    return {
         "TENSILE_MEMORY_BUDGET": args.memory_budget,
         "TENSILE_WORKLOAD": args.workload,
         "TENSILE_PLAN": args.plan,
@@ -77,8 +85,6 @@ def hook_environment(args: argparse.Namespace) -> dict[str, str]:
         "TENSILE_PLAN_EVENTS": args.plan_events,
         "TENSILE_RECOMPUTE": None if args.recompute else "false",
     }
-    env.update({k: v for k, v in optional.items() if v})
-    return env
 
 
 def _check(args: argparse.Namespace) -> list[str]:
@@ -118,28 +124,42 @@ def _check(args: argparse.Namespace) -> list[str]:
     return command
 
 
-def check_environment(env: dict[str, str]) -> None:
-    """The TENSILE_* settings only the environment gives (TENSILE_LATENCY_SAMPLE_EVERY, TENSILE_AGENT_TIMEOUT, ...),
-    read as the hook reads them: a bad one made the hook stand down in the child, and the training ran without
-    Tensile, which a line in its output was all that said (`tensile local`: in its jobs' logs)."""
+def check_environment(env: dict[str, str], checked: Collection[str] = ()) -> None:
+    """The hook's settings as the child will read them (the options over the environment), refused here where the hook
+    would refuse them, naming the variable: a bad one (TENSILE_LATENCY_SAMPLE_EVERY=abc, an agent URL, a workload file)
+    made the hook stand down in the child, and the training ran without Tensile, which a line in its output was all
+    that said (`tensile local`: in its jobs' logs). `checked`: variables an option set, checked already as options."""
     try:
-        HookSettings.from_env(env)
-    except ValueError as exc:
+        settings = HookSettings.from_env(env)
+        if settings.agent_url and "TENSILE_AGENT" not in checked:
+            try:
+                Http(settings.agent_url)
+            except ValueError as exc:
+                raise ValueError(f"TENSILE_AGENT: {exc}") from None
+        if settings.gpu and "TENSILE_GPU" not in checked and not re.match(GPU_PATTERN, settings.gpu):
+            raise ValueError(f"TENSILE_GPU: '{settings.gpu}' is no GPU UUID or index (the agent lists its GPUs at /v1/gpus)")
+        if {"TENSILE_PLAN", "TENSILE_WORKLOAD"} & {k for k, v in env.items() if v} - set(checked):
+            if settings.plan_path:
+                load_plan_files(settings)
+            elif settings.workload_path:
+                load_workload(settings.workload_path)
+    except (ValueError, TensileUserError) as exc:
         raise TensileUserError(f"{exc} (set in the environment: fix or unset it)") from None
 
 
 def run(args: argparse.Namespace) -> int:
     command = _check(args)
     console = Console(stderr=True)
-    if args.job is None:
+    named = args.job is None
+    if named:
         args.job = _unique_job(command) if args.agent else "local"
-        if args.agent:
-            console.print(f"tensile: the job registers with the node agent as {args.job} (--job names it)", highlight=False)
+    check_environment(hook_environment(args), {k for k, v in option_variables(args).items() if v})
+    if named and args.agent:
+        console.print(f"tensile: the job registers with the node agent as {args.job} (--job names it)", highlight=False)
     report = args.report
     if report is None:
         report = args.report = str(Path(tempfile.mkdtemp(prefix="tensile-")) / "report.json")
     env = hook_environment(args)
-    check_environment(env)
     started = time.time() - 1  # file times are coarse: a write just after this may read a few ms earlier
     returncode = _run_forwarding(command, env)
     killed = _signal_name(-returncode) if returncode < 0 else None
@@ -164,11 +184,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_forwarding(command: list[str], env: dict[str, str]) -> int:
     """The command's exit status (negative: the signal that ended it, as Popen's), passing on SIGINT, SIGTERM and
-    SIGHUP sent to `tensile run` alone: `kill` of it left the training running with no parent, its GPU memory
-    held (`kill -9`, which no handler sees: the kernel sends the command SIGTERM, ends_with_this_process). The command stays in this process group, so it keeps the terminal (reads it, stops at Ctrl-Z); a signal
-    the terminal sent reached the command already, and is not sent twice (a second SIGINT would cut short the
-    hook's exit: the report's last write, the agent's unregistering). The signals are blocked and waited for
-    (with SIGCHLD, the command's end) rather than handled, for their si_code, which tells the terminal's apart."""
+    SIGHUP sent to `tensile run` alone: `kill` of it left the training running with no parent, its GPU memory held
+    (`kill -9`, which no handler sees: the kernel sends the command SIGTERM, `ends_with_this_process`). The command
+    stays in this process group, so it keeps the terminal (reads it, stops at Ctrl-Z); a signal the terminal sent
+    reached the command already, and is not sent twice (a second SIGINT would cut short the hook's exit: the
+    report's last write, the agent's unregistering). The signals are blocked and waited for (with SIGCHLD, the
+    command's end) rather than handled, for their si_code, which tells the terminal's apart."""
     watched = {*FORWARDED, signal.SIGCHLD}
     unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, watched)
     try:
