@@ -17,6 +17,7 @@ import secrets
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from tensile.agent_contract import utc_timestamp
@@ -36,7 +37,9 @@ from tensile.operator.validation import unreachable_budget
 
 log = logging.getLogger("tensile.operator")
 PROFILE_POLL_SECONDS = 1.0  # how often the live workload of a running job admitted by its budget is asked for
-RESYNC_SECONDS = 30.0  # the ledger is checked against the statuses at most this often (and after a failed pass)
+# the ledger is checked against the statuses at most this often (and after a failed pass); the jobs still booked on a
+# GPU that went, whose look failed, are looked at again this often (`_recheck_forever`)
+RESYNC_SECONDS = 30.0
 POD_CHECK_SECONDS = 5.0  # a deleted job's terminating pod is looked up again this often (its DELETED event may be missed)
 # seconds between attempts at a pod creation or a job's end refused by the API server's trouble (5xx, 429): about a minute
 RETRY_DELAYS: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
@@ -94,6 +97,15 @@ class Gone:
     what: str
 
 
+class PodDeletion(Enum):
+    """What `_delete_unstarted_pod` did: the job's pod deleted, no pod of the job found, or its pod has started (left
+    alone: Tensile never stops training by its own decision)."""
+
+    DELETED = "deleted"
+    NO_POD = "no pod"
+    STARTED = "started"
+
+
 class Admission:
     def __init__(self, forecaster: Forecaster | None = None, planner: JointPlanner | None = None,
                  image: str | None = None, token_key: bytes | None = None, queueing: QueueConfig | None = None):
@@ -132,7 +144,7 @@ class Admission:
         self._knob_retries: dict[str, asyncio.Task] = {}  # key -> the task sending knobs until the hook registers
         self._freed: dict[str, asyncio.Event] = {}  # key -> set when a deleted job's booking is released
         self._ending: dict[str, asyncio.Event] = {}  # key -> set once the end `finish` is writing has been written
-        self._checking: set[str] = set()  # jobs whose booked GPU went, being looked at (`_booked_gpu_gone`)
+        self._checking: dict[str, asyncio.Task] = {}  # key -> the task looking at a job whose GPU went (`_booked_gpu_gone`)
         self._admitting: set[str] = set()  # jobs being validated and forecast (`admit`)
         # uid of an unstarted pod deleted to place its job again -> set at its DELETED event (which is not the job's end)
         self._deleting: dict[str, asyncio.Event] = {}
@@ -146,6 +158,14 @@ class Admission:
     def gpu_of(self, booking: Booking) -> Gpu | None:
         """The booked GPU as its node's TensileNode now lists it (None: the node or its agent is gone)."""
         return next((g for g in self.gpus if g.uuid == booking.gpu), None)
+
+    def agent_of(self, booking: Booking) -> str | None:
+        """The agent of the booked GPU, else of its node (a GPU its TensileNode stopped listing: the node's agent still
+        runs and holds the job's registration and live workload); None when the node's TensileNode is gone."""
+        gpu = self.gpu_of(booking)
+        if gpu is not None:
+            return gpu.agent
+        return next((g.agent for g in self.inventory.get(booking.node, []) if g.agent), None)
 
     def set_node(self, body: dict | None, name: str) -> None:
         if body is None:
@@ -204,9 +224,9 @@ class Admission:
             if gone is None:
                 if said is not None:
                     back.append(booking)
-            elif booking.job not in self._checking and (said is None or said["reason"] != gone.reason):
-                self._checking.add(booking.job)
-                self._spawn(self._booked_gpu_gone(booking, gone))
+            elif booking.job not in self._checking and booking.job not in self._freed \
+                    and (said is None or said["reason"] != gone.reason):  # a job being deleted: `deleted` has it
+                self._checking[booking.job] = self._spawn(self._booked_gpu_gone(booking, gone))
         await asyncio.gather(*(self._say_node(b, None) for b in back))
 
     def _node_said(self, key: str) -> dict | None:
@@ -238,15 +258,16 @@ class Admission:
                 return
             if self.phases.get(key) == "Running" or not await self._requeue(booking, gone):
                 await self._say_node(booking, gone)
-        except Exception:  # noqa: BLE001 - one job's trouble must not stop the others' (a node event checks it again)
-            log.exception("%s: its GPU went, and it was not placed again", key)
+        except Exception:  # noqa: BLE001 - one job's trouble must not stop the others' (`_recheck_forever` retries it)
+            log.exception("%s: its GPU went, and it was not placed again (looked at again in %g s)", key, RESYNC_SECONDS)
         finally:
-            self._checking.discard(key)
+            self._checking.pop(key, None)
 
     def _booked_on(self, key: str, gpu: str) -> bool:
-        """By value: a rebuild replaces the ledger's bookings with equal ones."""
+        """Booked on `gpu` and not being deleted (`deleted` frees its room). By value: a rebuild replaces the ledger's
+        bookings with equal ones."""
         booking = self.ledger.bookings.get(key)
-        return booking is not None and booking.gpu == gpu
+        return booking is not None and booking.gpu == gpu and key not in self._freed
 
     async def _requeue(self, booking: Booking, gone: Gone) -> bool:
         """The job's unstarted pod deleted, its booking released (after the status says it is queued again, so a
@@ -256,27 +277,29 @@ class Admission:
         key = booking.job
         namespace, name = key.split("/", 1)
         try:
-            body = await self.kube.get_job(namespace, name)
+            body = await retried(lambda: self.kube.get_job(namespace, name), RETRY_DELAYS)
         except NotFound:
             return True  # gone: `deleted` freed its room
         meta = body["metadata"]
         if meta.get("deletionTimestamp"):
             return True  # `deleted` frees its room
         self.remember_conditions(body)
-        deleted = await self._delete_unstarted_pod(namespace, pod_name(namespace, name, meta.get("uid", "")),
-                                                   (name, meta.get("uid", "")))
-        if deleted is None:
+        deletion = await self._delete_unstarted_pod(namespace, pod_name(namespace, name, meta.get("uid", "")),
+                                                    (name, meta.get("uid", "")))
+        if deletion is PodDeletion.STARTED:
             return False
-        if not self._booked_on(key, booking.gpu) or key in self._freed:
+        if not self._booked_on(key, booking.gpu):
             return True  # ended, or being deleted: `finish` or `deleted` has its room
         self.conditions[key] = [c for c in self.conditions.get(key, []) if c["type"] not in PLACED_CONDITIONS]
-        pod = f", its pod {pod_name(namespace, name, meta.get('uid', ''))} deleted" if deleted else ""
+        pod = f", its pod {pod_name(namespace, name, meta.get('uid', ''))} deleted" if deletion is PodDeletion.DELETED else ""
         said = (f"{gone.what} before the job's pod started: its booking on {booking.node} GPU {booking.gpu} was "
                 f"released{pod}, and it is queued again, in its place (by priority and creation), to be placed where it fits")
         await self.set_status(namespace, name, {
             "phase": "Queued", "message": said, "placement": None,
             "forecast": dict.fromkeys(("scheduledPeakBytes", "reservedBytes", "plannedWith"))},
             condition("Admitted", False, gone.reason, said), delays=RETRY_DELAYS)
+        if not self._booked_on(key, booking.gpu):  # checked again with no await before the release: the write may
+            return True  # have taken a minute of retries, in which the job was deleted (`deleted` waits for this task)
         released = self.release(key)
         retry = self._knob_retries.pop(key, None)
         if retry is not None:  # its next pod starts with the knobs in its environment
@@ -286,44 +309,67 @@ class Admission:
         await self.admit(body | {"status": status | {"phase": "Queued"}})
         return True
 
-    async def _delete_unstarted_pod(self, namespace: str, pod: str, owner: tuple[str, str]) -> bool | None:
+    async def _delete_unstarted_pod(self, namespace: str, pod: str, owner: tuple[str, str]) -> PodDeletion:
         """Deletes the job's pod unless it has started, and waits until it is gone (the job's next pod takes its
         name). Deleted at once (no grace period: none of its containers runs, and a kubelet of a node that is gone
         never confirms a graceful deletion) and only as it was read (preconditions: uid and resourceVersion), so a
-        pod that changed meanwhile (it may have started) is read again. None: it has started (left alone);
-        True: deleted; False: the job had none (a pod of that name with another owner is never touched)."""
+        pod that changed meanwhile (it may have started) is read again. A pod of that name with another owner is never
+        touched (NO_POD). Each call is retried through the API server's trouble; what still fails is raised."""
+        def find() -> Coroutine[Any, Any, dict | None]:
+            return self.kube.find_pod(namespace, pod)
+
         for _ in range(5):
-            found = await self.kube.find_pod(namespace, pod)
+            found = await retried(find, RETRY_DELAYS)
             if found is None or owner_of(found) != owner:
-                return False
+                return PodDeletion.NO_POD
             if _started(found):
-                return None
+                return PodDeletion.STARTED
             uid = found["metadata"].get("uid", "")
+            options = {"gracePeriodSeconds": 0, "preconditions": {"uid": uid, "resourceVersion": found["metadata"].get("resourceVersion")}}
             # by uid: its DELETED event may come after the job's next pod (of the same name) exists
             gone = self._deleting.setdefault(uid, asyncio.Event())
             try:
-                await self.kube.delete_pod(namespace, pod, {"gracePeriodSeconds": 0, "preconditions": {
-                    "uid": uid, "resourceVersion": found["metadata"].get("resourceVersion")}})
-            except Conflict:
+                await retried(lambda: self.kube.delete_pod(namespace, pod, options), RETRY_DELAYS)
+            except BaseException as exc:
+                # not deleted: a DELETED event of that pod (another deletion, the garbage collector) is the job's end
                 self._deleting.pop(uid, None)
-                continue
-            while not gone.is_set() and (found := await self.kube.find_pod(namespace, pod)) is not None \
+                if isinstance(exc, Conflict):
+                    continue
+                raise
+            # deleted: its marker stays until its DELETED event (which may come after the pod is found gone here)
+            while not gone.is_set() and (found := await retried(find, RETRY_DELAYS)) is not None \
                     and found["metadata"].get("uid") == uid:
                 with contextlib.suppress(TimeoutError):  # looked up again meanwhile, in case its event is missed
                     await asyncio.wait_for(gone.wait(), POD_CHECK_SECONDS)
-            return True
-        return None  # changed at every read: left alone, as a started pod is
+            return PodDeletion.DELETED
+        return PodDeletion.STARTED  # changed at every read: left alone, as a started pod is
+
+    def _nodes_with_gone(self) -> set[str]:
+        """The nodes where a job is booked on a GPU that went."""
+        return {b.node for b in list(self.ledger.bookings.values()) if self._gone(b) is not None}
 
     async def _check_nodes_at_start(self, listed: list[dict]) -> None:
         """At start-up: jobs whose booked GPU went while no operator ran (their conditions read first: what they say
         is kept, and a removal said already is not said again)."""
-        nodes = {b.node for b in self.ledger.bookings.values() if self._gone(b) is not None}
+        nodes = self._nodes_with_gone()
         for body in listed:
             booking = self.ledger.bookings.get(job_key(body))
             if booking is not None and booking.node in nodes:
                 self.remember_conditions(body)
         for node in nodes:
             await self._check_node(node)
+
+    async def _recheck_forever(self) -> None:
+        """Every RESYNC_SECONDS, the jobs still booked on a GPU that went, neither placed again nor said (their look
+        failed: the API server's trouble), are looked at again: a removed TensileNode sends no further event, so a
+        failed look left the job booked for good on a GPU that is gone."""
+        while True:
+            await asyncio.sleep(RESYNC_SECONDS)
+            try:
+                for node in self._nodes_with_gone():
+                    await self._check_node(node)
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("looking again at the jobs whose GPU went failed")
 
     # ---- status ---------------------------------------------------------------------------------
     async def set_status(self, namespace: str, name: str, status: dict, *conds: dict, delays: Sequence[float] = ()) -> None:
@@ -369,9 +415,10 @@ class Admission:
             # a pod is made on resume only for a job that never had one: a job whose pod ran and is gone now
             # (ended and cleaned up, or deleted, while no operator ran) is ended by the rebuild, not run again
             # (a job whose GPU went is placed again instead: `_check_nodes_at_start`)
+            # (tracked as a placement's creation is: a look at the job, its GPU gone or it deleted, waits for it)
             booking = self.ledger.bookings.get(key)
-            if booking is not None and not had_pod(status) and self._gone(booking) is None:
-                await self.ensure_pod(body, booking)
+            if booking is not None and not had_pod(status) and self._gone(booking) is None and key not in self._creating:
+                self._creating[key] = self._spawn(self._start_pod(body, booking, register=False))
             return
         # admitted already, or being admitted: Kopf resumes a job from the body it saw at start-up, which may be one
         # that `_requeue` wrote and is admitting (a second admission's "queued" write landed after its placement)
@@ -438,6 +485,8 @@ class Admission:
                                                             "its first run's live workload becomes the profile")]
             fstatus = {"source": "budget"}
         await self.set_status(namespace, name, {"phase": "Queued", "message": "waiting for placement", "forecast": fstatus}, *conds)
+        if key in self._freed:  # deleted while it was admitted (a re-placement's admission): `deleted` has it
+            return
         queue = status.get("queue") or {}
         self.pending[key] = Pending(key, namespace, name, body, spec, forecast, since=queue.get("since") or "",
                                     head_since=queue.get("headSince") or "")
@@ -477,6 +526,7 @@ class Admission:
         listed = await self.rebuild()
         self.ready.set()
         await self._check_nodes_at_start(listed)
+        self._spawn(self._recheck_forever())
         finished = {job_key(b) for b in listed if (b.get("status") or {}).get("phase") in model.FINISHED}
         for key, body in self._early.items():  # seen while the LIST was in flight: it may predate their placement
             if key not in finished:
@@ -769,10 +819,12 @@ class Admission:
         task.add_done_callback(self._background.discard)
         return task
 
-    async def _start_pod(self, body: dict, booking: Booking) -> None:
+    async def _start_pod(self, body: dict, booking: Booking, register: bool = True) -> None:
+        """`register`: the forecast to the agent first (a new placement; not on resume, see `_register_forecast`)."""
         try:
             if booking.job in self.ledger.bookings:  # not released by a deletion seen while the placement was written
-                await self._register_forecast(body, booking)
+                if register:
+                    await self._register_forecast(body, booking)
                 await self.ensure_pod(body, booking)
         except Exception:  # noqa: BLE001 - the job stays placed; a restarted operator creates its pod (resume)
             log.exception("%s: creating its pod failed", booking.job)
@@ -825,17 +877,27 @@ class Admission:
                 await self.set_status(namespace, meta["name"], {"message": message},
                                       condition("PodRunning", False, "PodCreateFailed", message))
 
+        owner = (meta["name"], meta.get("uid", ""))
         try:
-            await retried(lambda: self.kube.create_pod(namespace, pod), RETRY_DELAYS, retrying)
-            self.events.post(namespace, meta["name"], meta.get("uid", ""), Said(
-                NORMAL, "PodCreated", f"created pod {name} on {booking.node}, GPU {booking.gpu}", "CreatePod"))
-        except Conflict:  # created before a restart, or a pod of that name that is not this job's
-            existing = await self.kube.find_pod(namespace, name)
-            if existing is None or owner_of(existing) == (meta["name"], meta.get("uid", "")):
-                return  # ours: keep following it (None: gone meanwhile; if it was ours, its DELETED event ends the job)
-            await self.finish(namespace, meta["name"], "Failed", "PodRejected",
-                              f"pod {name} already exists and is not this TrainingJob's: delete that pod, or create the "
-                              "TrainingJob under another name")
+            for again in (False, True):
+                try:
+                    await retried(lambda: self.kube.create_pod(namespace, pod), RETRY_DELAYS, retrying)
+                except Conflict:  # created before a restart, or a pod of that name that is not this job's
+                    existing = await self.kube.find_pod(namespace, name)
+                    # an unstarted pod of the job's earlier placement (a resume's creation that landed after the job
+                    # was placed again): pinned to a node or GPU the job no longer has, it was followed for good
+                    if not again and existing is not None and owner_of(existing) == owner and _pinned_elsewhere(existing, booking) \
+                            and await self._delete_unstarted_pod(namespace, name, owner) is not PodDeletion.STARTED:
+                        continue  # made anew where the job is booked
+                    if existing is None or owner_of(existing) == owner:
+                        return  # ours: keep following it (None: gone meanwhile; if it was ours, its DELETED event ends the job)
+                    await self.finish(namespace, meta["name"], "Failed", "PodRejected",
+                                      f"pod {name} already exists and is not this TrainingJob's: delete that pod, or create "
+                                      "the TrainingJob under another name")
+                    return
+                self.events.post(namespace, meta["name"], meta.get("uid", ""), Said(
+                    NORMAL, "PodCreated", f"created pod {name} on {booking.node}, GPU {booking.gpu}", "CreatePod"))
+                return
         except KubeError as exc:
             if transient(exc):  # still the API server's trouble after about a minute: the GPU is not held for good
                 await self.finish(namespace, meta["name"], "Failed", "PodCreateFailed",
@@ -935,15 +997,15 @@ class Admission:
         if booking is None:
             return
         await self._store_profile(key, booking)  # not fetched while it ran (or the operator restarted)
-        gpu = self.gpu_of(booking)
-        await self.agent.unregister(gpu.agent if gpu else None, key, self.tokens.pop(key, ""))
+        # its node's agent when its GPU is no longer listed: it still holds the job (and the forecast registered for it)
+        await self.agent.unregister(self.agent_of(booking), key, self.tokens.pop(key, ""))
 
     async def _store_profile(self, key: str, booking: Booking) -> bool:
         """The live workload the job's hook gave its agent, stored under the booking's profile name."""
-        gpu = self.gpu_of(booking)
-        if not booking.profile or gpu is None:
+        agent = self.agent_of(booking)
+        if not booking.profile or agent is None:
             return False
-        live = await self.agent.live_workload(gpu.agent, key, self.tokens.get(key, ""))
+        live = await self.agent.live_workload(agent, key, self.tokens.get(key, ""))
         if live is None:
             return False
         self.forecaster.store_profile(booking.profile, live)
@@ -971,18 +1033,26 @@ class Admission:
         namespace, name, key = meta["namespace"], meta["name"], job_key(body)
         self.remember_conditions(body)  # a restarted operator may see the deletion first: its end keeps them
         self.pending.pop(key, None)
-        await self.ready.wait()
-        creating = self._creating.get(key)
-        if creating is not None:  # the pod being created lands before it is deleted
-            await asyncio.wait({creating})
-        if key in self.ledger.bookings:  # else queued (no pod ever), ended, or its pod was found gone by a rebuild
-            self.token(body)  # unregistering at the agent needs it (a restarted operator has not made it yet)
+        # set first: a re-placement under way (`_requeue`, `_admit`) sees the deletion and neither releases nor queues
         freed = self._freed.setdefault(key, asyncio.Event())
+        owner = (name, meta.get("uid", ""))
         pod_of_job = pod_name(namespace, name, meta.get("uid", ""))
         try:
+            await self.ready.wait()
+            for task in (self._creating.get(key), self._checking.get(key)):
+                if task is not None:  # the pod being created lands, and a look at a job whose GPU went ends, first
+                    await asyncio.wait({task})
+            self.pending.pop(key, None)  # queued again by a re-placement that ended first
+            booking = self.ledger.bookings.get(key)
+            if booking is not None:  # else queued (no pod ever), ended, or its pod was found gone by a rebuild
+                self.token(body)  # unregistering at the agent needs it (a restarted operator has not made it yet)
             pod = await self.kube.find_pod(namespace, pod_of_job)
-            if pod is not None and owner_of(pod) == (name, meta.get("uid", "")):  # never another job's pod
-                await self.kube.delete_pod(namespace, pod_of_job)
+            if pod is not None and owner_of(pod) == owner:  # never another job's pod
+                # on a node or GPU that went, an unstarted pod is deleted at once: a kubelet that is gone never
+                # confirms a graceful deletion, and the finalizer waited for it for good
+                if booking is None or self._gone(booking) is None \
+                        or await self._delete_unstarted_pod(namespace, pod_of_job, owner) is PodDeletion.STARTED:
+                    await self.kube.delete_pod(namespace, pod_of_job)
             while key in self.ledger.bookings:
                 freed.clear()
                 pod = await self.kube.find_pod(namespace, pod_of_job)
@@ -1170,6 +1240,13 @@ def _waiting(pod: dict) -> tuple[str, str] | None:
         if waiting.get("reason") and waiting["reason"] not in STARTING:
             return waiting["reason"], f"container {container.get('name')}: {waiting.get('message') or waiting['reason']}"
     return None
+
+
+def _pinned_elsewhere(pod: dict, booking: Booking) -> bool:
+    """Whether a pod of the job is pinned to another node or GPU than its booking (`nodeName`, `TENSILE_GPU`)."""
+    spec = pod.get("spec") or {}
+    gpus = {e.get("value") for c in spec.get("containers") or [] for e in c.get("env") or [] if e.get("name") == "TENSILE_GPU"}
+    return spec.get("nodeName") != booking.node or gpus != {booking.gpu}
 
 
 def _started(pod: dict) -> bool:

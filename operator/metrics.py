@@ -60,8 +60,10 @@ class OperatorMetrics:
     def __init__(self, phases: Callable[[], dict[str, str]]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_Phases(phases))
-        self.admissions = Counter("tensile_admissions", "Admission decisions by result (admitted, queued, or why refused)",
-                                  ["result"], registry=self.registry)
+        # a job placed again (its node or GPU went before its pod started) is admitted again: a decision of its own
+        self.admissions = Counter("tensile_admissions", "Admission decisions by result: admitted (each placement, a job "
+                                  "placed again after its node or GPU went counted again), queued (each admission that "
+                                  "had to wait), or why refused", ["result"], registry=self.registry)
         self.forecast_seconds = Histogram("tensile_forecast_seconds", "Time to forecast a job (trace + plan; cache hits too)",
                                           buckets=FORECAST_BUCKETS, registry=self.registry)
         self._server: WSGIServer | None = None

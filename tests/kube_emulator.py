@@ -5,7 +5,11 @@ operator relies on: metadata stamping (uid, resourceVersion, generation, creatio
 concurrency (409 on a stale resourceVersion, 422 on a failed JSON-patch test), the status subresource
 (a patch of the object ignores .status, a patch of /status changes only .status), label selectors on
 list and watch, and watches that subscribe before replaying the current objects (no lost events). It
-also declares the resources Kopf needs before it starts.
+also declares the resources Kopf needs before it starts. Deletions take DeleteOptions: `preconditions`
+(409 when the uid or resourceVersion no longer match) and, for a pod bound to a node whose kubelet is
+gone (`unreachable`), `gracePeriodSeconds`: deleted with one, it is only marked terminating (no kubelet
+confirms it); with 0 it is removed at once. Any other pod is removed at once, as if its kubelet
+confirmed straight away.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import datetime
 import uuid
 from typing import Any
 
+import aiohttp
 import attrs
 import jsonpatch
 import yaml
@@ -29,8 +34,9 @@ class KubeEmulator(KubernetesEmulator):
     _rv: int = attrs.field(default=0, init=False)
     _write_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
     _with_status: set = attrs.field(factory=set, init=False)
-    _refused: dict = attrs.field(factory=dict, init=False)  # resource -> the status its creations are answered with
-    refusals: list = attrs.field(factory=list, init=False)  # the bodies of the creations refused so far
+    _refused: dict = attrs.field(factory=dict, init=False)  # (resource, action) -> the status it is answered with
+    refusals: list = attrs.field(factory=list, init=False)  # the bodies of the requests refused so far
+    unreachable: set = attrs.field(factory=set, init=False)  # nodes whose kubelet is gone (never confirms a deletion)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -61,10 +67,14 @@ class KubeEmulator(KubernetesEmulator):
                          spec["names"].get("shortNames", ()))
         self.objects[resource("apiextensions.k8s.io/v1/customresourcedefinitions"), None, crd["metadata"]["name"]] = crd
 
-    def refuse(self, plural_key: str, status: int) -> None:
-        """Creations of `plural_key` are answered `status` from now on (an API server in trouble with one resource);
-        what they would have created is kept in `refusals`."""
-        self._refused[resource(plural_key)] = status
+    def refuse(self, plural_key: str, status: int | None, verb: str = "create") -> None:
+        """`verb` (create, patch, delete) requests of `plural_key` are answered `status` from now on (an API server in
+        trouble with one resource; None: served again); their bodies are kept in `refusals`."""
+        key = (resource(plural_key), {"create": action.CREATE, "patch": action.UPDATE, "delete": action.DELETE}[verb])
+        if status is None:
+            self._refused.pop(key, None)
+        else:
+            self._refused[key] = status
 
     # ---- writes ---------------------------------------------------------------------------------
     def _next_rv(self) -> str:
@@ -83,10 +93,12 @@ class KubeEmulator(KubernetesEmulator):
                 request = self._prepare(request)
             except KubernetesError as exc:
                 return await self._render_error(exc)
+            if request.action == action.DELETE and (terminating := await self._unconfirmed(request)) is not None:
+                return aiohttp.web.json_response(terminating)
             return await super()._handle(request)
 
     def _refuse(self, request) -> None:  # type: ignore[no-untyped-def]
-        status = self._refused.get(request.resource) if request.action == action.CREATE else None
+        status = self._refused.get((request.resource, request.action))
         if status is not None:
             self.refusals.append(copy.deepcopy(request.data))
             raise KubernetesError(status, "InternalError", f"refused by the test: {request.resource}")
@@ -113,6 +125,11 @@ class KubeEmulator(KubernetesEmulator):
             return request  # kmock answers 404
         raw = current.raw
         if request.action == action.DELETE:
+            preconditions = (request.data or {}).get("preconditions") or {} if isinstance(request.data, dict) else {}
+            for field, name in (("uid", "UID"), ("resourceVersion", "ResourceVersion")):
+                if preconditions.get(field) is not None and preconditions[field] != raw["metadata"].get(field):
+                    raise KubernetesError(409, "Conflict", f"Precondition failed: {name} in precondition: "
+                                                           f"{preconditions[field]}, {name} in object meta: {raw['metadata'].get(field)}")
             current.patch({"metadata": {"resourceVersion": self._next_rv()}})
             return request
         status_only = request.subresource == "status"
@@ -148,6 +165,27 @@ class KubeEmulator(KubernetesEmulator):
             meta["generation"] = int(raw["metadata"].get("generation", 1)) + 1
         # Hand kmock a merge patch that turns the stored object into `new` (kmock merges dicts).
         return _with_data(request, _diff(raw, new))
+
+    async def _unconfirmed(self, request) -> dict | None:  # type: ignore[no-untyped-def]
+        """A graceful deletion of a running or pending pod on an `unreachable` node: marked terminating (deletionTimestamp,
+        deletionGracePeriodSeconds; a MODIFIED event) and kept, as the API server keeps it until its kubelet confirms.
+        None: removed at once (no grace period, not bound, ended, or a kubelet that confirms)."""
+        current = self._current(request)
+        if current is None or request.resource != resource("v1/pods"):
+            return None
+        raw = current.raw
+        grace = (request.data or {}).get("gracePeriodSeconds") if isinstance(request.data, dict) else None
+        grace = (raw.get("spec") or {}).get("terminationGracePeriodSeconds", 30) if grace is None else int(grace)
+        if grace == 0 or (raw.get("spec") or {}).get("nodeName") not in self.unreachable \
+                or (raw.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            return None
+        if not raw["metadata"].get("deletionTimestamp"):
+            when = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=grace)
+            current.patch({"metadata": {"deletionTimestamp": when.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                                        "deletionGracePeriodSeconds": grace}})
+            async with self._lock:
+                await self._buses[request.resource].put({"type": "MODIFIED", "object": copy.deepcopy(current.raw)})
+        return copy.deepcopy(current.raw)
 
     # ---- reads ----------------------------------------------------------------------------------
     async def _serve_list(self, request):  # type: ignore[no-untyped-def]
