@@ -9,6 +9,8 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
+import threading
 from collections.abc import Callable
 
 import torch
@@ -29,6 +31,29 @@ def _forked_child() -> None:
     """A process forked from a hooked one (a DataLoader worker) trains nothing of its own."""
     if _active is not None:
         _active.leave_in_forked_child()
+    _default_sigterm()  # its end is its parent's business, as before the hook
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM (a pod's termination, `kill`, `tensile run`'s forwarding or its end) ends the process as SystemExit, so
+    the hook's exit handlers run: the last report, the node agent's unregistering. Its default ended the process at
+    once: the report stopped at its last periodic write, and the agent held the job until it expired. Only where the
+    program has no handler of its own (one it sets later replaces this), and from the main thread, as Python requires."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)
+        _undo.append(_default_sigterm)
+
+
+def _default_sigterm() -> None:
+    """SIGTERM's default back, unless the program has set a handler of its own since."""
+    if signal.getsignal(signal.SIGTERM) is _terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    log.warning("tensile: SIGTERM: the training ends here, after the hook's last report")
+    raise SystemExit(128 + signum)  # the status a shell gives a command SIGTERM ended
 
 
 os.register_at_fork(after_in_child=_forked_child)
@@ -84,16 +109,18 @@ def activate_from_env() -> PlanExecutor:
     planner = local_planner(settings, device)
     link = agent_link(settings, planner)
     if link is None:
-        return activate(settings, plan, workload, planner, device)
-    # registered before activate()'s own handler: atexit runs it after the executor's last report
-    atexit.register(link.close)
-    _undo.append(lambda: atexit.unregister(link.close))
-    try:
-        executor = activate(settings, plan, workload, link.planner, device, link.listener)
-    except Exception:
-        link.close()
-        raise
-    _undo.insert(0, link.close)  # deactivate(): after the executor's finish, before the rest is undone
+        executor = activate(settings, plan, workload, planner, device)
+    else:
+        # registered before activate()'s own handler: atexit runs it after the executor's last report
+        atexit.register(link.close)
+        _undo.append(lambda: atexit.unregister(link.close))
+        try:
+            executor = activate(settings, plan, workload, link.planner, device, link.listener)
+        except Exception:
+            link.close()
+            raise
+        _undo.insert(0, link.close)  # deactivate(): after the executor's finish, before the rest is undone
+    _exit_on_sigterm()
     return executor
 
 

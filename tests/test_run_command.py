@@ -133,6 +133,23 @@ def test_a_signal_to_tensile_run_reaches_the_command_which_it_waits_for(tmp_path
         os.kill(child, 0)
 
 
+@pytest.mark.parametrize("to", ["command", "tensile run"])
+def test_sigterm_ends_a_hooked_training_through_the_hooks_exit(tmp_path, to):
+    """A pod's termination, `kill` of the training or of `tensile run` (passed on) send SIGTERM, whose default ended the
+    process at once: the report stopped at its last periodic write (here the first), the node agent kept the job."""
+    report = tmp_path / "report.json"
+    proc = _start("--report", str(report), script_args=("--steps", "100000", "--pause", "0.01"),
+                  env={"TENSILE_REPORT_INTERVAL": "3000"}, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    steps = [line for line, _ in zip(proc.stdout, range(3))]  # steps 0, 5 and 10: 11 iterations at least
+    assert steps[-1].startswith("step 10:"), steps
+    os.kill(proc.pid if to == "tensile run" else _child_of(proc.pid), signal.SIGTERM)
+    said = _said(proc)
+    assert proc.returncode == 128 + signal.SIGTERM, said
+    assert RunTotals.of(json.loads(report.read_text())).iterations >= 11, said
+    assert "the training ends here, after the hook's last report" in said, said
+
+
 def test_sigkill_of_tensile_run_ends_the_command_with_sigterm(tmp_path):
     """No handler sees SIGKILL, so nothing passed it on: the training went on with no parent (PPID 1), its memory held.
     The kernel sends the command SIGTERM instead (the parent-death signal), which the hook's exit handling sees."""
