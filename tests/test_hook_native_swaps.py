@@ -373,17 +373,17 @@ def test_a_hook_failure_in_a_native_backward_brings_every_swapped_tensor_back(mo
     """The native swaps' slots live outside the storage registry: when the hook stands down in
     the middle of a native backward (here its first node pre-hook of iteration 4 fails), the
     tensors that iteration swapped out must still come back before autograd reads them."""
-    from tensile.runtime_hook.native_swaps import SwapCarrier
+    from tensile.runtime_hook.executor import PlanExecutor
 
-    fetch_for = SwapCarrier._fetch_for
+    fetch = PlanExecutor._fetch
 
-    def failing(self, hook, slots):  # type: ignore[no-untyped-def]
-        if self.executor.iteration == 4:
-            assert any(slot is not None and not slot.resident for slot in slots)  # something is out to restore
+    def failing(self, slot):  # type: ignore[no-untyped-def]
+        if self.iteration == 4 and not self.disabled and torch._C._current_autograd_node() is not None:
+            assert any(slot is not None and not slot.resident for slot in self.swaps.slots())  # something is out to restore
             raise RuntimeError("injected hook failure")
-        fetch_for(self, hook, slots)
+        fetch(self, slot)
 
-    monkeypatch.setattr(SwapCarrier, "_fetch_for", failing)
+    monkeypatch.setattr(PlanExecutor, "_fetch", failing)
     plain = fit(blocks, 4, STEPS)
     state, report = hooked(blocks, feature_swaps)
     assert_identical(plain, state)
