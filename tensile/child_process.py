@@ -9,6 +9,7 @@ not what that starts: a wrapper (`bash train.sh`) that does not pass SIGTERM on 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 import sys
@@ -34,8 +35,9 @@ def ends_with_this_process(then: Callable[[], object] | None = None) -> Callable
     return arm
 
 
+@functools.cache
 def _prctl() -> Callable[..., int] | None:
-    """libc's prctl, looked up in the parent: a forked child must not load libraries before exec."""
+    """libc's prctl, looked up once in the parent: a forked child must not load libraries before exec."""
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -15,6 +15,16 @@ def _cached_trace(model: str, batch_size: int, device: str, optimizer: str, live
     return trace_workload(model, batch_size, optimizer=optimizer, device=device, live=live)
 
 
+@pytest.fixture(scope="module")
+def forecaster():  # type: ignore[no-untyped-def]
+    """The operator's forecast cache, one per test module: each model is traced once however many jobs use it."""
+    from tensile.operator.forecasting import Forecaster
+
+    f = Forecaster()
+    yield f
+    f.close()
+
+
 @pytest.fixture(scope="session")
 def traced():
     """traced(model, batch_size, device="cuda", optimizer="adam", live=False) -> Workload, cached per session.

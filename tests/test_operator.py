@@ -18,7 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from operator_harness import (GIB, cluster, fake_kubelet, gpu_held_by_big, jitter, phase, pod_env, process_kubelet,
                               serve_pods, simulated_gpu, start_operator, trainingjob)
 from tensile.errors import TensileUserError
-from tensile.operator.forecasting import Forecaster
 from tensile.operator.metrics import OperatorMetrics, metrics_port
 from tensile.operator.model import PlanScope, SpecError, parse_spec
 from tensile.operator.placement import Booking, JointPlanner, Ledger, gpus_from_tensilenode
@@ -28,14 +27,6 @@ from tensile.planner import plan_job
 
 ROOT = Path(__file__).resolve().parents[1]
 MIXED = [("vgg16", 1), ("gpt2", 1), ("bert_base", 1), ("densenet121", 1)]
-
-
-@pytest.fixture(scope="module")
-def forecaster():
-    """One forecast cache for the module: each model is traced once however many jobs use it."""
-    f = Forecaster()
-    yield f
-    f.close()
 
 
 def run(coro):  # type: ignore[no-untyped-def]

@@ -23,13 +23,6 @@ QUALIFIED = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z
 SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
-@pytest.fixture(scope="module")
-def forecaster():  # type: ignore[no-untyped-def]
-    f = Forecaster()
-    yield f
-    f.close()
-
-
 def events_of(c: Cluster, name: str) -> list[dict]:
     """The operator's Events on TrainingJob `name`, in the order posted."""
     return sorted((e for e in c.emu.items("v1/events") if e.get("source", {}).get("component") == COMPONENT

@@ -17,7 +17,6 @@ import yaml
 
 from operator_harness import GIB, cluster, gpu_held_by_big, phase, pod_env, simulated_gpu, start_operator, trainingjob
 from tensile.knobs import memory_text, parse_swap_rate, unreachable_budget_text
-from tensile.operator.forecasting import Forecaster
 from tensile.operator.model import SpecError, parse_spec, unknown_annotations
 from tensile.operator.placement import Booking, Candidate, Gpu, JointPlanner, Ledger, choose
 from tensile.operator.pods import HOOK_SECURITY_CONTEXT, build_pod
@@ -29,13 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 RATE = "metadata.annotations.tensile.dev/max-swap-rate"
 BUDGET = "metadata.annotations.tensile.dev/memory-budget"
-
-
-@pytest.fixture(scope="module")
-def forecaster():
-    f = Forecaster()
-    yield f
-    f.close()
 
 
 def conditions(job: dict | None) -> dict[str, dict]:

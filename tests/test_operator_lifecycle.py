@@ -21,13 +21,6 @@ from tensile.operator.pods import build_pod
 TJP = "/apis/tensile.dev/v1alpha1/namespaces/default/trainingjobs/"
 
 
-@pytest.fixture(scope="module")
-def forecaster():  # type: ignore[no-untyped-def]
-    f = Forecaster()
-    yield f
-    f.close()
-
-
 @pytest.fixture
 def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(admission, "RETRY_DELAYS", (0.01, 0.01, 0.01), raising=False)

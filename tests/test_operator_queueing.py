@@ -24,13 +24,6 @@ from tensile.operator.forecasting import Forecaster
 from tensile.operator.queueing import BEST_EFFORT, DURATION, HOLD_ENV, STRATEGY_ENV, STRICT, QueueConfig
 
 
-@pytest.fixture(scope="module")
-def forecaster():  # type: ignore[no-untyped-def]
-    f = Forecaster()
-    yield f
-    f.close()
-
-
 def job(name: str, budget: str, priority_class: str | None = None) -> dict:
     """A budget-admitted job whose pod template names `priority_class`."""
     body = trainingjob(name, None, profile="p", memoryBudget=budget)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 import tensile.operator.admission as admission
-from operator_harness import GIB, TN, Cluster, cluster, phase, pod_env, simulated_gpu, start_operator, trainingjob
+from operator_harness import (GIB, TN, Cluster, RunningOperator, cluster, phase, pod_env, simulated_gpu, start_operator,
+                              trainingjob)
 from test_operator_events import conditions, events_of, reasons, restarted, running
 from tensile.operator.admission import Admission
 from tensile.operator.forecasting import Forecaster
@@ -23,13 +24,6 @@ from tensile.operator.pods import build_pod
 
 # a container the kubelet is still creating (its image pulled, say): the pod has not started
 CREATING = {"phase": "Pending", "containerStatuses": [{"name": "train", "state": {"waiting": {"reason": "ContainerCreating"}}}]}
-
-
-@pytest.fixture(scope="module")
-def forecaster():  # type: ignore[no-untyped-def]
-    f = Forecaster()
-    yield f
-    f.close()
 
 
 @pytest.fixture
@@ -76,6 +70,13 @@ async def said(c: Cluster, name: str, type_: str, reason: str, event: str) -> di
     return conditions(c, name)[type_]
 
 
+async def two_nodes(c: Cluster, forecaster: Forecaster) -> RunningOperator:
+    """node-a with a 4 GiB GPU (best fit places jobs there first) and node-b with an 8 GiB one, and the operator."""
+    await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4)])
+    await c.publish_node("node-b", [simulated_gpu("GPU-b0", 8)])
+    return await start_operator(forecaster)
+
+
 def left_alone(c: Cluster, name: str, before: dict) -> None:
     """The job's pod is the one it had, not being deleted, and the job is still placed where it was."""
     now = pod(c, name)
@@ -92,9 +93,7 @@ def test_a_job_whose_pod_had_not_started_is_placed_again_when_its_tensilenode_go
 
     async def scenario() -> None:
         async with cluster(tmp_path) as c:
-            await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4)])
-            await c.publish_node("node-b", [simulated_gpu("GPU-b0", 8)])
-            op = await start_operator(forecaster)
+            op = await two_nodes(c, forecaster)
             try:
                 # best fit puts each on node-a (least room left)
                 await placed(c, "run", "1Gi")
@@ -259,9 +258,7 @@ def test_a_job_not_placed_again_for_the_api_servers_trouble_is_looked_at_again(t
 
     async def scenario() -> None:
         async with cluster(tmp_path) as c:
-            await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4)])
-            await c.publish_node("node-b", [simulated_gpu("GPU-b0", 8)])
-            op = await start_operator(forecaster)
+            op = await two_nodes(c, forecaster)
             try:
                 wait = await placed(c, "wait", "2Gi", CREATING)
                 assert placed_on(c, "wait") == ("node-a", "GPU-a0")
@@ -288,9 +285,7 @@ def test_a_job_deleted_with_its_unstarted_pod_on_a_node_that_is_gone_is_deleted(
 
     async def scenario() -> None:
         async with cluster(tmp_path) as c:
-            await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4)])
-            await c.publish_node("node-b", [simulated_gpu("GPU-b0", 8)])
-            op = await start_operator(forecaster)
+            op = await two_nodes(c, forecaster)
             try:
                 await placed(c, "wait", "2Gi", CREATING)
                 assert placed_on(c, "wait") == ("node-a", "GPU-a0")

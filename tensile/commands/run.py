@@ -153,13 +153,13 @@ def run(args: argparse.Namespace) -> int:
     named = args.job is None
     if named:
         args.job = _unique_job(command) if args.agent else "local"
-    check_environment(hook_environment(args), {k for k, v in option_variables(args).items() if v})
+    env = hook_environment(args)
+    check_environment(env, {k for k, v in option_variables(args).items() if v})
     if named and args.agent:
         console.print(f"tensile: the job registers with the node agent as {args.job} (--job names it)", highlight=False)
     report = args.report
     if report is None:
-        report = args.report = str(Path(tempfile.mkdtemp(prefix="tensile-")) / "report.json")
-    env = hook_environment(args)
+        report = env["TENSILE_REPORT"] = str(Path(tempfile.mkdtemp(prefix="tensile-")) / "report.json")
     started = time.time() - 1  # file times are coarse: a write just after this may read a few ms earlier
     returncode = _run_forwarding(command, env)
     killed = _signal_name(-returncode) if returncode < 0 else None
