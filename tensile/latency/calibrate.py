@@ -27,7 +27,7 @@ from tensile.latency.mlp import FamilyEnsemble, FamilyMLP
 from tensile.latency.prior import Roofline, compute_seconds, iteration_bytes, preceding_bytes, size_class, view_key
 from tensile.latency.probes import Probe, build_step, make_grid
 from tensile.latency.store import LatencyModel, default_model_dir, save_model, slug
-from tensile.latency.train import fit_ensemble
+from tensile.latency.train import ENSEMBLE_MEMBERS, fit_ensemble
 from tensile.workload import PHASES
 
 MIN_SAMPLES = 8  # a family with fewer measured ops keeps the prior
@@ -188,8 +188,10 @@ def training_arrays(ops: list, seconds: list[float], utils: list[float], precedi
 
 
 def fit_model(measured: list[Measured], roofline: Roofline, key: str, name: str, kind: str, meta: dict,
-              steps: int = 1500, on_family: Callable[[str], object] | None = None) -> LatencyModel:
-    """Gaps, the view-op costs and an MLP ensemble per family with enough samples."""
+              steps: int = 1500, on_family: Callable[[str], object] | None = None, seed: int = 0,
+              members: int | None = None) -> LatencyModel:
+    """Gaps, the view-op costs and an MLP ensemble per family with enough samples (`seed` and `members`: the
+    ensembles' seeds and size, `train.ensemble_size` by default; varied by benchmarks/latency_fit_variance.py)."""
     gaps, scales = fit_phases(measured) if kind == "cpu" else ({}, {})
     roofline = replace(roofline, gaps=gaps, scales=scales)
     samples = family_samples(measured)
@@ -206,7 +208,8 @@ def fit_model(measured: list[Measured], roofline: Roofline, key: str, name: str,
     for family in FAMILIES:
         if family in samples and len(samples[family][0]) >= MIN_SAMPLES:
             x, y = training_arrays(*deduplicated(*samples[family]), family, roofline)
-            families[family] = fit_ensemble(x, y, steps=steps, seed=FAMILIES.index(family))
+            families[family] = fit_ensemble(x, y, members=members, steps=steps,
+                                            seed=FAMILIES.index(family) + len(FAMILIES) * seed)
         if on_family is not None:
             on_family(family)
     loads = [m.timing.load_average for m in measured]
@@ -290,8 +293,9 @@ def _calibrate(device_type: str, key: str, name: str, quick: bool, model_dir: st
         task = bar.add_task("training family models", total=len(FAMILIES))
         meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "grid": "quick" if quick else "default",
                 "probes": len(measured), "probes_planned": len(probes), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        model = fit_model(measured, roofline, key, name, device_type, meta,
-                          steps=300 if quick else 1500, on_family=lambda _: bar.update(task, advance=1))
+        # the quick grid's families are all small: nine members each would triple a smoke check's fit for a rough model
+        model = fit_model(measured, roofline, key, name, device_type, meta, steps=300 if quick else 1500,
+                          members=ENSEMBLE_MEMBERS if quick else None, on_family=lambda _: bar.update(task, advance=1))
     model.meta["calibration_seconds"] = round(time.perf_counter() - started - aside, 1)
     return model, save_model(model, model_dir)
 

@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 
 from tensile.workload import Op
 
-FEATURE_VERSION = 9  # 3: the prior counts fresh-page faults; 4: of every family's outputs, + the preceding op,
+FEATURE_VERSION = 10  # 3: the prior counts fresh-page faults; 4: of every family's outputs, + the preceding op,
 # + measured ops; 5: a cheap op's target is the mean of a batch of repeats (measure.batched_seconds);
 # 6: copies see their phase, convolutions a strided 1x1 and a oneDNN flag; op keys carry Op.runs;
 # 7: every family sees the bytes its whole iteration moves; 8: op keys leave out float operands that pick no kernel;
-# 9: copies see their shortest contiguous run (Op.runs)
+# 9: copies see their shortest contiguous run (Op.runs); 10: an op after views sees the bytes of the op before them
 
 # Ops that only make a new view or an uninitialised allocation: no data moves, cost is dispatch.
 VIEW_OPS = frozenset({
