@@ -44,6 +44,7 @@ from tensile.runtime_hook.settings import HookSettings, budget_bytes, native_pla
 from tensile.runtime_hook.shapes import MAX_SHAPE_SETS, ShapeKey, ShapeSet, describe, shape_key
 from tensile.runtime_hook.storages import Slot, StorageRegistry
 from tensile.runtime_hook.storages import tensors_in as _tensors
+from tensile.runtime_hook.termination import raise_if_terminated
 from tensile.tracer import Recorder, classify_roles, written_values
 from tensile.workload import Workload
 
@@ -330,6 +331,7 @@ class PlanExecutor(TorchDispatchMode):
         except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
             self._stand_down(exc)
         self.stats.hook_seconds += time.perf_counter() - started
+        raise_if_terminated()  # a SIGTERM whose SystemExit a callback swallowed ends the training here
 
     # -- paths --------------------------------------------------------------------------------
     def _at_step(self) -> None:
@@ -340,6 +342,7 @@ class PlanExecutor(TorchDispatchMode):
             self.dynamo_frames = None  # said once
             self._say(COMPILE_SKIPPED)
         if self.disabled:
+            self.swaps.drop_idle()
             self._leave_mode()
             return
         self.prepared = self.ready
@@ -347,6 +350,8 @@ class PlanExecutor(TorchDispatchMode):
         if native is not None and self.sampler.due(self.iteration + 1) and _get_current_dispatch_mode() in (None, self):
             native = None  # a sampling iteration (latency_samples.py): on the dispatch path, which times every op
         self.next_path = "dispatch" if native is None else "native"
+        # the native swaps' hooks first: where the carrier's pre-hook starts the next iteration, no other is put on
+        self.swaps.prepare(native, self.match_at <= self.iteration)
         if native is not None and not self.observe_native:
             self._leave_mode()
         elif native is None and not self._enter_mode():
@@ -354,7 +359,6 @@ class PlanExecutor(TorchDispatchMode):
             # iteration then starts at its first op on a parameter, as the recorded one did. Where
             # another mode holds the stack, a module call starts it, without a plan (_choose_path)
             self._watch_for_start()
-        self.swaps.prepare(native, self.match_at <= self.iteration)
         self._want_key()
 
     def _native_map(self, plan: ActivePlan | None) -> NativeMap | None:
@@ -431,9 +435,14 @@ class PlanExecutor(TorchDispatchMode):
         self._watch_for_start()
 
     def _watch_for_start(self) -> None:
-        """Off the dispatch mode, the next iteration's start is the first module call after the step."""
-        if self.module_hook is None and not self.disabled:
+        """Off the dispatch mode, the next iteration's start is the first module call after the step: seen by the
+        native swaps' carrier where its hooks are on for it, else by a global pre-hook of the executor's own."""
+        if self.module_hook is None and not self.disabled and not self._carrier_starts():
             self.module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_pre_hook)
+
+    def _carrier_starts(self) -> bool:
+        """The next iteration is native and the native swaps' carrier, its hooks on, starts it at its first module call."""
+        return self.next_path == "native" and self.swaps.starts_next()
 
     def _unhook_modules(self) -> None:
         """The global module pre-hook off: any global module hook sends every module call through
@@ -479,7 +488,7 @@ class PlanExecutor(TorchDispatchMode):
         """At a step: the next iteration's shapes are taken at its first module call, by the pre-hook that starts it
         where that is on (the native path), else by a hook of their own, gone after that call."""
         self.key_wanted, self.entry_key = True, None
-        if self.module_hook is None and self.shape_hook is None:
+        if self.module_hook is None and self.shape_hook is None and not self._carrier_starts():
             self.shape_hook = register_module_forward_pre_hook(self._shape_hook)
 
     def _shape_hook(self, module: torch.nn.Module, args: Any) -> None:
@@ -1040,7 +1049,10 @@ class PlanExecutor(TorchDispatchMode):
             self.mover.drop_host(slot)
             slot.pinned = True
             return False
-        self.registry.mark_absent(slot)
+        if slot.counted:
+            self.registry.mark_absent(slot)
+        else:  # a native swap's own slot (outside the registry): one call less after the copy emptied the caches
+            slot.resident = False
         stats.swap_out_bytes += slot.nbytes
         return True
 
@@ -1062,7 +1074,10 @@ class PlanExecutor(TorchDispatchMode):
                 stats.hook_seconds -= spent
             stats.swap_in_bytes += slot.nbytes
         slot.passive = False
-        self.registry.mark_resident(slot)
+        if slot.counted:
+            self.registry.mark_resident(slot)
+        else:
+            slot.resident = True
 
     def _recompute(self, slot: Slot, storage: torch.UntypedStorage) -> None:
         """Replay the recipe with the random states it first ran with: dropout draws the same numbers."""

@@ -9,8 +9,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import signal
-import threading
 from collections.abc import Callable
 
 import torch
@@ -20,6 +18,7 @@ from tensile.plan import Plan
 from tensile.runtime_hook.executor import IterationListener, PlanExecutor, Planner
 from tensile.runtime_hook.outside_reads import guard_outside_reads
 from tensile.runtime_hook.settings import HookSettings
+from tensile.runtime_hook.termination import default_sigterm, exit_on_sigterm
 from tensile.workload import Workload
 
 log = logging.getLogger("tensile.hook")
@@ -31,29 +30,7 @@ def _forked_child() -> None:
     """A process forked from a hooked one (a DataLoader worker) trains nothing of its own."""
     if _active is not None:
         _active.leave_in_forked_child()
-    _default_sigterm()  # its end is its parent's business, as before the hook
-
-
-def _exit_on_sigterm() -> None:
-    """SIGTERM (a pod's termination, `kill`, `tensile run`'s forwarding or its end) ends the process as SystemExit, so
-    the hook's exit handlers run: the last report, the node agent's unregistering. Its default ended the process at
-    once: the report stopped at its last periodic write, and the agent held the job until it expired. Only where the
-    program has no handler of its own (one it sets later replaces this), and from the main thread, as Python requires."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _terminated)
-        _undo.append(_default_sigterm)
-
-
-def _default_sigterm() -> None:
-    """SIGTERM's default back, unless the program has set a handler of its own since."""
-    if signal.getsignal(signal.SIGTERM) is _terminated:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def _terminated(signum: int, _frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
-    log.warning("tensile: SIGTERM: the training ends here, after the hook's last report")
-    raise SystemExit(128 + signum)  # the status a shell gives a command SIGTERM ended
+    default_sigterm()  # its end is its parent's business, as before the hook
 
 
 os.register_at_fork(after_in_child=_forked_child)
@@ -120,7 +97,8 @@ def activate_from_env() -> PlanExecutor:
             link.close()
             raise
         _undo.insert(0, link.close)  # deactivate(): after the executor's finish, before the rest is undone
-    _exit_on_sigterm()
+    if exit_on_sigterm():
+        _undo.append(default_sigterm)
     return executor
 
 

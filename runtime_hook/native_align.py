@@ -110,7 +110,7 @@ def saved_storages(node: Any) -> Iterator[tuple[str, int]]:
                 yield name, id(value.untyped_storage())
 
 
-@dataclass
+@dataclass(slots=True)  # slots: read in node hooks right after backward kernels, where each dict lookup misses the caches
 class NodeHook:
     """A node to pre-hook, by its sequence number relative to its boundary's root."""
 
@@ -120,7 +120,7 @@ class NodeHook:
     check: list[int] = field(default_factory=list)  # swaps it reads: fetched if still absent (a stall)
 
 
-@dataclass
+@dataclass(slots=True)  # slots: read at acting boundaries right after forward kernels (as NodeHook)
 class Action:
     """What a native iteration does at one boundary, in this order."""
 

@@ -25,7 +25,12 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.nn.modules.module import (
+    _global_forward_hooks,
+    _global_forward_pre_hooks,
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 from torch.utils._python_dispatch import _disable_current_modes
 
 from tensile.runtime_hook.native_align import (
@@ -48,6 +53,10 @@ if TYPE_CHECKING:
     from tensile.runtime_hook.executor import ActivePlan, PlanExecutor
     from tensile.runtime_hook.native_map import NativeMap
 
+# one name each on the hot paths, not two or three attribute lookups
+_current_node = torch._C._current_autograd_node
+_weak = weakref.ref
+
 MAX_ABORTS = 2  # native iterations of a plan in a row that leave the learnt module calls before it stays on the dispatch path
 
 
@@ -55,19 +64,25 @@ class _Diverged(Exception):
     """The native iteration left the learnt boundaries."""
 
 
-def _follow(root: Any, sequence: int, paths: list[tuple[tuple[int, ...], NodeHook]]) -> list[tuple[Any, NodeHook]] | None:
+# one found node hook: the next_functions index path from its root to the node, the hook, and the 0-element tensor
+# whose backward-hook dict the node takes (None for a hook that only takes a saved tensor)
+HookPath = tuple[tuple[int, ...], NodeHook, torch.Tensor | None]
+
+
+def _follow(root: Any, sequence: int, paths: list[HookPath]) -> list[tuple[Any, NodeHook, torch.Tensor | None]] | None:
     """The nodes at the ends of the paths, or None where one no longer leads to a node of its hook's
-    sequence number (another graph: the caller walks)."""
+    sequence number (another graph: the caller walks). The root itself (the empty path) is its own."""
     nodes = []
-    for path, hook in paths:
+    for path, hook, holder in paths:
         node = root
-        for position in path:
-            functions = node.next_functions
-            if position >= len(functions) or (node := functions[position][0]) is None:
+        if path:
+            for position in path:
+                functions = node.next_functions
+                if position >= len(functions) or (node := functions[position][0]) is None:
+                    return None
+            if node._sequence_nr() - sequence != hook.delta:
                 return None
-        if node._sequence_nr() - sequence != hook.delta:
-            return None
-        nodes.append((node, hook))
+        nodes.append((node, hook, holder))
     return nodes
 
 
@@ -86,7 +101,7 @@ class SwapCarrier:
                            for hooks in hook_lists}
         # per list of node hooks: the next_functions index paths from its root to its nodes, found by the
         # first native iteration's walk; later ones follow them (a few steps, not a walk) while they hold
-        self.paths: dict[int, list[tuple[tuple[int, ...], NodeHook]]] = {}
+        self.paths: dict[int, list[HookPath]] = {}
         # roots whose deferred node hooks wait for the next flush: (root, sequence number, id(hooks))
         self.pending: list[tuple[Any, int, int]] = []
         # per node hook that fetches or checks, for the carrier's life: a 0-element tensor whose backward-hook dict
@@ -105,6 +120,8 @@ class SwapCarrier:
         self.exits = alignment.exits
         self.hooked = alignment.hooked
         self.global_hooks = alignment.global_hooks
+        # the global hooks' handle ids when they last counted as learnt: while unchanged they are not counted again
+        self.seen_hooks: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.handles: list[Any] = []
         self.live = False  # carrying the current iteration
         self.diverged = False
@@ -140,8 +157,13 @@ class SwapCarrier:
     def begin(self) -> None:
         self.live, self.diverged, self.index, self.last_root = True, False, 0, None
         self._forget()
+        seen = (tuple(_global_forward_pre_hooks), tuple(_global_forward_hooks))
+        if seen == self.seen_hooks:
+            return
         if foreign_global_hooks() != self.global_hooks:
             self._abort("a global module forward hook was added or removed since they were learnt")
+        else:
+            self.seen_hooks = seen
 
     def end(self) -> bool:
         """At the step: anything still absent comes back. True when the iteration left the boundaries."""
@@ -189,7 +211,7 @@ class SwapCarrier:
         """Every module call's entry (`entered`: the module) and the learnt modules' exits: kept lean, it
         runs ~200 times an iteration on ResNet-50, often with caches a large kernel has just emptied."""
         executor = self.executor
-        if executor.in_step or torch._C._current_autograd_node() is not None:
+        if executor.in_step or _current_node() is not None:
             return
         started = perf_counter()
         index = self.index
@@ -297,10 +319,10 @@ class SwapCarrier:
             return slot
         slot = self.own[swap]
         if slot is None or slot.host is not None:
-            slot = self.own[swap] = Slot(key, weakref.ref(storage), nbytes, counted=False)
+            slot = self.own[swap] = Slot(key, _weak(storage), nbytes, counted=False)
         else:
             slot.key, slot.ref, slot.nbytes, slot.resident, slot.pending, slot.passive, slot.pinned = (
-                key, weakref.ref(storage), nbytes, True, None, False, False)
+                key, _weak(storage), nbytes, True, None, False, False)
         return slot
 
     def _hook_nodes(self, root: Any, sequence: int, key: int) -> None:
@@ -310,26 +332,27 @@ class SwapCarrier:
         nodes = _follow(root, sequence, paths) if paths is not None else None
         if nodes is None:
             nodes, self.paths[key] = self._walk(root, sequence, *self.node_hooks[key])
-        slots, callbacks = self.slots, self.callbacks
-        for node, hook in nodes:
+        slots = self.slots
+        for node, hook, holder in nodes:
             for swap, name, nbytes in hook.take:
                 saved = saved_tensor(node, name)
                 if saved is None or (storage := saved.untyped_storage()).nbytes() != nbytes:
                     raise _Diverged(f"the tensor {name} saved at boundary {self.index - 1} is not the learnt one")
                 slots[swap] = self._slot(swap, storage, nbytes)
-            if (holder := callbacks.get(id(hook))) is not None:
+            if holder is not None:
                 node._register_hook_dict(holder)
 
     def _walk(self, root: Any, sequence: int, wanted: dict[int, NodeHook],
-              low_delta: int) -> tuple[list[tuple[Any, NodeHook]], list[tuple[tuple[int, ...], NodeHook]]]:
+              low_delta: int) -> tuple[list[tuple[Any, NodeHook, torch.Tensor | None]], list[HookPath]]:
         """One walk back from the root to all the wanted nodes (by sequence number relative to the
         root, built at learning time): the nodes, and the index paths that lead to them."""
         nodes, paths = [], []
         for node, path in nodes_behind(root, sequence + low_delta):
             hook = wanted.get(node._sequence_nr() - sequence)
             if hook is not None:
-                nodes.append((node, hook))
-                paths.append((path, hook))
+                holder = self.callbacks.get(id(hook))
+                nodes.append((node, hook, holder))
+                paths.append((path, hook, holder))
                 if len(nodes) == len(wanted):
                     break
         if len(nodes) < len(wanted):
@@ -404,6 +427,9 @@ class NativeSwaps:
         self.learner: SwapLearner | None = None  # aligning a plan's swaps in this dispatch-path iteration
         self.carrier: SwapCarrier | None = None  # its module hooks installed, for native iterations
         self.carrying: SwapCarrier | None = None  # carrying this native iteration's swaps
+        # between a step and its `prepare`: the carrier whose hooks are still on, kept for the next iteration if
+        # that carries the same plan (removing and putting back four global hooks cost ~25 µs a step)
+        self.idle: SwapCarrier | None = None
 
     def at_step(self) -> bool:
         """This iteration's native swaps end (True if it left the learnt module calls: the plan is
@@ -413,8 +439,7 @@ class NativeSwaps:
         diverged = carrying is not None and carrying.end()  # timed with the whole step hook
         self.carrying = None
         if self.carrier is not None:
-            self.carrier.remove()
-            self.carrier = None
+            self.idle, self.carrier = self.carrier, None  # its hooks stay on until `prepare`
             planned = executor.active
             native = planned.native if planned is not None else None
             if diverged and planned is not None and native is not None:
@@ -465,11 +490,24 @@ class NativeSwaps:
         """After the step chose the next path: the carrier's hooks for a native iteration, or a
         learner for a dispatch-path one whose plan (or the plan still to come after the matched
         iteration) has swaps to align."""
-        if native is not None and native.carrier is not None:
-            self.carrier = native.carrier
-            self.carrier.install()
+        carrier = native.carrier if native is not None else None
+        self.drop_idle(keep=carrier)
+        if carrier is not None:
+            self.carrier = carrier
+            carrier.install()
         elif native is None and matched and self.needs_alignment(self.executor.prepared):
             self.learner = SwapLearner(self.executor)
+
+    def drop_idle(self, keep: SwapCarrier | None = None) -> None:
+        """The hooks of the carrier the step left on go, unless it carries the next iteration too (`keep`)."""
+        if self.idle is not None and self.idle is not keep:
+            self.idle.remove()
+        self.idle = None
+
+    def starts_next(self) -> bool:
+        """The carrier's global pre-hook is on for the next native iteration: it starts that iteration itself
+        (`SwapCarrier._pre`), so the executor needs no global pre-hook of its own."""
+        return self.carrier is not None and bool(self.carrier.handles)
 
     def needs_alignment(self, plan: ActivePlan | None) -> bool:
         executor = self.executor
@@ -493,6 +531,7 @@ class NativeSwaps:
     def stop(self) -> None:
         """The hook stands down: nothing more is swapped, and this iteration's tensors come back
         (the executor restores the registry's)."""
+        self.drop_idle()  # a stand-down within the step, between `at_step` and `prepare`
         if self.carrying is not None:
             self.carrying.live, self.carrying.pending = False, []
             self.carrying._let_go()
@@ -512,7 +551,7 @@ class NativeSwaps:
             self.carrying.restore()
 
     def remove(self) -> None:
-        for hooks in (self.learner, self.carrier):
+        for hooks in (self.learner, self.carrier, self.idle):
             if hooks is not None:
                 hooks.remove()
-        self.learner = self.carrier = self.carrying = None
+        self.learner = self.carrier = self.carrying = self.idle = None

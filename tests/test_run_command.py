@@ -150,6 +150,42 @@ def test_sigterm_ends_a_hooked_training_through_the_hooks_exit(tmp_path, to):
     assert "the training ends here, after the hook's last report" in said, said
 
 
+SIGTERM_IN_A_CALLBACK = """
+import os, signal, sys, threading, weakref
+sys.path.insert(0, {examples!r})
+from tiny_mlp import build
+model, batch, loss_fn, make_optimizer = build(8)
+optimizer = make_optimizer(model.parameters())
+class Doomed: pass
+def terminate_inside(_ref):  # the handler runs here, inside a weakref callback, whose exceptions Python ignores
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+    for _ in range(10000): pass
+for step in range(200):
+    optimizer.zero_grad(set_to_none=True)
+    loss_fn(model, batch).backward()
+    optimizer.step()
+    if step == 3:
+        doomed = Doomed()
+        ref = weakref.ref(doomed, terminate_inside)
+        del doomed
+        print("went on past the SIGTERM", flush=True)
+print("trained to the end", flush=True)
+"""
+
+
+def test_a_sigterm_swallowed_by_a_callback_still_ends_the_training(tmp_path):
+    """Python runs a signal's handler inside whatever Python code runs, a weakref callback too (the hook's storage
+    registry runs hundreds an iteration), where its SystemExit is printed and ignored: the training went on to its end."""
+    script, report = tmp_path / "train.py", tmp_path / "report.json"
+    script.write_text(SIGTERM_IN_A_CALLBACK.format(examples=str(ROOT / "examples")))
+    proc = _start("--report", str(report), script=str(script), script_args=(), stdout=subprocess.PIPE)
+    out, err = proc.communicate(timeout=120)
+    said = " ".join(err.split())
+    assert "went on past the SIGTERM" in out and "SystemExit" in said, said  # swallowed first, as the callback ran
+    assert "trained to the end" not in out and proc.returncode == 128 + signal.SIGTERM, said
+    assert RunTotals.of(json.loads(report.read_text())).iterations == 5, said  # ended at the step after the callback
+
+
 def test_sigkill_of_tensile_run_ends_the_command_with_sigterm(tmp_path):
     """No handler sees SIGKILL, so nothing passed it on: the training went on with no parent (PPID 1), its memory held.
     The kernel sends the command SIGTERM instead (the parent-death signal), which the hook's exit handling sees."""
