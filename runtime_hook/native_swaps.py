@@ -67,21 +67,21 @@ class _Diverged(Exception):
 # one found node hook: the next_functions index path from its root to the node, the hook, and the 0-element tensor
 # whose backward-hook dict the node takes (None for a hook that only takes a saved tensor)
 HookPath = tuple[tuple[int, ...], NodeHook, torch.Tensor | None]
+FoundHook = tuple[Any, NodeHook, torch.Tensor | None]  # the node itself in the path's place
 
 
-def _follow(root: Any, sequence: int, paths: list[HookPath]) -> list[tuple[Any, NodeHook, torch.Tensor | None]] | None:
+def _follow(root: Any, sequence: int, paths: list[HookPath]) -> list[FoundHook] | None:
     """The nodes at the ends of the paths, or None where one no longer leads to a node of its hook's
     sequence number (another graph: the caller walks). The root itself (the empty path) is its own."""
     nodes = []
     for path, hook, holder in paths:
         node = root
-        if path:
-            for position in path:
-                functions = node.next_functions
-                if position >= len(functions) or (node := functions[position][0]) is None:
-                    return None
-            if node._sequence_nr() - sequence != hook.delta:
+        for position in path:
+            functions = node.next_functions
+            if position >= len(functions) or (node := functions[position][0]) is None:
                 return None
+        if path and node._sequence_nr() - sequence != hook.delta:
+            return None
         nodes.append((node, hook, holder))
     return nodes
 
@@ -343,7 +343,7 @@ class SwapCarrier:
                 node._register_hook_dict(holder)
 
     def _walk(self, root: Any, sequence: int, wanted: dict[int, NodeHook],
-              low_delta: int) -> tuple[list[tuple[Any, NodeHook, torch.Tensor | None]], list[HookPath]]:
+              low_delta: int) -> tuple[list[FoundHook], list[HookPath]]:
         """One walk back from the root to all the wanted nodes (by sequence number relative to the
         root, built at learning time): the nodes, and the index paths that lead to them."""
         nodes, paths = [], []

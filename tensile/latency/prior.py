@@ -98,7 +98,8 @@ def preceding_bytes(ops: Sequence[Op]) -> list[float]:
     (0 for the first): for a view op, the op right before it; for any other, the last op before it that was
     no view, since views move nothing. A clone after a permute finds the caches as the op before the permute
     left them; counted as after the permute (0 bytes), the copy family's held-out median over three seeds was
-    17.0%, counted past it 15.3% (run L29's measurements; views priced past other views went 6.7 -> 9.5%)."""
+    17.0%, counted past it 15.3% (one calibration's measurements, benchmarks/latency_fit_variance.py's; views
+    priced past other views went 6.7 -> 9.5%)."""
     out: list[float] = []
     last = moved = 0.0
     for op in ops:
