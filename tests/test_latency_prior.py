@@ -245,14 +245,15 @@ def test_training_grid_adds_its_extra_probes_without_moving_the_others(monkeypat
     from tensile.latency import probes
 
     default = make_grid("default")
-    extra = {"conv_pointwise_s2", "layout", "norm", "embedding_more"}
+    extra = {"conv_pointwise_s2", "layout", "norm", "embedding_more", "layout_more"}
     original = {kind: count for kind, count in probes.GRIDS["default"].items() if kind not in extra}
     monkeypatch.setitem(probes.GRIDS, "default", original)
     before = make_grid("default")
-    assert len(before) == len(default) - 116 and before == default[: len(before)]
+    assert len(before) == len(default) - 216 and before == default[: len(before)]
     monkeypatch.undo()
     added = default[len(before):]
-    assert [p.kind for p in added] == ["conv"] * 16 + ["layout"] * 30 + ["norm"] * 40 + ["embedding"] * 30
+    assert [p.kind for p in added] == ["conv"] * 16 + ["layout"] * 30 + ["norm"] * 40 + ["embedding"] * 30 + ["layout"] * 100
+    assert len(set(added[16:46] + added[116:])) == 130  # the second run of layout probes draws new shapes
     assert all((p.params["kh"], p.params["kw"], p.params["stride"]) == (1, 1, 2) for p in added[:16])
     holdout = make_grid("holdout", 1)
     monkeypatch.setitem(probes.GRIDS, "holdout", {k: c for k, c in probes.GRIDS["holdout"].items() if k not in extra})
