@@ -326,7 +326,8 @@ class PlanExecutor(TorchDispatchMode):
         self.in_step = max(0, self.in_step - 1)
         self.step_done = True
         try:
-            self._say_divergence(stepped=True)
+            if self.divergence is not None:
+                self._say_divergence(stepped=True)
             self._at_step()
         except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
             self._stand_down(exc)
@@ -539,7 +540,9 @@ class PlanExecutor(TorchDispatchMode):
         self.mover.settle()
         stats = self.stats
         stats.seconds = time.perf_counter() - self.iteration_started
-        samples = self.sampler.end()  # on CUDA after the iteration's time: its synchronisation is no part of it
+        # on CUDA after the iteration's time: its synchronisation is no part of it; where none is sampled (most
+        # iterations, every one without an agent) not even the call, whose lists are made anew
+        samples = self.sampler.end() if self.sampler.begun else None
         stats.ops = len(self.recorder.ops) if self.iteration == self.match_at else self.op_index
         if self.device.type == "cuda":
             stats.peak_bytes = torch.cuda.max_memory_allocated(self.device)
@@ -603,8 +606,10 @@ class PlanExecutor(TorchDispatchMode):
         self.step_done = False
         self.recipes.clear()
         self.op_index = 0
-        key = None if self.key_wanted else self.entry_key  # none where an op started it before any module call
-        self._drop_key_hook()
+        key = self.entry_key
+        if self.key_wanted:  # an op started it before any module call took its shapes (a hook on only while wanted)
+            key = None
+            self._drop_key_hook()
         self._follow_shapes(key)
         if self.iteration == self.match_at:
             self.recorder = _LiveRecorder(self.device.type, self.registry)

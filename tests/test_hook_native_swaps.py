@@ -420,9 +420,9 @@ def test_node_hooks_wait_for_the_top_level_call_to_return_and_anchor_on_acting_b
     hooked_at = []
     hook_nodes = SwapCarrier._hook_nodes
 
-    def spying(self, root, sequence, key):  # type: ignore[no-untyped-def]
-        hooked_at.append(self.index - 1)
-        hook_nodes(self, root, sequence, key)
+    def spying(self, roots):  # type: ignore[no-untyped-def]
+        hooked_at.extend([self.index - 1] * len(roots))
+        hook_nodes(self, roots)
 
     monkeypatch.setattr(SwapCarrier, "_hook_nodes", spying)
     plain = fit(blocks, 4, STEPS, micro_batches)
