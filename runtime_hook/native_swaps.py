@@ -207,7 +207,7 @@ class SwapCarrier:
                                "did not (set in some steps only): it stays on the device in the iterations that hold it")
 
     def _forget(self) -> None:
-        """Nothing of an iteration is carried into the next (emptied in place: nothing made anew each step)."""
+        """Nothing of an iteration is carried into the next (its containers emptied in place, not made anew)."""
         self.slots[:] = [None] * self.swaps
         self._let_go()
         self.pending.clear()
@@ -571,8 +571,6 @@ class NativeSwaps:
             self.carrying.restore()
 
     def remove(self) -> None:
-        if self.carrying is not None:  # a stand-down mid-iteration: its time and swaps so far still count
-            self.carrying._settle_figures()
         for hooks in (self.learner, self.carrier, self.idle):
             if hooks is not None:
                 hooks.remove()

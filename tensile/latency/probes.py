@@ -151,8 +151,8 @@ _KIND_OF = {"conv_pointwise_s2": "conv", "embedding_more": "embedding", "layout_
 GRIDS = {  # probes of each kind; entries after "head" are drawn last, so the earlier ones stay as they were
     "default": {"conv": 150, "linear": 80, "attention": 35, "embedding": 25, "head": 25,
                 "conv_pointwise_s2": 16, "layout": 30, "norm": 40, "embedding_more": 30, "layout_more": 100},
-    # "layout_more": copy was the family at the edge and learns mostly from layout probes, which cost about
-    # 0.1 s each: its held-out median was 17.8% fitted on half the probes, 15.0% on all, 13.6% with these 100
+    # "layout_more": copy was the family at the edge and learns mostly from layout probes, which are cheap (40
+    # measured in 2.6 s): its held-out median was 17.8% fitted on half the probes, 15.0% on all, 13.6% with these 100
     "quick": {"conv": 4, "linear": 3, "attention": 2, "embedding": 1, "head": 1, "layout": 1, "norm": 1},
     # evaluation only; "embedding_more" and "layout" came later (drawn after "head", so the first five kinds'
     # shapes are unchanged): 8 embedding probes gave a 16-op median that one op moved by a point or more,
