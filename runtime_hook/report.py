@@ -155,6 +155,9 @@ class HookReport:
     scheduled_peak_bytes: int | None = None
     memory_budget_bytes: int | None = None
     guard_slack_bytes: int | None = None  # the largest single op's inputs + outputs: what the guard cannot evict
+    # CUDA: what the allocator held at the recorded iteration beyond the forecast's tensors (library workspaces, its
+    # rounding); no plan moves it, and measured peaks are held to the budget plus it (`PlanExecutor._measure_workspace`)
+    workspace_bytes: int | None = None
     plan_version: int | None = None
     plan_source: str | None = None  # file | local | agent
     signature_match: bool | None = None
