@@ -1,5 +1,6 @@
 """The hook on a real GPU (skipped where PyTorch sees none: CI has none; a lent GPU machine runs it): what the
-CPU device cannot show, the CUDA allocator's own bytes beside the tensors a plan moves."""
+CPU device cannot show (copies on side streams that the compute stream must wait for, the CUDA allocator's own
+bytes beside the tensors a plan moves), with the CPU tests' models and plans moved to the device."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from tensile.runtime_hook.plan_source import local_planner
 from tensile.runtime_hook.report import HookReport
 from tensile.runtime_hook.settings import HookSettings
 from tensile.zoo import build_zoo_parts
-from test_hook_correctness import assert_identical, state_of
+from test_hook_correctness import assert_identical, fit, state_of
+from test_hook_native_swaps import blocks, feature_swaps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 STEPS = 7  # recorded 0-1, aligned 2, native from 3
+DEVICE = torch.device("cuda", 0)
 
 
 @pytest.fixture(autouse=True)
@@ -26,11 +29,10 @@ def deterministic():  # type: ignore[no-untyped-def]
 
 
 def _train(budget: float | None) -> tuple[dict, HookReport | None]:
-    device = torch.device("cuda", 0)
     executor = None
     if budget is not None:
         settings = HookSettings(job="job", memory_budget=budget)
-        executor = activate(settings, planner=local_planner(settings, device), device=device)
+        executor = activate(settings, planner=local_planner(settings, DEVICE), device=DEVICE)
     try:
         torch.manual_seed(1234)
         model, batch, loss_fn, make_optimizer = build_zoo_parts("resnet50", 8, device="cuda")
@@ -60,3 +62,92 @@ def test_a_budgeted_job_runs_natively_with_the_libraries_workspaces_booked_outsi
     for it in steady:
         assert it.peak_bytes <= report.memory_budget_bytes + report.workspace_bytes + report.guard_slack_bytes
         assert it.swap_out_bytes > 0
+
+
+def on_cuda(build):  # type: ignore[no-untyped-def]
+    """A CPU test's model builder, its model and batch moved to the GPU."""
+    def built(batch_size: int) -> tuple:
+        model, batch, loss_fn, make_optimizer = build(batch_size)
+        return model.to(DEVICE), tuple(t.to(DEVICE) for t in batch), loss_fn, make_optimizer
+    return built
+
+
+def hooked(build, micro_batches: int = 1) -> tuple[dict, HookReport]:  # type: ignore[no-untyped-def]
+    executor = activate(HookSettings(job="job"), planner=feature_swaps, device=DEVICE)
+    try:
+        return fit(on_cuda(build), 4, STEPS, micro_batches), executor.report
+    finally:
+        deactivate()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_native_swaps_on_side_streams_train_bit_identically(micro_batches):
+    plain = fit(on_cuda(blocks), 4, STEPS, micro_batches)
+    state, report = hooked(blocks, micro_batches)
+    assert_identical(plain, state)
+    assert report.stood_down is None, report.stood_down
+    swaps = report.iterations[2].events["swap_out"]
+    assert swaps >= 5 * micro_batches
+    for it in report.iterations[3:]:
+        assert (it.path, it.mode) == ("native", "planned")
+        assert it.events["swap_out"] == it.events["swap_in"] == swaps
+
+
+def test_a_divergence_mid_iteration_restores_with_the_compute_stream_waiting_for_the_copies():
+    """The restore's swap-ins are waited for by nothing but the compute stream's wait at the restore."""
+    build = lambda n: blocks(n, frozenset({5}))  # noqa: E731 - forward call 5 (iteration 4) takes another branch
+    plain = fit(on_cuda(build), 4, STEPS)
+    state, report = hooked(build)
+    assert_identical(plain, state)
+    assert [(it.path, it.mode) for it in report.iterations[3:]] == [
+        ("native", "planned"), ("native", "diverged"), ("dispatch", "planned"), ("native", "planned")]
+    assert report.iterations[4].events["swap_out"] > 0
+
+
+def test_a_hook_failure_in_a_native_backward_brings_every_swapped_tensor_back(monkeypatch):
+    from tensile.runtime_hook.executor import PlanExecutor
+
+    fetch = PlanExecutor._fetch
+
+    def failing(self, slot):  # type: ignore[no-untyped-def]
+        if self.iteration == 4 and not self.disabled and torch._C._current_autograd_node() is not None:
+            raise RuntimeError("injected hook failure")
+        fetch(self, slot)
+
+    monkeypatch.setattr(PlanExecutor, "_fetch", failing)
+    plain = fit(on_cuda(blocks), 4, STEPS)
+    state, report = hooked(blocks)
+    assert_identical(plain, state)
+    assert report.stood_down == "RuntimeError: injected hook failure"
+    assert report.iterations[4].path == "native" and report.iterations[4].events["swap_out"] > 0
+
+
+def test_a_node_whose_input_cannot_come_back_raises_out_of_memory_not_an_illegal_access():
+    executor = activate(HookSettings(job="job"), planner=feature_swaps, device=DEVICE)
+    try:
+        torch.manual_seed(1234)
+        model, batch, loss_fn, make_optimizer = on_cuda(blocks)(4)
+        optimizer = make_optimizer(model.parameters())
+        for _ in range(4):  # 0-1 recorded, 2 aligned, 3 native
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model, batch).backward()
+            optimizer.step()
+        swap_in = executor.mover.swap_in
+
+        def out_of_memory(slot, storage):  # type: ignore[no-untyped-def]
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+        executor.mover.swap_in = out_of_memory
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        with pytest.raises(torch.OutOfMemoryError):
+            loss.backward()
+        assert executor.report.iterations[3].path == "native"
+        executor.mover.swap_in = swap_in
+    finally:
+        deactivate()
+    optimizer.zero_grad(set_to_none=True)
+    loss_fn(model, batch).backward()  # the model goes on training without Tensile
+    torch.cuda.synchronize(DEVICE)  # an illegal memory access would surface here
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
