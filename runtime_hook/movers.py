@@ -90,26 +90,23 @@ class CudaMover(CpuMover):
         self._collect_returned()
         slot.host = self.pool.get(slot.nbytes)
         # the copy reads what compute wrote, and what a swap-in still in flight writes (evicted before any
-        # op read it)
+        # op read it); a swap-in copies the host buffer back only after it (slot.pending)
         self._copy(self.d2h, slot, slot.host.untyped_storage(), storage)
         self._used_by(storage, self.d2h)  # compute goes on while the copy reads the freed block
         storage.resize_(0)
-        slot.pending = torch.cuda.Event()  # a swap-in copies the host buffer back only after this
-        slot.pending.record(self.d2h)
 
     def swap_in(self, slot: Slot, storage: torch.UntypedStorage) -> None:
         storage.resize_(slot.nbytes)  # allocated on the compute stream, which last freed it
         assert slot.host is not None
         self._copy(self.h2d, slot, storage, slot.host.untyped_storage())
         self._used_by(storage, self.h2d)  # should the tensor die unread, the copy may still be writing its block
-        slot.pending = torch.cuda.Event()
-        slot.pending.record(self.h2d)
         self.returning.append((slot.pending, slot.host))
         slot.host = None
 
     def _copy(self, side: torch.cuda.Stream, slot: Slot, dst: torch.UntypedStorage, src: torch.UntypedStorage) -> None:
         """Queue dst.copy_(src) on `side` after the compute stream's work queued so far and after
-        slot.pending; the current stream and device are what they were before."""
+        slot.pending, which then marks the copy's end (a new event: each slot keeps its own until it is
+        waited for or its buffer returns); the current stream and device are what they were before."""
         compute = torch.cuda.current_stream(self.index)
         self.mark.record(compute)
         self.mark.wait(side)
@@ -118,12 +115,14 @@ class CudaMover(CpuMover):
         if torch.cuda.current_device() != self.index:  # set_stream would make the side's device current too
             with torch.cuda.stream(side):
                 dst.copy_(src, non_blocking=True)
-            return
-        torch.cuda.set_stream(side)
-        try:
-            dst.copy_(src, non_blocking=True)
-        finally:
-            torch.cuda.set_stream(compute)  # the current device's current stream, as it was
+        else:
+            torch.cuda.set_stream(side)
+            try:
+                dst.copy_(src, non_blocking=True)
+            finally:
+                torch.cuda.set_stream(compute)  # the current device's current stream, as it was
+        slot.pending = torch.cuda.Event()
+        slot.pending.record(side)
 
     def _used_by(self, storage: torch.UntypedStorage, stream: torch.cuda.Stream) -> None:
         """The caching allocator hands the storage's block out again only once `stream`'s work queued so

@@ -82,12 +82,23 @@ def feature_swaps(workload: Workload, budget: int | None = None) -> Plan:
     return Plan("job", 1, workload.signature, events)
 
 
+def on_device(build, device: torch.device):  # type: ignore[no-untyped-def]
+    """A model builder of these tests, its model and batch moved to `device` (tests/test_hook_cuda.py)."""
+    if device.type == "cpu":
+        return build
+
+    def built(batch_size: int) -> tuple:
+        model, batch, loss_fn, make_optimizer = build(batch_size)
+        return model.to(device), tuple(t.to(device) for t in batch), loss_fn, make_optimizer
+    return built
+
+
 def hooked(build, planner, steps: int = STEPS, micro_batches: int = 1, observe: bool = False,  # type: ignore[no-untyped-def]
-           settings: HookSettings = HookSettings(job="job")) -> tuple[dict, HookReport]:
-    executor = activate(settings, planner=planner, device=torch.device("cpu"))
+           settings: HookSettings = HookSettings(job="job"), device: torch.device = torch.device("cpu")) -> tuple[dict, HookReport]:
+    executor = activate(settings, planner=planner, device=device)
     executor.observe_native = observe
     try:
-        return fit(build, 4, steps, micro_batches), executor.report
+        return fit(on_device(build, device), 4, steps, micro_batches), executor.report
     finally:
         deactivate()
 
@@ -498,10 +509,18 @@ def test_a_node_whose_input_cannot_come_back_raises_instead_of_reading_a_freed_s
     the node must not run on a storage at 0 bytes (a segmentation fault on the CPU device, an illegal
     memory access on CUDA). `backward()` raises the out-of-memory error, as it would without Tensile,
     and the tensors come back once there is room."""
-    executor = activate(HookSettings(job="job"), planner=feature_swaps, device=torch.device("cpu"))
+    report = out_of_memory_in_a_native_backward(torch.device("cpu"))
+    assert report.stood_down and "OutOfMemoryError" in report.stood_down
+    assert report.iterations[3].path == "native"
+
+
+def out_of_memory_in_a_native_backward(device: torch.device) -> HookReport:
+    """Iteration 4's swap-ins fail out of memory: its backward must raise; then, without Tensile, the model trains
+    on (its gradients finite)."""
+    executor = activate(HookSettings(job="job"), planner=feature_swaps, device=device)
     try:
         torch.manual_seed(1234)
-        model, batch, loss_fn, make_optimizer = blocks(4)
+        model, batch, loss_fn, make_optimizer = on_device(blocks, device)(4)
         optimizer = make_optimizer(model.parameters())
         for _ in range(4):  # 0-1 recorded, 2 aligned, 3 native
             optimizer.zero_grad(set_to_none=True)
@@ -517,12 +536,13 @@ def test_a_node_whose_input_cannot_come_back_raises_instead_of_reading_a_freed_s
         loss = loss_fn(model, batch)
         with pytest.raises(torch.OutOfMemoryError):
             loss.backward()
-        assert executor.report.stood_down and "OutOfMemoryError" in executor.report.stood_down
-        assert executor.report.iterations[3].path == "native"
         executor.mover.swap_in = swap_in
     finally:
         deactivate()
     optimizer.zero_grad(set_to_none=True)
     loss_fn(model, batch).backward()  # the model goes on training without Tensile
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # an illegal memory access would surface here
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
+    return executor.report
