@@ -4,6 +4,9 @@ bytes beside the tensors a plan moves), with the CPU tests' models and plans mov
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import pytest
 import torch
 
@@ -109,3 +112,36 @@ def test_a_hook_failure_in_a_native_backward_brings_every_swapped_tensor_back(mo
 def test_a_node_whose_input_cannot_come_back_raises_out_of_memory_not_an_illegal_access():
     report = out_of_memory_in_a_native_backward(DEVICE)
     assert report.iterations[3].path == "native"
+
+
+def test_the_recorded_iteration_times_kernels_not_the_recording_host():
+    """The planner plans a job's swaps against its recorded iteration's op latencies. Timed as the host launched them
+    under the recording dispatch mode they summed to 2-5x a plain iteration on an H100, so swaps planned to hide behind
+    that much compute stalled; kernels run back to back can sum to no more than a plain iteration."""
+    torch.manual_seed(1234)
+    model, batch, loss_fn, make_optimizer = build_zoo_parts("resnet50", 16, device="cuda")
+    optimizer = make_optimizer(model.parameters())
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model, batch).backward()
+        optimizer.step()
+
+    plain = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        plain.append(time.perf_counter() - started)
+    settings = HookSettings(job="job")
+    executor = activate(settings, planner=local_planner(settings, DEVICE), device=DEVICE)
+    try:
+        for _ in range(3):
+            step()
+        live = executor.live
+    finally:
+        deactivate()
+    assert live is not None
+    kernels, iteration = sum(op.latency for op in live.ops), statistics.median(plain[2:])
+    assert 0.3 * iteration < kernels < 1.1 * iteration, (kernels, iteration)
