@@ -72,6 +72,8 @@ def run(model_name: str, batch_size: int, steps: int, device: torch.device, sett
             seconds.append(timed_step(model, batch, loss_fn, optimizer, device))
             peaks.append(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
         report: HookReport | None = executor.report if executor else None
+        # what the planner planned against: the recorded iteration's op latencies, summed
+        recorded = sum(op.latency for op in executor.live.ops) if executor and executor.live else None
     finally:
         if executor is not None:
             deactivate()  # brings every tensor back before the state is read
@@ -79,7 +81,7 @@ def run(model_name: str, batch_size: int, steps: int, device: torch.device, sett
     for j, per_param in enumerate(optimizer.state.values()):
         state.update({f"opt.{j}.{k}": v.to("cpu", copy=True) for k, v in per_param.items() if isinstance(v, torch.Tensor)})
     del model, batch, optimizer
-    return {"seconds": seconds, "peaks": peaks, "state": state, "report": report}
+    return {"seconds": seconds, "peaks": peaks, "state": state, "report": report, "recorded_seconds": recorded}
 
 
 def identical(a: dict, b: dict) -> bool:
@@ -117,6 +119,9 @@ def compare(model_name: str, batch_size: int, steps: int, device: torch.device, 
         "tensile_seconds": tensile_seconds,
         "eor": tensile_seconds / vanilla_seconds,
         "empty_plan_ratio": statistics.median(empty["seconds"][FIRST_STEADY:]) / vanilla_seconds,
+        # the recorded iteration's op latencies, summed, over vanilla's iteration: near 1 (at most, on a device the
+        # host keeps fed) where the planner's latencies are kernels' times; above 1 where they time the host
+        "recorded_over_vanilla": tensile["recorded_seconds"] / vanilla_seconds if tensile["recorded_seconds"] else None,
         "vanilla_seconds_per_run": [statistics.median(r["seconds"][FIRST_STEADY:]) for r in (first, second)],
         "planned_iterations": len(planned),
         "paths": sorted({it.path for it in planned}),
@@ -169,15 +174,18 @@ def main() -> None:
                                    "cpu_count": os.cpu_count(), "steps": args.steps,
                                    "targets": {"msr": "at least the paper's Table III", "eor": TARGET_EOR}, "rows": rows}, indent=2, default=str))
     table = Table(title=f"Real training on {device_name}, batch {args.batch_size}: vanilla against TENSILE")
-    for column in ("model", "vanilla peak MB", "TENSILE peak MB", "MSR", "paper MSR", "EOR", "hook ms/iter", "bit-identical"):
+    for column in ("model", "vanilla peak MB", "TENSILE peak MB", "MSR", "paper MSR", "EOR", "stall ms/iter", "recorded / vanilla",
+                   "hook ms/iter", "bit-identical"):
         table.add_column(column, justify="right")
     for row in rows:
         if "error" in row:
-            table.add_row(row["model"], row["error"][:60], *[""] * 6)
+            table.add_row(row["model"], row["error"][:60], *[""] * 8)
             continue
         table.add_row(row["model"], f"{row['vanilla_peak_bytes'] / 1e6:.0f}", f"{row['tensile_peak_bytes'] / 1e6:.0f}",
                       f"{row['msr']:.3f}" if row["msr"] is not None else "-", f"{row['paper_msr'] or float('nan'):.3f}",
                       f"{row['eor']:.3f}",
+                      f"{row['stall_seconds_per_iteration'] * 1e3:.2f}" if row["stall_seconds_per_iteration"] is not None else "-",
+                      f"{row['recorded_over_vanilla']:.2f}" if row["recorded_over_vanilla"] is not None else "-",
                       f"{row['hook_seconds_per_iteration'] * 1e3:.2f}" if row["hook_seconds_per_iteration"] is not None else "-",
                       f"{row['bit_identical']} (vanilla repeatable: {row['vanilla_repeatable']})")
     console.print(table)
