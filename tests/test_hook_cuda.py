@@ -116,8 +116,8 @@ def test_a_node_whose_input_cannot_come_back_raises_out_of_memory_not_an_illegal
 
 def test_the_recorded_iteration_times_kernels_not_the_recording_host():
     """The planner plans a job's swaps against its recorded iteration's op latencies. Timed as the host launched them
-    under the recording dispatch mode they summed to 2-5x a plain iteration on an H100, so swaps planned to hide behind
-    that much compute stalled; kernels run back to back can sum to no more than a plain iteration."""
+    under the recording dispatch mode (calibration's summed to 2-5x a plain iteration on an H100), swaps were planned to
+    hide behind compute that is not there; kernels run back to back can sum to no more than a plain iteration."""
     torch.manual_seed(1234)
     model, batch, loss_fn, make_optimizer = build_zoo_parts("resnet50", 16, device="cuda")
     optimizer = make_optimizer(model.parameters())

@@ -140,7 +140,7 @@ def batched_seconds(func: Any, args: tuple, kwargs: dict, first: float, clock: C
     return (clock() - t0) / repeats
 
 
-LEAD_SECONDS = 200e-6  # device time queued ahead of each timed op: longer than the host takes to launch one
+LEAD_SECONDS = 100e-6  # device time queued ahead of each timed op: longer than the host takes to launch one
 
 
 @functools.cache
@@ -165,8 +165,10 @@ class CudaOpTimer:
     device (LEAD_SECONDS) is queued ahead of each pair: without it a device faster than the host (small
     kernels; a dispatch mode that records every op) runs the start event at once and then waits for the
     launch, so the pair measured the host's launch and the recorder's work, not the kernel (the recorded
-    iterations' sums ran 2-5x the plain iteration on an H100). The sleeps add device time to the timed
-    iterations alone (the recorded one, sampled ones, calibration's), which the recording host slows anyway."""
+    iterations' sums in calibration ran 2-5x a plain iteration on an H100). The sleeps add device time to the
+    timed iterations alone (the hook's recorded one, its sampled ones, calibration's), which their recording host
+    slows anyway. The lead must outlast the host's work between a pair's two events (the op's launch): a pair
+    whose launch takes longer still times the host."""
 
     def __init__(self) -> None:
         self.pairs: list[tuple[Any, Any]] = []
