@@ -1085,6 +1085,7 @@ class PlanExecutor(TorchDispatchMode):
         storage = slot.ref()
         if storage is None:  # died while away: nothing comes back, its host buffer returns to the pool
             self.mover.drop_host(slot)
+            slot.recipe = None  # nor do its recipe's inputs stay referenced
             return
         if slot.recipe is not None:
             self._recompute(slot, storage)
@@ -1107,7 +1108,9 @@ class PlanExecutor(TorchDispatchMode):
     def _recompute(self, slot: Slot, storage: torch.UntypedStorage) -> None:
         """Replay the recipe with the random states it first ran with: dropout draws the same numbers."""
         recipe: Recipe = slot.recipe
-        self._ensure_resident(recipe.inputs(own_key=slot.key))
+        inputs = recipe.inputs(own_key=slot.key)
+        self._ensure_resident(inputs)
+        self.swaps.ensure_resident(inputs)  # a native iteration's own swaps
         result = _tensors(recipe.producer.replay(self.random))[recipe.position]
         for step in recipe.then:
             step.replay(self.random, slot.key, result)

@@ -28,8 +28,9 @@ import torch
 _INTERNAL = (str(Path(torch.__file__).parent), str(Path(__file__).parent))  # PyTorch's code, the hook's
 
 
-def held_storages(storages: list[torch.UntypedStorage]) -> set[int]:
-    """Those of the (live) storages that a tensor object the script refers to is on, by id."""
+def held_storages(storages: list[torch.UntypedStorage], own: frozenset[int] = frozenset()) -> set[int]:
+    """Those of the (live) storages that a tensor object the script refers to is on, by id; `own`: ids of the
+    hook's own containers of tensors (its recompute recipes' arguments), which are not the script's."""
     if not storages:  # no scan of every object when there is nothing to look for
         return set()
     keys = {id(storage) for storage in storages}
@@ -42,7 +43,8 @@ def held_storages(storages: list[torch.UntypedStorage]) -> set[int]:
         return set()
     referrers = [r for r in gc.get_referrers(*tensors) if r is not tensors]
     contexts = _autograd_contexts([r for r in referrers if type(r) is dict])
-    held = {on_key[id(obj)] for r in referrers if id(r) not in contexts for obj in gc.get_referents(r) if id(obj) in on_key}
+    held = {on_key[id(obj)] for r in referrers if id(r) not in contexts and id(r) not in own
+            for obj in gc.get_referents(r) if id(obj) in on_key}
     return held | {on_key[id(value)] for value in _stack_locals() if id(value) in on_key}
 
 

@@ -31,6 +31,8 @@ from torch.nn.modules.module import (
 
 from tensile.plan import Event
 from tensile.runtime_hook.held import held_storages
+from tensile.runtime_hook.native_recipes import NativeRecipe, learn
+from tensile.runtime_hook.saved_tensors import saved_storages
 from tensile.runtime_hook.storages import tensor_paths
 
 if TYPE_CHECKING:
@@ -87,29 +89,6 @@ def reference_count(tensor: torch.Tensor, handle: int) -> int:
     return sys.getrefcount(tensor) + torch._C._storage_Use_Count(handle)
 
 
-def saved_tensor(node: Any, raw_name: str) -> torch.Tensor | None:
-    """A tensor the node saved, read without unpacking it: where saved-tensor hooks packed it (activation
-    checkpointing, `save_on_cpu`) it is None, since unpacking runs the user's hook (a checkpoint's nested
-    recomputation updated batch norm's running statistics once more)."""
-    raw = getattr(node, raw_name, None)
-    # torch's stubs leave out SavedTensor's attributes
-    if not isinstance(raw, torch._C._autograd.SavedTensor) or raw.unpack_hook is not None:  # type: ignore[attr-defined]
-        return None
-    return raw.data  # type: ignore[attr-defined]
-
-
-def saved_storages(node: Any) -> Iterator[tuple[str, int]]:
-    """(`_raw_saved_` attribute, id(storage)) of each tensor the node saved and still holds (`saved_tensor`)."""
-    for name in dir(node):
-        if name.startswith("_raw_saved_"):
-            try:
-                value = saved_tensor(node, name)
-            except RuntimeError:  # freed: a backward ran the node
-                continue
-            if value is not None:
-                yield name, id(value.untyped_storage())
-
-
 @dataclass(slots=True)  # slots: read in node hooks right after backward kernels, where each dict lookup misses the caches
 class NodeHook:
     """A node to pre-hook, by its sequence number relative to its boundary's root."""
@@ -152,6 +131,7 @@ class Alignment:
     # per (top-level exit before backward, swap taken at a module call): the references to its tensor
     # there (Python's and the tensors' on its storage), the first counts a native iteration compares with
     references: dict[tuple[int, int], int] = field(default_factory=dict)
+    recipes: dict[int, NativeRecipe] = field(default_factory=dict)  # swap -> how it is recomputed (a release, no copy)
 
 
 def in_forward(executor: PlanExecutor) -> bool:
@@ -179,6 +159,8 @@ class SwapLearner:
         self.global_hooks = 0  # the user's global module forward (pre-)hooks in this iteration
         self.depth = 0  # module calls entered and not returned
         self.references: dict[tuple[int, int, int], int] = {}  # (top-level exit, boundary, position) -> references
+        # (boundary, id(storage)) -> the native recipe of a tensor the plan recomputes, as taken there, or why none
+        self.recipes: dict[tuple[int, int], NativeRecipe | str] = {}
         self.handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
 
     def remove(self) -> None:
@@ -230,9 +212,26 @@ class SwapLearner:
         seqs = [(t.grad_fn._sequence_nr(), i) for i, t in enumerate(tensors) if t.grad_fn is not None]
         root = (max(seqs)[1], max(seqs)[0]) if seqs else None
         op = executor.op_index if executor.iteration == self.iteration else 0
+        self._learn_recipes(tensors, keys)
         self.boundaries.append(Boundary(pre, id(module), op, keys, nbytes, [path for path, _ in found], root,
                                         tensors[root[0]].grad_fn if root is not None else None,
                                         [weakref.ref(tensor) for tensor in tensors]))
+
+    def _learn_recipes(self, tensors: list[torch.Tensor], keys: list[int]) -> None:
+        """For each tensor of this boundary that the plan recomputes: its recipe with its inputs found behind its
+        autograd node as it is here (`native_recipes.py`), for the native iterations that take it here."""
+        executor, active = self.executor, self.executor.active
+        if active is None or executor.iteration != self.iteration:
+            return
+        native = executor._mapped(active)
+        if native is None or not native.recomputes:
+            return
+        recomputed = {executor.keys[t] for t in native.recomputes if t in executor.keys}
+        for tensor, key in zip(tensors, keys):
+            if key in recomputed:
+                recipe = executor.recipes.get(key)
+                self.recipes[len(self.boundaries), key] = "no recipe for it at the module call" if recipe is None else \
+                    learn(recipe, tensor.grad_fn, key)
 
     def on_op(self, index: int) -> None:
         """Called by the executor for every op of the dispatch path that keeps to the plan."""
@@ -248,7 +247,8 @@ class SwapLearner:
             if not self.nodes:  # backward starts: what the script holds now, it may read before backward
                 slots = executor.registry.slots
                 self.held = held_storages([storage for tensor in self.wanted if (slot := slots.get(executor.keys.get(tensor, -1)))
-                                           is not None and (storage := slot.storage()) is not None])
+                                           is not None and (storage := slot.storage()) is not None],
+                                          executor.recipes.containers())
             self.nodes[index] = sequence = node._sequence_nr()
             for tensor in self.wanted.intersection(active.workload.ops[index].inputs):
                 if tensor not in self.saved:  # the plan says this op reads it: it was bound in this iteration
@@ -264,10 +264,11 @@ class SwapLearner:
                 self.saved[tensor] = (sequence, name, self.executor.registry.slots[key].nbytes)
                 return
 
-    def align(self, plan: ActivePlan, swaps: list[tuple[Event, Event | None]],
-              keys: dict[int, int]) -> tuple[Alignment | None, dict[int, str]]:
+    def align(self, plan: ActivePlan, swaps: list[tuple[Event, Event | None]], keys: dict[int, int],
+              recomputes: set[int]) -> tuple[Alignment | None, dict[int, str]]:
         """The plan's swaps on this iteration's boundaries and nodes (those that align), and why the
-        others cannot be, by plan tensor; no alignment at all when learning failed (`failed` says why)."""
+        others cannot be, by plan tensor; no alignment at all when learning failed (`failed` says why).
+        A swap of a tensor in `recomputes` is its release (out) and recompute (back), with a native recipe."""
         if self.failed is not None:
             return None, {}
         wanted = {out.tensor for out, _ in swaps}
@@ -278,6 +279,7 @@ class SwapLearner:
                     accesses[tensor].append(op.index)
         unmapped: dict[int, str] = {}  # plan tensor -> why its swap does not align
         placed_swaps = []
+        native_recipes: dict[int, NativeRecipe] = {}
         self.unexecuted = self._unexecuted_readers({key for out, _ in swaps if (key := keys.get(out.tensor)) is not None})
         for swap, (out, back) in enumerate(swaps):
             placed = self._place(plan, out, back, accesses[out.tensor], keys.get(out.tensor))
@@ -285,6 +287,13 @@ class SwapLearner:
                 unmapped[out.tensor] = placed
                 continue
             taken, swapped, fetch, checks = placed
+            if out.tensor in recomputes:
+                recipe = self.recipes.get((taken[0], keys[out.tensor])) if not isinstance(taken[0], str) else \
+                    "taken from a node that saved it, not at a module call"
+                if not isinstance(recipe, NativeRecipe):
+                    unmapped[out.tensor] = f"its recompute: {recipe or 'not learnt at the module call that takes it'}"
+                    continue
+                native_recipes[swap] = recipe
             take_anchor = None
             if isinstance(taken[0], str):  # a saved tensor: taken from its node when the node is found
                 take_anchor = self._anchor(taken[1])
@@ -307,6 +316,7 @@ class SwapLearner:
             anchors = [a if (a := self._anchor(s, ordered)) is not None else self._anchor(s) for s, _ in targets]
             if any(a is None for a, (_, why) in zip(anchors, targets) if why != "fetch"):
                 unmapped[out.tensor] = "a node reading it is made after the last module call"
+                native_recipes.pop(swap, None)
                 continue
             if take_anchor is not None:
                 hook = eager[take_anchor].setdefault(taken[1], NodeHook(taken[1] - self._root_sequence(take_anchor)))
@@ -354,7 +364,8 @@ class SwapLearner:
                     if (count := self.references.get((index, taken[0], position))) is not None:
                         references[renumber[index], swap] = count
         alignment = Alignment(expected, {renumber[i]: a for i, a in actions.items()}, len(swaps), exits,
-                              self.hooked, self.global_hooks, references)
+                              self.hooked, self.global_hooks, references,
+                              native_recipes)
         return alignment, unmapped
 
     def _unexecuted_readers(self, keys: set[int]) -> dict[int, set[int]]:

@@ -41,9 +41,9 @@ from tensile.runtime_hook.native_align import (
     foreign_global_hooks,
     nodes_behind,
     reference_count,
-    saved_tensor,
     user_forward_hooks,
 )
+from tensile.runtime_hook.saved_tensors import saved_tensor
 from tensile.runtime_hook.settings import native_plans
 from tensile.runtime_hook.storages import Slot, Tensor
 
@@ -117,6 +117,12 @@ class SwapCarrier:
                         holder._backward_hooks = {0: partial(self._node_pre, hook)}
         self.registry_slots = executor.registry.slots
         self.swaps = alignment.swaps
+        # per swap: how it is recomputed where it is a release and a recompute (no copies), and this iteration's
+        # autograd node of its tensor, taken with it: the recipe's inputs are read behind it at the release
+        self.recipes = alignment.recipes
+        self.recomputes = [swap in alignment.recipes for swap in range(alignment.swaps)]
+        self.nodes: list[Any] = [None] * alignment.swaps
+        self.unbound: set[int] = set()  # recomputed swaps whose inputs could not be read at a release: named once
         self.exits = alignment.exits
         self.hooked = alignment.hooked
         self.global_hooks = alignment.global_hooks
@@ -129,7 +135,7 @@ class SwapCarrier:
         # this iteration's time at boundaries and its swaps, kept on the carrier, which the hooks read anyway (the
         # iteration's figures are two objects further, each a cache miss after a kernel): `_settle_figures`
         self.seconds = 0.0
-        self.swapped_out = self.swapped_in = 0
+        self.swapped_out = self.swapped_in = self.released = self.recomputed = 0
         # this iteration's slots by swap: one list, emptied in place, that the callbacks read (a node
         # of an older graph run late finds this iteration's slots: at worst it fetches one early)
         self.slots: list[Slot | None] = [None] * self.swaps
@@ -190,7 +196,10 @@ class SwapCarrier:
         events = stats.events
         events["swap_out"] += self.swapped_out
         events["swap_in"] += self.swapped_in
-        self.seconds, self.swapped_out, self.swapped_in = 0.0, 0, 0
+        if self.released or self.recomputed:
+            events["release"] += self.released
+            events["recompute"] += self.recomputed
+        self.seconds, self.swapped_out, self.swapped_in, self.released, self.recomputed = 0.0, 0, 0, 0, 0
 
     def _settle_counts(self) -> None:
         """The iteration kept to the learnt calls: its counts join the fewest, and the swaps it kept on the
@@ -209,6 +218,8 @@ class SwapCarrier:
     def _forget(self) -> None:
         """Nothing of an iteration is carried into the next (its containers emptied in place, not made anew)."""
         self.slots[:] = [None] * self.swaps
+        if self.recipes:
+            self.nodes[:] = [None] * self.swaps
         self._let_go()
         self.pending.clear()
         self.kept.clear()
@@ -268,6 +279,8 @@ class SwapCarrier:
                     raise _Diverged(f"the tensor at boundary {self.index - 1} is not the learnt one")
                 slots[swap] = self._slot(swap, storage, nbytes)
                 taken[swap] = (tensor, storage._cdata)
+                if self.recomputes[swap]:
+                    self.nodes[swap] = tensor.grad_fn
             tensor = storage = None  # type: ignore[assignment]  # not to count as references at a recount below
             rooted = reduce(getitem, action.root, values) if action.root is not None else None
         except (LookupError, TypeError):
@@ -289,18 +302,52 @@ class SwapCarrier:
             self._recount(self.index - 1)
             if action.let_go:
                 self._let_go()
-        kept = self.kept
+        kept, recomputes = self.kept, self.recomputes
         for swap in action.swap_out:
             slot = slots[swap]
             if slot is None:
                 raise _Diverged(f"swap {swap} was not taken")
-            if slot.resident and not (kept and swap in kept) and executor._swap_out(slot):
+            if not slot.resident or (kept and swap in kept):
+                continue
+            if recomputes[swap]:
+                self.released += self._release(swap, slot)
+            elif executor._swap_out(slot):
                 self.swapped_out += 1
         if action.flush:
             # every node made so far exists and backward has not started: hooking them in one go here,
             # with the hook's code in the caches, costs a fraction of hooking each at its own boundary
             self._hook_nodes(self.pending)
             self.pending.clear()
+
+    def _release(self, swap: int, slot: Slot) -> bool:
+        """A tensor the plan recomputes is freed, its recipe bound to this iteration's inputs first; one whose inputs
+        cannot be read (a saved-tensor hook packed them) stays on the device, named once."""
+        storage = slot.ref()
+        if storage is None:
+            return False
+        recipe = self.recipes[swap].bind(self.nodes[swap], storage)
+        if recipe is None:
+            if swap not in self.unbound:
+                self.unbound.add(swap)
+                self.executor._say(f"native recompute {swap}: an input of its recipe is not where autograd saved it "
+                                   "before (a saved-tensor hook packed it): it stays on the device in such iterations")
+            return False
+        storage.resize_(0)
+        slot.recipe = recipe
+        if slot.counted:
+            self.executor.registry.mark_absent(slot)
+        else:
+            slot.resident = False
+        return True
+
+    def ensure_resident(self, tensors: list[torch.Tensor]) -> None:
+        """What a recompute reads, back first where this iteration swapped it out (its slots are outside the
+        registry, which the executor checks)."""
+        absent = {slot.key: slot for slot in self.slots if slot is not None and (not slot.resident or slot.pending is not None)}
+        for tensor in tensors if absent else ():
+            slot = absent.get(id(tensor.untyped_storage()))
+            if slot is not None:
+                self.executor._ensure_slot_resident(slot)
 
     def _recount(self, index: int) -> None:
         """A top-level call returned before backward. A taken tensor with more references here than in the
@@ -319,8 +366,12 @@ class SwapCarrier:
                 self.kept.add(swap)
                 slot = self.slots[swap]
                 if slot is not None and not slot.resident:
+                    recomputing = slot.recipe is not None
                     executor._fetch(slot)
-                    self.swapped_in += 1
+                    if recomputing:
+                        self.recomputed += 1
+                    else:
+                        self.swapped_in += 1
 
     def _let_go(self) -> None:
         """Backward starts (or the iteration ends early): the graph alone decides how long the tensors live."""
@@ -338,8 +389,8 @@ class SwapCarrier:
         if slot is None or slot.host is not None:
             slot = self.own[swap] = Slot(key, _weak(storage), nbytes, counted=False)
         else:
-            slot.key, slot.ref, slot.nbytes, slot.resident, slot.pending, slot.passive, slot.pinned = (
-                key, _weak(storage), nbytes, True, None, False, False)
+            slot.key, slot.ref, slot.nbytes, slot.resident, slot.pending, slot.passive, slot.pinned, slot.recipe = (
+                key, _weak(storage), nbytes, True, None, False, False, None)
         return slot
 
     def _hook_nodes(self, roots: list[tuple[Any, int, int]]) -> None:
@@ -393,8 +444,12 @@ class SwapCarrier:
             for swap in hook.fetch:
                 slot = slots[swap]
                 if slot is not None and not slot.resident:
+                    recomputing = slot.recipe is not None  # a release's recipe, or a swap's host copy
                     executor._fetch(slot)
-                    self.swapped_in += 1
+                    if recomputing:
+                        self.recomputed += 1
+                    else:
+                        self.swapped_in += 1
             for swap in hook.check:  # mostly back already: the call only when there is something to do
                 slot = slots[swap]
                 if slot is not None and (not slot.resident or slot.pending is not None):
@@ -486,7 +541,7 @@ class NativeSwaps:
         native plans (CUDA by default): then they stay on the device and the native path carries the rest,
         if the job's memory budget still holds with all their bytes left on the device (the plan's scheduled
         peak counted them as freed; the native path's peak is not measured on the CPU device)."""
-        alignment, unmapped = learner.align(active, native.swaps, self.executor.keys)
+        alignment, unmapped = learner.align(active, native.swaps, self.executor.keys, native.recomputes)
         executor = self.executor
         why = [f"learning failed ({learner.failed})"] if alignment is None else [
             f"swap of tensor {tensor}: {reason}" for tensor, reason in unmapped.items()]
@@ -559,6 +614,11 @@ class NativeSwaps:
                 self.carrying.restore()
             except Exception:  # noqa: BLE001 - standing down must not raise into the user's code
                 log.exception("tensile: could not restore a tensor")
+
+    def ensure_resident(self, tensors: list[torch.Tensor]) -> None:
+        """What a recompute reads, back first where this native iteration swapped it out."""
+        if self.carrying is not None:
+            self.carrying.ensure_resident(tensors)
 
     def slots(self) -> list[Slot | None]:
         """The slots of what this native iteration swaps (outside the registry)."""

@@ -117,6 +117,15 @@ class RecipeBook:
         self.recipes.clear()
         self.readers.clear()
 
+    def containers(self) -> frozenset[int]:
+        """Ids of the tuples, lists and dicts its recipes hold arguments in: references to tensors that are the
+        hook's, not the script's (`held.py`)."""
+        found: set[int] = set()
+        for recipe in self.recipes.values():
+            for step in (recipe.producer, *recipe.then):
+                _containers((step.args, step.kwargs), found)
+        return frozenset(found)
+
     def readers_of(self, key: int) -> list[int]:
         """The recipes that read the storage `key` (a write to it would change what they regenerate)."""
         return list(self.readers.get(key, ()))
@@ -213,6 +222,13 @@ def _chains(recipe: Recipe, func: Any, args: tuple, kwargs: dict) -> bool:
         and not any(isinstance(a, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in a) for a in args)
         and _geometry(written[0]) == recipe.geometry
     )
+
+
+def _containers(values: Any, found: set[int]) -> None:
+    if isinstance(values, (list, tuple, dict)):
+        found.add(id(values))
+        for value in values.values() if isinstance(values, dict) else values:
+            _containers(value, found)
 
 
 def _is_storage(value: Any, key: int) -> bool:
