@@ -83,7 +83,7 @@ class RegisterIn(_Request):
     token: str | None = Field(None, pattern=TOKEN_PATTERN)
     last_plan_version: int = Field(0, ge=0, le=BIG)
     external: bool = False
-    activations_only: bool = Field(False, description="plan activation swaps only (no recompute): what the hook's native path carries")
+    activations_only: bool = Field(False, description="plan native events only (activation swaps, recomputes of convolutions and batch norms): what the hook's native path carries")
 
 
 class RegisterOut(_Model):

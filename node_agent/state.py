@@ -73,7 +73,7 @@ class Job:
     max_swap_rate: float | None
     recompute: bool
     external: bool
-    activations_only: bool  # plans keep to activation swaps (what the hook's native path carries), no recompute
+    activations_only: bool  # plans keep to native events (what the hook's native path carries): activation swaps, recomputes of convolutions and batch norms
     latency_source: str | None = None
     ewma: LatencyEWMA | None = None
     planned_sum: float = 0.0  # s of the plan-updating rule: op latencies the current plan was made with

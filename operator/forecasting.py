@@ -3,7 +3,7 @@
 Two caches: the trace cache maps a workload spec (model, batch, shape, optimizer, dtype, ...) to the
 traced workload's signature; the forecast cache maps a signature to the workload and its standalone
 forecast (vanilla peak, lowest reachable scheduled peak). Both are also keyed by the events the plan may
-use (`PlanScope`: activation swaps only, a job's planEvents on its device; recompute, its
+use (`PlanScope`: native events only, a job's planEvents on its device; recompute, its
 scheduling.recompute): that changes the lowest reachable peak, not the trace, so a spec forecast in
 several scopes is traced once (the traced workloads are kept by spec). Traces run one at a time on a worker thread
 (tracing is CPU-bound and the operator shares its cores); concurrent requests for the same key wait

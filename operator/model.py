@@ -116,7 +116,7 @@ class PlanScope:
     """Which events a job's plans may use: its forecast, the joint plans of placement, its agent and its
     hook all plan with the same, or admission counts on a peak the job's plans do not reach."""
 
-    activations_only: bool = False  # activation swaps only (planEvents on the job's device)
+    activations_only: bool = False  # native events only: activation swaps, recomputes of convolutions and batch norms (planEvents on the job's device)
     recompute: bool = True  # spec.scheduling.recompute
 
     def to_status(self) -> dict:
@@ -145,7 +145,7 @@ class JobSpec:
 
     @property
     def activations_only(self) -> bool:
-        """Whether the forecast and placement plan as the hook will: activation swaps only, by the hook's
+        """Whether the forecast and placement plan as the hook will: native events only, by the hook's
         rule on the device the job declares (planned with every event, the peak admitted is one the
         hook does not reach)."""
         return native_plan_events(self.plan_events, self.workload.device)
@@ -251,7 +251,7 @@ def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
     plan_events = knobs.get("planEvents", "auto")
     if plan_events not in PLAN_EVENTS:
         problems.append(SpecProblem(fields["planEvents"], f"'{plan_events}' is not one of {', '.join(PLAN_EVENTS)} "
-                                    "(auto: activation swaps only on CUDA, every event on the CPU)"))
+                                    "(auto: native events only on CUDA, every event on the CPU)"))
     raw_sel = dict(spec.get("gpuSelector") or {})
     min_memory = 0
     if raw_sel.get("minMemory") is not None:

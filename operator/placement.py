@@ -6,7 +6,7 @@ the candidate under the GPU's capacity, reaches a sum within it. Two shortcuts a
 the vanilla peaks already fit, no job needs a plan change; if even each job's lowest reachable peak
 alone does not fit, no joint plan can (co-located jobs share the copy channels, they never swap
 more than alone). Each job is planned with the events its hook will use (its forecast's
-`scope`: activation swaps only, recompute) and within its own budget. Joint plans are cached by the
+`scope`: native events only, recompute) and within its own budget. Joint plans are cached by the
 multiset of (workload signature, scope, max swap rate, own budget) and the GPU's budget.
 """
 

@@ -421,7 +421,7 @@ class PlanExecutor(TorchDispatchMode):
         said = (f"plan version {plan.plan.version} {why}, against a memory budget of {self.budget} bytes: its "
                 "iterations run on the dispatch path, where the budget guard swaps out what the plan leaves on the device")
         if measured is None and expected is not None and native_plans(self.settings, self.device.type):
-            said += (" (its events are activation swaps only, as TENSILE_PLAN_EVENTS=native, or auto on CUDA, asks: "
+            said += (" (its events are native events only, as TENSILE_PLAN_EVENTS=native, or auto on CUDA, asks: "
                      "with all, the plan may swap parameters and optimizer state too)")
         return said
 

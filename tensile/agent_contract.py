@@ -230,7 +230,7 @@ class RegisterRequest:
     token: str | None = None
     last_plan_version: int = 0
     external: bool = False  # not placed by the operator (tensile run --agent)
-    # plan activation swaps only (no recompute): what the hook's native path carries, so a CUDA job
+    # plan native events only (activation swaps, recomputes of convolutions and batch norms): what the hook's native path carries, so a CUDA job
     # under the agent keeps off the dispatch path (tensile.plan.native_plan_events)
     activations_only: bool = False
 

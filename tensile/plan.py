@@ -12,12 +12,12 @@ if TYPE_CHECKING:
 
 EVENT_KINDS = ("swap_out", "swap_in", "release", "recompute")
 # which events a job's plans may use (TENSILE_PLAN_EVENTS, a TrainingJob's spec.scheduling.planEvents):
-# "all", "native" (activation swaps only) or "auto" (native on CUDA, all on the CPU device)
+# "all", "native" (activation swaps, recomputes of convolutions and batch norms) or "auto" (native on CUDA, all on the CPU device)
 PLAN_EVENTS = ("auto", "all", "native")
 
 
 def native_plan_events(plan_events: str, device_type: str) -> bool:
-    """Whether plans keep to activation swaps (the planner's `activations_only`): what the hook's native
+    """Whether plans keep to native events (the planner's `activations_only`: activation swaps, recomputes of convolutions and batch norms): what the hook's native
     path carries; on a GPU the dispatch path that every other event needs costs more than it saves."""
     return plan_events == "native" or (plan_events == "auto" and device_type == "cuda")
 

@@ -23,7 +23,7 @@ import numpy as np
 from tensile.errors import TensileUserError
 from tensile.peak import analyze_plan, analyze_vanilla
 from tensile.plan import Event, Forecast, Plan, memory_saving_rate
-from tensile.recompute import Recompute, chain_inputs, msps, recompute_option
+from tensile.recompute import Recompute, chain_inputs, msps, natively_replayable, recompute_option
 from tensile.swap_scheduling import Channel, Transfer, gap_at, place_swap
 from tensile.timeline import Timeline, build_slots, slot_of, transfer_seconds
 from tensile.workload import Workload
@@ -45,13 +45,10 @@ class JobSpec:
     max_swap_rate: float = 1.0  # share of all the GPU's swaps this job may hold (1.0: no limit)
     recompute: bool = True
     budget_bytes: int | None = None
-    # swap only tensors made within the iteration (parameters, optimizer state and the batch stay) and
-    # recompute nothing: the plans the hook's native path carries without seeing every op
+    # swap only tensors made within the iteration (parameters, optimizer state and the batch stay) and recompute
+    # only what a convolution or a batch norm made, released in the forward: the plans the hook's native path
+    # carries without seeing every op (`natively_replayable`)
     activations_only: bool = False
-
-    @property
-    def may_recompute(self) -> bool:
-        return self.recompute and not self.activations_only
 
 
 @dataclass(slots=True)
@@ -311,6 +308,8 @@ class JobState:
             if not self.present(root, p):
                 continue
             option = recompute_option(self.workload, self.slots[root], p, self.usable, self.first_pin, self.root_of, self.writers)
+            if option is not None and self.spec.activations_only and not natively_replayable(self.workload, option):
+                continue
             if option is not None and (best is None or option.msps > best.msps) and self.cut_is_safe(option):
                 best = option
         self._best = best
@@ -362,8 +361,8 @@ def plan_limits(jobs: list[JobSpec]) -> tuple[str, ...]:
     """What keeps the jobs' plans from every legal event: a lower peak may be reachable without it."""
     limits = []
     if any(j.activations_only for j in jobs):
-        limits.append("activation swaps only: --plan-events, TENSILE_PLAN_EVENTS")
-    if any(not j.recompute and not j.activations_only for j in jobs):
+        limits.append("native events only: --plan-events, TENSILE_PLAN_EVENTS")
+    if any(not j.recompute for j in jobs):
         limits.append("no recomputation")
     if any(j.max_swap_rate < 1 for j in jobs):
         limits.append("a max swap rate below 1")
@@ -464,7 +463,7 @@ def plan_gpu(
             elif placed and len(gains) > max(stop_after_rounds, 3) and sum(gains[-3:]) < stop_gain:
                 swaps_spent = True
             continue
-        choices = [(c, s) for s in candidates if s.spec.may_recompute and (c := s.best_recompute()) is not None]
+        choices = [(c, s) for s in candidates if s.spec.recompute and (c := s.best_recompute()) is not None]
         if not choices:
             break
         choice, state = max(choices, key=lambda cs: cs[0].msps)

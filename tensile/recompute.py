@@ -31,6 +31,22 @@ class Recompute:
     chain: tuple[int, ...] = ()  # the ops replayed, creator first
 
 
+# the ops whose outputs the runtime hook's native path regenerates: their inputs are saved by their autograd nodes or are
+# parameters (runtime_hook/native_recipes.py); the same aten ops the dispatch path replays (runtime_hook/recipes.py).
+# On CUDA a batch norm in training runs as cuDNN's op (`aten.cudnn_batch_norm`), which neither path replays: a
+# workload traced on the meta device names it `native_batch_norm`, so a CUDA plan leaves it out.
+NATIVE_CREATORS = frozenset({"aten.convolution.default", "aten.native_batch_norm.default"})
+NATIVE_CREATORS_ON_CUDA = frozenset({"aten.convolution.default"})
+
+
+def natively_replayable(workload: Workload, option: Recompute) -> bool:
+    """A recomputation the native path carries: released after a forward access (at a module call) and made by a
+    convolution (or, on the CPU device, a batch norm), then written in place only by the ops of its chain."""
+    ops = workload.ops
+    creators = NATIVE_CREATORS_ON_CUDA if workload.device == "cuda" else NATIVE_CREATORS
+    return ops[option.after].phase == "forward" and bool(option.chain) and ops[option.chain[0]].name in creators
+
+
 def msps(size: int, seconds: float) -> float:
     """Memory saving per second of recomputation."""
     return size / max(seconds, MIN_SECONDS)

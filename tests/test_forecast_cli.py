@@ -11,6 +11,7 @@ import pytest
 from test_simulator import documented_keys
 
 from tensile.cli import main
+from tensile.recompute import NATIVE_CREATORS
 from tensile.zoo import ZOO
 
 MODELS = str(Path(__file__).with_name("tracing_models.py"))
@@ -160,8 +161,9 @@ def test_bad_memory_budget_names_the_option(capsys):
 
 
 def test_cuda_plans_keep_to_activation_swaps_unless_told(capsys, tmp_path):
-    """On CUDA the hook plans activation swaps only by default (what its native path carries): the
-    forecast and the plan it saves do the same, and --plan-events all lifts it, as TENSILE_PLAN_EVENTS does."""
+    """On CUDA the hook plans what its native path carries by default (activation swaps, recomputes of
+    convolutions and batch norms): the forecast and the plan it saves do the same, and --plan-events all lifts
+    it, as TENSILE_PLAN_EVENTS does."""
     from tensile.workload_io import load_workload
 
     saved, auto_plan, all_plan = tmp_path / "w.json", tmp_path / "auto.json", tmp_path / "all.json"
@@ -171,9 +173,11 @@ def test_cuda_plans_keep_to_activation_swaps_unless_told(capsys, tmp_path):
     tensors = load_workload(saved).tensors
     persistent = ("param", "optimizer_state", "input")
 
+    ops = load_workload(saved).ops
+
     def beyond_activations(path: Path) -> list[dict]:
-        return [e for e in json.loads(path.read_text())["events"]
-                if e["kind"] == "recompute" or tensors[e["tensor"]].role in persistent]
+        return [e for e in json.loads(path.read_text())["events"] if tensors[e["tensor"]].role in persistent
+                or (e["kind"] == "recompute" and ops[tensors[e["tensor"]].created_by].name not in NATIVE_CREATORS)]
 
     assert auto["plan_events"] > 0 and beyond_activations(auto_plan) == []
     assert beyond_activations(all_plan)
@@ -181,7 +185,7 @@ def test_cuda_plans_keep_to_activation_swaps_unless_told(capsys, tmp_path):
     # a budget between the two: "cannot fit ... even with every legal swap and recomputation" was not true of auto
     between = str((auto["scheduled_peak_bytes"] + every["scheduled_peak_bytes"]) // 2)
     kept = run_json(capsys, "--workload", str(saved), "--memory-budget", between)
-    assert kept["plan_message"].startswith("cannot fit") and "(activation swaps only: --plan-events" in kept["plan_message"]
+    assert kept["plan_message"].startswith("cannot fit") and "(native events only: --plan-events" in kept["plan_message"]
     assert run_json(capsys, "--workload", str(saved), "--memory-budget", between, "--plan-events", "all")["plan_message"].startswith("fits")
 
 

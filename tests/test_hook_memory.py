@@ -44,7 +44,7 @@ def test_budget_0_6_holds_and_the_forecast_is_what_runs(model):
 
 
 def _native_plans_observed(model, batch, loss_fn, make_optimizer) -> tuple[HookReport, list[IterationStats]]:  # type: ignore[no-untyped-def]
-    """Five steps under CUDA's default plans (activation swaps only) from the in-process planner, the native path
+    """Five steps under CUDA's default plans (native events only) from the in-process planner, the native path
     observed (its CPU peak measured): the report and its planned native iterations."""
     settings = HookSettings(job="job", plan_events="native")
     optimizer = make_optimizer(model.parameters())
@@ -62,7 +62,7 @@ def _native_plans_observed(model, batch, loss_fn, make_optimizer) -> tuple[HookR
 
 
 def test_with_native_plans_the_forecast_is_what_the_native_path_measures():
-    """CUDA's default plans (activation swaps only), carried natively and measured there (observe_native):
+    """CUDA's default plans (native events only), carried natively and measured there (observe_native):
     the peak the job is admitted by is what its native iterations reach. These plans used to swap gradients
     too, made in backward, which the native path cannot carry: this ResNet-50 was forecast at 345 MB and
     measured 428 MB natively, 16 of its 37 swaps dropped; now 424 MB against 428 MB, every swap carried."""

@@ -257,7 +257,7 @@ def test_a_plan_whose_forecast_the_budget_does_not_hold_says_why_it_runs_guarded
     assert said == [f"iteration 2: plan version 1 forecasts a scheduled peak of {peaks[0].scheduled_peak_bytes} bytes, "
                     f"against a memory budget of {budget} bytes: its iterations run on the dispatch path, where the "
                     "budget guard swaps out what the plan leaves on the device"
-                    + (" (its events are activation swaps only, as TENSILE_PLAN_EVENTS=native, or auto on CUDA, asks: "
+                    + (" (its events are native events only, as TENSILE_PLAN_EVENTS=native, or auto on CUDA, asks: "
                        "with all, the plan may swap parameters and optimizer state too)" if events == "native" else "")], report.messages
     assert all(it.path == "dispatch" for it in report.iterations)
 

@@ -130,7 +130,7 @@ def test_a_queued_job_is_placed_by_the_knobs_annotated_while_it_waits(tmp_path, 
 
 
 def test_a_queued_job_whose_plan_events_change_is_forecast_again_by_them(tmp_path, forecaster):
-    """plan-events annotated on a queued job: it kept the forecast of its old scope (activation swaps only) and
+    """plan-events annotated on a queued job: it kept the forecast of its old scope (native events only) and
     its pod was made with the old TENSILE_PLAN_EVENTS, so admission counted on plans its hook would not make."""
     async def scenario():  # type: ignore[no-untyped-def]
         async with gpu_held_by_big(tmp_path, forecaster) as (c, _):
@@ -420,7 +420,7 @@ def test_a_recompute_annotation_is_a_yes_or_no_never_a_guess():
 
 
 def test_a_cuda_jobs_forecast_and_placement_plan_activation_swaps_only(forecaster):
-    """Under planEvents auto a CUDA job's hook plans activation swaps only (its native path): the forecast
+    """Under planEvents auto a CUDA job's hook plans native events only (its native path): the forecast
     and the joint plans admission uses must plan so too, or it admits a peak the hook never reaches."""
     spec = parse_spec(trainingjob("x", "vgg16", 1)["spec"])
     traces = forecaster.traces

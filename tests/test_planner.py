@@ -14,7 +14,7 @@ from tensile.plan import Plan
 from tensile.commands import option_value
 from tensile.planner import GpuPlan, JobSpec, co_run_slowdown, plan_gpu, plan_job
 from tensile.runtime_hook.settings import budget_bytes, parse_budget
-from tensile.recompute import chain_inputs
+from tensile.recompute import NATIVE_CREATORS, chain_inputs
 from tensile.simulator import SimJob, simulate
 from tensile.errors import TensileUserError
 from tensile.timeline import build_slots, slot_of
@@ -334,11 +334,12 @@ def test_each_job_keeps_its_own_budget_when_the_gpu_has_room():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_activations_only_plans_move_no_persistent_tensor_and_recompute_nothing(seed):
+def test_activations_only_plans_move_no_persistent_tensor_and_recompute_only_what_the_native_path_replays(seed):
     """What the hook's native path carries (its default on CUDA): parameters, optimizer state and the
-    batch stay on the device, nothing is replayed, a swap-out follows a forward use (the native path
-    swaps out at module calls: a gradient made in backward and read by the optimizer stays, as the
-    hook would leave it, so the forecast is what the job gets); the peak still drops."""
+    batch stay on the device, a swap-out follows a forward use (the native path swaps out at module calls:
+    a gradient made in backward and read by the optimizer stays, as the hook would leave it, so the forecast
+    is what the job gets), and only convolutions' and batch norms' outputs are replayed, released after a
+    forward use (these random workloads have neither); the peak still drops."""
     workload = random_workload(seed, layers=16)
     full = plan_job(workload, BANDWIDTH, name="a")
     native = plan_job(workload, BANDWIDTH, name="a", activations_only=True)
@@ -349,7 +350,12 @@ def test_activations_only_plans_move_no_persistent_tensor_and_recompute_nothing(
         if event.kind == "swap_out":
             uses = [op.index for op in workload.ops if event.tensor in op.inputs + op.outputs and op.index <= event.trigger]
             assert workload.ops[max(uses)].phase == "forward", event
-    assert not any(e.kind == "recompute" or e.next_iteration for e in native.plans["a"].events)
+    assert not any(e.next_iteration for e in native.plans["a"].events)
+    for event in native.plans["a"].events:
+        if event.kind == "recompute":
+            assert workload.ops[workload.tensors[event.tensor].created_by].name in NATIVE_CREATORS, event
+        if event.kind == "release":
+            assert workload.ops[event.trigger].phase == "forward", event
     if moved:
         assert native.scheduled_peak_bytes < native.vanilla_peak_bytes
     else:  # seed 3: at its peak (in backward) only gradients and persistent tensors could move

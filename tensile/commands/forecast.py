@@ -42,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gpu", choices=sorted(PRESETS), help="device preset for latencies and PCIe (default: a6000 for cuda, cpu for cpu)")
     parser.add_argument("--plan-events", choices=PLAN_EVENTS, default="auto",
                         help="which events the plan may use, as the hook's TENSILE_PLAN_EVENTS: auto keeps CUDA plans to "
-                             "activation swaps (what the hook carries without seeing every op), all events on the CPU")
+                             "native events (activation swaps, recomputes of convolutions and batch norms: what the hook carries without seeing every op), all events on the CPU")
     parser.add_argument("--memory-budget", help="plan for this budget: bytes (12GiB) or a fraction of the vanilla peak (0.6); default: the lowest peak")
     parser.add_argument("--save-plan", metavar="PLAN.json", help="save the TENSILE plan (events: kind, tensor, trigger op, delay)")
     parser.add_argument("--save", metavar="WORKLOAD.json", help="save the traced workload (.gz compresses)")
@@ -106,7 +106,7 @@ def _table(summary: dict) -> Table:
     table.add_row("peak at", f"op {summary['peak_op_index']} ({summary['peak_op']}, {summary['peak_phase']})")
     table.add_row("scheduled peak (TENSILE)", f"{summary['scheduled_peak_bytes'] / MIB:,.1f} MiB")
     table.add_row("MSR / predicted EOR", f"{summary['msr']:.3f} / {summary['predicted_eor']:.3f}")
-    kept = " (activation swaps only: --plan-events)" if summary["activations_only"] else ""
+    kept = " (native events only: --plan-events)" if summary["activations_only"] else ""
     table.add_row("plan", f"{summary['plan_events']:,} events{kept}; {summary['plan_message']}")
     table.add_row("predicted iteration", f"{summary['predicted_iteration_seconds'] * 1e3:,.1f} ms ({summary['latency_source']} latencies)")
     table.add_row("ops", f"{summary['ops']:,}")

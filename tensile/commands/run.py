@@ -54,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-swap-rate", type=float, help="the share of the GPU's swap traffic in (0, 1] plans may use")
     parser.add_argument("--report", help="write the hook's JSON report here")
     parser.add_argument("--plan-events", choices=PLAN_EVENTS,
-                        help="which events plans use (TENSILE_PLAN_EVENTS); default auto: activation swaps only on CUDA")
+                        help="which events plans use (TENSILE_PLAN_EVENTS); default auto: native events only on CUDA")
     parser.add_argument("--no-recompute", dest="recompute", action="store_false",
                         help="plans never recompute a tensor (TENSILE_RECOMPUTE=false)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
