@@ -180,6 +180,8 @@ def test_cuda_plans_keep_to_activation_swaps_unless_told(capsys, tmp_path):
                 or (e["kind"] == "recompute" and ops[tensors[e["tensor"]].created_by].name not in NATIVE_CREATORS)]
 
     assert auto["plan_events"] > 0 and beyond_activations(auto_plan) == []
+    recomputed = [e for e in json.loads(auto_plan.read_text())["events"] if e["kind"] == "recompute"]
+    assert recomputed and all(ops[tensors[e["tensor"]].created_by].name == "aten.convolution.default" for e in recomputed)
     assert beyond_activations(all_plan)
     assert every["scheduled_peak_bytes"] < auto["scheduled_peak_bytes"]
     # a budget between the two: "cannot fit ... even with every legal swap and recomputation" was not true of auto

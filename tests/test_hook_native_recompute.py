@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from tensile.plan import Event, Plan
 from tensile.workload import Workload
-from test_hook_correctness import assert_identical, deterministic, first_uses, fit  # noqa: F401
-from test_hook_native_swaps import STEPS, blocks, feature_swaps, hooked
+from test_hook_correctness import assert_identical, deterministic, fit  # noqa: F401
+from test_hook_native_swaps import STEPS, blocks, feature_activations, hooked
 
 MADE_BY = ("aten.convolution.default", "aten.native_batch_norm.default")  # what the plans below recompute
 
@@ -16,22 +16,12 @@ def feature_recomputes(workload: Workload, budget: int | None = None, swap_the_r
     """Every activation of the feature extractor that a convolution or a batch norm made (after which an in-place
     ReLU may write it) released after its last forward read and recomputed before its first backward read; with
     `swap_the_rest`, the others swapped as `feature_swaps` does."""
-    uses = first_uses(workload)
-    head = max(op.index for op in workload.ops if op.phase == "forward" and op.name == "aten.addmm.default")
-    swaps = {(e.kind, e.tensor): e for e in feature_swaps(workload).events} if swap_the_rest else {}
     events = []
-    for tensor in workload.tensors.values():
-        accesses = uses.get(tensor.id, [])
-        forward = [i for i in accesses if workload.ops[i].phase == "forward"]
-        backward = [i for i in accesses if workload.ops[i].phase == "backward"]
-        if tensor.role != "activation" or tensor.created_by < 0 or not backward or tensor.size < 1024:
-            continue
-        last = max(forward, default=tensor.created_by)
-        if last < head and workload.ops[tensor.created_by].name in MADE_BY:
-            events.append(Event("job", "release", tensor.id, last))
-            events.append(Event("job", "recompute", tensor.id, backward[0] - 1))
-        elif ("swap_out", tensor.id) in swaps:
-            events += [swaps["swap_out", tensor.id], swaps["swap_in", tensor.id]]
+    for tensor, last, first in feature_activations(workload):
+        if workload.ops[tensor.created_by].name in MADE_BY:
+            events += [Event("job", "release", tensor.id, last), Event("job", "recompute", tensor.id, first - 1)]
+        elif swap_the_rest:
+            events += [Event("job", "swap_out", tensor.id, last), Event("job", "swap_in", tensor.id, first - 1)]
     return Plan("job", 1, workload.signature, events)
 
 

@@ -4,7 +4,7 @@ and the measured peak stays below vanilla."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ from tensile.plan import Event, Forecast, Plan
 from tensile.runtime_hook import activate, deactivate
 from tensile.runtime_hook.report import HookReport
 from tensile.runtime_hook.settings import HookSettings
-from tensile.workload import Workload
+from tensile.workload import TensorInfo, Workload
 from test_hook_correctness import assert_identical, deterministic, first_uses, fit  # noqa: F401
 
 STEPS = 7  # 0-1 recorded, 2 aligns the swaps on the dispatch path, 3-6 carry them natively
@@ -63,22 +63,27 @@ def blocks(batch_size: int, detour_at: frozenset[int] = frozenset(), prologue: b
     return Blocks(detour_at, prologue), batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
 
 
-def feature_swaps(workload: Workload, budget: int | None = None) -> Plan:
-    """Every activation of the feature extractor (read in backward, last read in forward before
-    the classifier's matmul) swapped out after its last forward read and back before its first
-    backward read; batch norm's per-channel statistics are too small to move."""
+def feature_activations(workload: Workload) -> Iterator[tuple[TensorInfo, int, int]]:
+    """Every activation of the feature extractor (read in backward, last read in forward before the classifier's
+    matmul; batch norm's per-channel statistics are too small to move), with its last forward read and first
+    backward read."""
     uses = first_uses(workload)
     head = max(op.index for op in workload.ops if op.phase == "forward" and op.name == "aten.addmm.default")
-    events = []
     for tensor in workload.tensors.values():
         accesses = uses.get(tensor.id, [])
         forward = [i for i in accesses if workload.ops[i].phase == "forward"]
         backward = [i for i in accesses if workload.ops[i].phase == "backward"]
-        if tensor.role != "activation" or tensor.created_by < 0 or not backward or tensor.size < 1024:
-            continue
-        if max(forward, default=tensor.created_by) < head:
-            events.append(Event("job", "swap_out", tensor.id, max(forward, default=tensor.created_by)))
-            events.append(Event("job", "swap_in", tensor.id, backward[0] - 1))
+        if tensor.role == "activation" and tensor.created_by >= 0 and backward and tensor.size >= 1024 \
+                and (last := max(forward, default=tensor.created_by)) < head:
+            yield tensor, last, backward[0]
+
+
+def feature_swaps(workload: Workload, budget: int | None = None) -> Plan:
+    """Every activation of the feature extractor swapped out after its last forward read and back before its first
+    backward read."""
+    events = []
+    for tensor, last, first in feature_activations(workload):
+        events += [Event("job", "swap_out", tensor.id, last), Event("job", "swap_in", tensor.id, first - 1)]
     return Plan("job", 1, workload.signature, events)
 
 
