@@ -4,7 +4,13 @@ training stays bit-identical and the measured peak falls."""
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
 from tensile.plan import Event, Plan
+from tensile.runtime_hook.native_recipes import learn
+from tensile.runtime_hook.recipes import Recipe, Step
+from tensile.runtime_hook.settings import HookSettings
 from tensile.workload import Workload
 from test_hook_correctness import assert_identical, deterministic, fit  # noqa: F401
 from test_hook_native_swaps import STEPS, blocks, feature_activations, hooked
@@ -52,3 +58,69 @@ def test_recomputes_and_swaps_together_lower_the_measured_peak():
     for it in native:
         assert it.peak_source == "measured" and it.events["release"] == 3 and it.events["swap_out"] > 0, it.events
         assert it.peak_bytes < report.vanilla_peak_bytes, (it.peak_bytes, report.vanilla_peak_bytes)
+
+
+def test_a_divergence_mid_iteration_recomputes_what_was_released():
+    """Forward call 5 (iteration 4) takes another branch after the releases: the abort brings every tensor back, a
+    released one by its replay, from the inputs bound at its release."""
+    build = lambda n: blocks(n, frozenset({5}))  # noqa: E731
+    plain = fit(build, 4, STEPS)
+    state, report = hooked(build, feature_recomputes)
+    assert_identical(plain, state)
+    assert [(it.path, it.mode) for it in report.iterations[3:]] == [
+        ("native", "planned"), ("native", "diverged"), ("dispatch", "planned"), ("native", "planned")]
+    assert report.iterations[4].events["release"] == 3 and report.iterations[4].recompute_bytes > 0
+
+
+class Noisy(nn.Module):
+    """A convolution, an in-place ReLU, dropout, a second convolution, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.relu, self.drop = nn.ReLU(inplace=True), nn.Dropout(0.5)
+        self.fc = nn.Linear(512, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv2(self.drop(self.relu(self.conv1(x)))).flatten(1))
+
+
+def noisy(batch_size: int) -> tuple:
+    torch.manual_seed(0)
+    batch = (torch.randn(batch_size, 3, 8, 8), torch.randint(0, 10, (batch_size,)))
+
+    def loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    return Noisy(), batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+
+
+def every_recompute(workload: Workload, budget: int | None = None) -> Plan:
+    """Every activation of the feature extractor released and recomputed, whatever made it."""
+    events = []
+    for tensor, last, first in feature_activations(workload):
+        events += [Event("job", "release", tensor.id, last), Event("job", "recompute", tensor.id, first - 1)]
+    return Plan("job", 1, workload.signature, events)
+
+
+def test_dropout_trains_bit_identically_with_its_output_recomputed_natively():
+    """On the CPU device dropout is a multiplication by a noise tensor that `bernoulli_` filled: its output is
+    replayed from the saved noise, and the noise, no module's value, stays on the device (native plans preferred,
+    as on CUDA by default), named in the report."""
+    plain = fit(noisy, 4, STEPS)
+    state, report = hooked(noisy, every_recompute, settings=HookSettings(job="job", plan_events="native"))
+    assert_identical(plain, state)
+    assert any("1 swaps of plan version 1 do not align" in m and "they stay on the device" in m for m in report.messages), \
+        report.messages
+    for it in report.iterations[3:]:
+        assert (it.path, it.mode) == ("native", "planned") and it.events["release"] == 2, (it.path, it.mode, it.events)
+
+
+def test_a_recipe_that_draws_random_numbers_is_not_replayed_natively():
+    """CUDA's dropout is one op that draws from the generator (`native_dropout`): a native iteration cannot set the
+    state it drew from, so its output is not recomputed there."""
+    x = torch.randn(4, 8, requires_grad=True)
+    out, _ = torch.ops.aten.native_dropout.default(x, 0.5, True)
+    step = Step(torch.ops.aten.native_dropout.default, (x, 0.5, True), {}, torch.get_rng_state(), True)
+    recipe = Recipe(step, 0, (tuple(out.shape), out.stride(), out.storage_offset()))
+    assert "random op" in learn(recipe, out.grad_fn, id(out.untyped_storage()))
