@@ -159,8 +159,10 @@ class SwapLearner:
         self.global_hooks = 0  # the user's global module forward (pre-)hooks in this iteration
         self.depth = 0  # module calls entered and not returned
         self.references: dict[tuple[int, int, int], int] = {}  # (top-level exit, boundary, position) -> references
-        # (boundary, id(storage)) -> the native recipe of a tensor the plan recomputes, as taken there, or why none
+        # (boundary, id(storage)) -> the native recipe of a tensor the plan recomputes, as taken there, or why none;
+        # and the number of ops in its recipe there (an in-place op after the take would be missing from the first)
         self.recipes: dict[tuple[int, int], NativeRecipe | str] = {}
+        self.recipe_ops: dict[tuple[int, int], int] = {}
         self.handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
 
     def remove(self) -> None:
@@ -227,10 +229,14 @@ class SwapLearner:
         if native is None or not native.recomputes:
             return
         recomputed = {executor.keys[t] for t in native.recomputes if t in executor.keys}
+        index = len(self.boundaries)
+        for key in recomputed:
+            if (recipe := executor.recipes.get(key)) is not None:
+                self.recipe_ops[index, key] = 1 + len(recipe.then)
         for tensor, key in zip(tensors, keys):
             if key in recomputed:
                 recipe = executor.recipes.get(key)
-                self.recipes[len(self.boundaries), key] = "no recipe for it at the module call" if recipe is None else \
+                self.recipes[index, key] = "no recipe for it at the module call" if recipe is None else \
                     learn(recipe, tensor.grad_fn, key)
 
     def on_op(self, index: int) -> None:
@@ -288,8 +294,13 @@ class SwapLearner:
                 continue
             taken, swapped, fetch, checks = placed
             if out.tensor in recomputes:
-                recipe = self.recipes.get((taken[0], keys[out.tensor])) if not isinstance(taken[0], str) else \
-                    "taken from a node that saved it, not at a module call"
+                key = keys[out.tensor]
+                if isinstance(taken[0], str):
+                    recipe: NativeRecipe | str | None = "taken from a node that saved it, not at a module call"
+                elif self.recipe_ops.get((taken[0], key)) != self.recipe_ops.get((swapped, key)):
+                    recipe = "an op wrote it in place after the module call that takes it"
+                else:
+                    recipe = self.recipes.get((taken[0], key))
                 if not isinstance(recipe, NativeRecipe):
                     unmapped[out.tensor] = f"its recompute: {recipe or 'not learnt at the module call that takes it'}"
                     continue

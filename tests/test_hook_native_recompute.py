@@ -124,3 +124,40 @@ def test_a_recipe_that_draws_random_numbers_is_not_replayed_natively():
     step = Step(torch.ops.aten.native_dropout.default, (x, 0.5, True), {}, torch.get_rng_state(), True)
     recipe = Recipe(step, 0, (tuple(out.shape), out.stride(), out.storage_offset()))
     assert "random op" in learn(recipe, out.grad_fn, id(out.untyped_storage()))
+
+
+class WrittenLater(nn.Module):
+    """A batch norm's output written in place by a functional ReLU, then read by a functional convolution: no
+    module call holds it after the write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.weight = nn.Parameter(torch.randn(8, 8, 3, 3) * 0.1)
+        self.fc = nn.Linear(512, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.conv(x))
+        y.relu_()
+        return self.fc(nn.functional.conv2d(y, self.weight, padding=1).flatten(1))
+
+
+def written_later(batch_size: int) -> tuple:
+    torch.manual_seed(0)
+    batch = (torch.randn(batch_size, 3, 8, 8), torch.randint(0, 10, (batch_size,)))
+
+    def loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    return WrittenLater(), batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+
+
+def test_a_tensor_written_in_place_after_its_last_module_call_is_not_recomputed_natively():
+    """Taken at the batch norm's exit, the ReLU after it would be missing from a recipe learnt there: that recompute
+    stays on the device (native plans preferred), the convolution's is carried."""
+    plain = fit(written_later, 4, STEPS)
+    state, report = hooked(written_later, every_recompute, settings=HookSettings(job="job", plan_events="native"))
+    assert_identical(plain, state)
+    assert any("an op wrote it in place after the module call that takes it" in m for m in report.messages), report.messages
+    for it in report.iterations[3:]:
+        assert (it.path, it.mode) == ("native", "planned") and it.events["release"] == 1, (it.path, it.mode, it.events)
