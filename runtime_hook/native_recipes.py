@@ -33,6 +33,8 @@ class SavedAt:
 
     path: tuple[int, ...]  # next_functions indices from the tensor's node to the node that saved it
     name: str  # its `_raw_saved_` attribute
+    shape: tuple[int, ...]  # what it was in the learning iteration: another graph may hold another tensor there
+    dtype: torch.dtype
 
 
 class _Itself:
@@ -79,7 +81,7 @@ def learn(recipe: Recipe, node: Any, key: int) -> NativeRecipe | str:
         return "its recompute replays a random op (dropout), whose state a native iteration cannot restore"
     if node is None:
         return "no autograd node made it"
-    where: dict[int, SavedAt] = {}
+    where: dict[int, tuple[tuple[int, ...], str]] = {}
     for saved, at in _saved_behind(node):
         where.setdefault(saved, at)  # the nearest node's: `_saved_behind` yields nearer nodes first
     try:
@@ -90,14 +92,15 @@ def learn(recipe: Recipe, node: Any, key: int) -> NativeRecipe | str:
     return NativeRecipe(templates[0], recipe.position, recipe.geometry, templates[1:])
 
 
-def _saved_behind(node: Any) -> Iterator[tuple[int, SavedAt]]:
-    """(id(storage), where) of the tensors saved by `node` and the nodes up to SAVED_DEPTH behind it, nearest first."""
+def _saved_behind(node: Any) -> Iterator[tuple[int, tuple[tuple[int, ...], str]]]:
+    """(id(storage), (path, `_raw_saved_` name)) of the tensors saved by `node` and the nodes up to SAVED_DEPTH behind
+    it, nearest first."""
     queue: deque[tuple[Any, tuple[int, ...]]] = deque([(node, ())])
     seen = {id(node)}
     while queue:
         current, path = queue.popleft()
         for name, key in saved_storages(current):
-            yield key, SavedAt(path, name)
+            yield key, (path, name)
         if len(path) < SAVED_DEPTH:
             for position, (following, _) in enumerate(current.next_functions):
                 if following is not None and id(following) not in seen:
@@ -105,7 +108,7 @@ def _saved_behind(node: Any) -> Iterator[tuple[int, SavedAt]]:
                     queue.append((following, (*path, position)))
 
 
-def _template(value: Any, key: int, where: dict[int, SavedAt]) -> Any:
+def _template(value: Any, key: int, where: dict[int, tuple[tuple[int, ...], str]]) -> Any:
     """An argument as the template keeps it: where autograd saved it, else a parameter itself (updated in place by
     the optimizer, the same tensor in every iteration; a batch made before the iteration is not one)."""
     if isinstance(value, torch.Tensor):
@@ -113,7 +116,7 @@ def _template(value: Any, key: int, where: dict[int, SavedAt]) -> Any:
         if storage == key:
             return ITSELF
         if storage in where:
-            return where[storage]
+            return SavedAt(*where[storage], tuple(value.shape), value.dtype)
         if isinstance(value, torch.nn.Parameter):
             return value
         raise LookupError(f"{tuple(value.shape)} {value.dtype}")
@@ -126,14 +129,14 @@ def _template(value: Any, key: int, where: dict[int, SavedAt]) -> Any:
 
 def _resolve(value: Any, node: Any, itself: torch.Tensor) -> Any:
     if isinstance(value, SavedAt):
-        holder = node
-        for position in value.path:
-            holder = holder.next_functions[position][0]
         try:
+            holder = node
+            for position in value.path:
+                holder = holder.next_functions[position][0]
             tensor = saved_tensor(holder, value.name)
-        except RuntimeError:  # freed: its node ran (a backward through another root)
+        except (IndexError, TypeError, AttributeError, RuntimeError):  # another graph, or a node that ran and freed it
             tensor = None
-        if tensor is None:
+        if tensor is None or tuple(tensor.shape) != value.shape or tensor.dtype != value.dtype:
             raise LookupError(value.name)
         return tensor
     if value is ITSELF:
