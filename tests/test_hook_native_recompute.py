@@ -13,7 +13,7 @@ from tensile.runtime_hook.recipes import Recipe, Step
 from tensile.runtime_hook.settings import HookSettings
 from tensile.workload import Workload
 from test_hook_correctness import assert_identical, deterministic, fit  # noqa: F401
-from test_hook_native_swaps import STEPS, blocks, feature_activations, hooked
+from test_hook_native_swaps import STEPS, blocks, feature_activations, hooked, image_classifier
 
 MADE_BY = ("aten.convolution.default", "aten.native_batch_norm.default")  # what the plans below recompute
 
@@ -86,13 +86,7 @@ class Noisy(nn.Module):
 
 
 def noisy(batch_size: int) -> tuple:
-    torch.manual_seed(0)
-    batch = (torch.randn(batch_size, 3, 8, 8), torch.randint(0, 10, (batch_size,)))
-
-    def loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
-        return nn.functional.cross_entropy(model(batch[0]), batch[1])
-
-    return Noisy(), batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+    return image_classifier(Noisy, batch_size)
 
 
 def every_recompute(workload: Workload, budget: int | None = None) -> Plan:
@@ -143,13 +137,7 @@ class WrittenLater(nn.Module):
 
 
 def written_later(batch_size: int) -> tuple:
-    torch.manual_seed(0)
-    batch = (torch.randn(batch_size, 3, 8, 8), torch.randint(0, 10, (batch_size,)))
-
-    def loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
-        return nn.functional.cross_entropy(model(batch[0]), batch[1])
-
-    return WrittenLater(), batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+    return image_classifier(WrittenLater, batch_size)
 
 
 def test_a_tensor_written_in_place_after_its_last_module_call_is_not_recomputed_natively():

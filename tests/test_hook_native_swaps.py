@@ -53,14 +53,19 @@ class Blocks(nn.Module):
         return self.fc(self.pool(z).flatten(1))
 
 
-def blocks(batch_size: int, detour_at: frozenset[int] = frozenset(), prologue: bool = False) -> tuple:
+def image_classifier(make: Callable[[], nn.Module], batch_size: int) -> tuple:
+    """A builder's parts for a model of 8x8 images in 10 classes: seeded, the batch made before the model."""
     torch.manual_seed(0)
     batch = (torch.randn(batch_size, 3, 8, 8), torch.randint(0, 10, (batch_size,)))
 
     def loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
         return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
-    return Blocks(detour_at, prologue), batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+    return make(), batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+
+
+def blocks(batch_size: int, detour_at: frozenset[int] = frozenset(), prologue: bool = False) -> tuple:
+    return image_classifier(lambda: Blocks(detour_at, prologue), batch_size)
 
 
 def feature_activations(workload: Workload) -> Iterator[tuple[TensorInfo, int, int]]:
@@ -335,13 +340,7 @@ class Shortcut(nn.Module):
 
 
 def shortcut(batch_size: int) -> tuple:
-    torch.manual_seed(0)
-    batch = (torch.randn(batch_size, 3, 8, 8), torch.randint(0, 10, (batch_size,)))
-
-    def loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
-        return nn.functional.cross_entropy(model(batch[0]), batch[1])
-
-    return Shortcut(), batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+    return image_classifier(Shortcut, batch_size)
 
 
 def stem_output_swap(workload: Workload, budget: int | None = None) -> Plan:
