@@ -1110,7 +1110,10 @@ class PlanExecutor(TorchDispatchMode):
         recipe: Recipe = slot.recipe
         inputs = recipe.inputs(own_key=slot.key)
         self._ensure_resident(inputs)
-        self.swaps.ensure_resident(inputs)  # a native iteration's own swaps
+        own = {s.key: s for s in self.swaps.slots() if s is not None}  # a native iteration's, outside the registry
+        for value in inputs if own else ():
+            if (swapped := own.get(id(value.untyped_storage()))) is not None:
+                self._ensure_slot_resident(swapped)
         result = _tensors(recipe.producer.replay(self.random))[recipe.position]
         for step in recipe.then:
             step.replay(self.random, slot.key, result)

@@ -230,12 +230,12 @@ class SwapLearner:
             return
         recomputed = {executor.keys[t] for t in native.recomputes if t in executor.keys}
         index = len(self.boundaries)
-        for key in recomputed:
-            if (recipe := executor.recipes.get(key)) is not None:
-                self.recipe_ops[index, key] = 1 + len(recipe.then)
+        recipes = {key: recipe for key in recomputed if (recipe := executor.recipes.get(key)) is not None}
+        for key, recipe in recipes.items():
+            self.recipe_ops[index, key] = 1 + len(recipe.then)
         for tensor, key in zip(tensors, keys):
             if key in recomputed:
-                recipe = executor.recipes.get(key)
+                recipe = recipes.get(key)
                 self.recipes[index, key] = "no recipe for it at the module call" if recipe is None else \
                     learn(recipe, tensor.grad_fn, key)
 

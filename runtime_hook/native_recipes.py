@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from tensile.runtime_hook.saved_tensors import saved_storages, saved_tensor
+from tensile.runtime_hook.storages import map_leaves
 from tensile.runtime_hook.recipes import Recipe, Step
 
 SAVED_DEPTH = 4  # autograd nodes behind the tensor's own searched for its recipe's inputs (batch norm's input after a ReLU's: 1)
@@ -63,10 +64,14 @@ class NativeRecipe:
 
     def bind(self, node: Any, storage: torch.UntypedStorage) -> Recipe | None:
         """This iteration's recipe for the tensor taken with autograd node `node`, whose storage is `storage`;
-        None where a saved input cannot be read (a saved-tensor hook packed it)."""
+        None where a saved input cannot be read as learnt (a saved-tensor hook packed it, or the graph differs)."""
         itself = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+        def bound(value: Any) -> Any:
+            return _read(value, node) if isinstance(value, SavedAt) else itself if value is ITSELF else value
+
         try:
-            steps = [Step(step.func, _resolve(step.args, node, itself), _resolve(step.kwargs, node, itself), None, step.grad)
+            steps = [Step(step.func, map_leaves(step.args, bound), map_leaves(step.kwargs, bound), None, step.grad)
                      for step in (self.producer, *self.then)]
         except LookupError:
             return None
@@ -84,8 +89,11 @@ def learn(recipe: Recipe, node: Any, key: int) -> NativeRecipe | str:
     where: dict[int, tuple[tuple[int, ...], str]] = {}
     for saved, at in _saved_behind(node):
         where.setdefault(saved, at)  # the nearest node's: `_saved_behind` yields nearer nodes first
+    def template(value: Any) -> Any:
+        return _template(value, key, where) if isinstance(value, torch.Tensor) else value
+
     try:
-        templates = [StepTemplate(step.func, _template(step.args, key, where), _template(step.kwargs, key, where), step.grad)
+        templates = [StepTemplate(step.func, map_leaves(step.args, template), map_leaves(step.kwargs, template), step.grad)
                      for step in steps]
     except LookupError as missing:
         return f"an input of its recompute ({missing.args[0]}) is neither a parameter nor saved by autograd behind it"
@@ -108,41 +116,28 @@ def _saved_behind(node: Any) -> Iterator[tuple[int, tuple[tuple[int, ...], str]]
                     queue.append((following, (*path, position)))
 
 
-def _template(value: Any, key: int, where: dict[int, tuple[tuple[int, ...], str]]) -> Any:
-    """An argument as the template keeps it: where autograd saved it, else a parameter itself (updated in place by
-    the optimizer, the same tensor in every iteration; a batch made before the iteration is not one)."""
-    if isinstance(value, torch.Tensor):
-        storage = id(value.untyped_storage())
-        if storage == key:
-            return ITSELF
-        if storage in where:
-            return SavedAt(*where[storage], tuple(value.shape), value.dtype)
-        if isinstance(value, torch.nn.Parameter):
-            return value
-        raise LookupError(f"{tuple(value.shape)} {value.dtype}")
-    if isinstance(value, (list, tuple)):
-        return type(value)(_template(v, key, where) for v in value)
-    if isinstance(value, dict):
-        return {k: _template(v, key, where) for k, v in value.items()}
-    return value
+def _template(value: torch.Tensor, key: int, where: dict[int, tuple[tuple[int, ...], str]]) -> Any:
+    """A tensor argument as the template keeps it: where autograd saved it, else a parameter itself (updated in place
+    by the optimizer, the same tensor in every iteration; a batch made before the iteration is not one)."""
+    storage = id(value.untyped_storage())
+    if storage == key:
+        return ITSELF
+    if storage in where:
+        return SavedAt(*where[storage], tuple(value.shape), value.dtype)
+    if isinstance(value, torch.nn.Parameter):
+        return value
+    raise LookupError(f"{tuple(value.shape)} {value.dtype}")
 
 
-def _resolve(value: Any, node: Any, itself: torch.Tensor) -> Any:
-    if isinstance(value, SavedAt):
-        try:
-            holder = node
-            for position in value.path:
-                holder = holder.next_functions[position][0]
-            tensor = saved_tensor(holder, value.name)
-        except (IndexError, TypeError, AttributeError, RuntimeError):  # another graph, or a node that ran and freed it
-            tensor = None
-        if tensor is None or tuple(tensor.shape) != value.shape or tensor.dtype != value.dtype:
-            raise LookupError(value.name)
-        return tensor
-    if value is ITSELF:
-        return itself
-    if isinstance(value, (list, tuple)):
-        return type(value)(_resolve(v, node, itself) for v in value)
-    if isinstance(value, dict):
-        return {k: _resolve(v, node, itself) for k, v in value.items()}
-    return value
+def _read(at: SavedAt, node: Any) -> torch.Tensor:
+    """The tensor saved where `at` says, behind this iteration's node, if it is what was learnt there."""
+    try:
+        holder = node
+        for position in at.path:
+            holder = holder.next_functions[position][0]
+        tensor = saved_tensor(holder, at.name)
+    except (IndexError, TypeError, AttributeError, RuntimeError):  # another graph, or a node that ran and freed it
+        tensor = None
+    if tensor is None or tuple(tensor.shape) != at.shape or tensor.dtype != at.dtype:
+        raise LookupError(at.name)
+    return tensor

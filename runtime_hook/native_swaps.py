@@ -43,6 +43,7 @@ from tensile.runtime_hook.native_align import (
     reference_count,
     user_forward_hooks,
 )
+from tensile.runtime_hook.native_recipes import NativeRecipe
 from tensile.runtime_hook.saved_tensors import saved_tensor
 from tensile.runtime_hook.settings import native_plans
 from tensile.runtime_hook.storages import Slot, Tensor
@@ -119,8 +120,7 @@ class SwapCarrier:
         self.swaps = alignment.swaps
         # per swap: how it is recomputed where it is a release and a recompute (no copies), and this iteration's
         # autograd node of its tensor, taken with it: the recipe's inputs are read behind it at the release
-        self.recipes = alignment.recipes
-        self.recomputes = [swap in alignment.recipes for swap in range(alignment.swaps)]
+        self.recipes: list[NativeRecipe | None] = [alignment.recipes.get(swap) for swap in range(alignment.swaps)]
         self.nodes: list[Any] = [None] * alignment.swaps
         self.unbound: set[int] = set()  # recomputed swaps whose inputs could not be read at a release: named once
         self.exits = alignment.exits
@@ -218,8 +218,7 @@ class SwapCarrier:
     def _forget(self) -> None:
         """Nothing of an iteration is carried into the next (its containers emptied in place, not made anew)."""
         self.slots[:] = [None] * self.swaps
-        if self.recipes:
-            self.nodes[:] = [None] * self.swaps
+        self.nodes[:] = [None] * self.swaps
         self._let_go()
         self.pending.clear()
         self.kept.clear()
@@ -279,7 +278,7 @@ class SwapCarrier:
                     raise _Diverged(f"the tensor at boundary {self.index - 1} is not the learnt one")
                 slots[swap] = self._slot(swap, storage, nbytes)
                 taken[swap] = (tensor, storage._cdata)
-                if self.recomputes[swap]:
+                if self.recipes[swap] is not None:
                     self.nodes[swap] = tensor.grad_fn
             tensor = storage = None  # type: ignore[assignment]  # not to count as references at a recount below
             rooted = reduce(getitem, action.root, values) if action.root is not None else None
@@ -302,15 +301,15 @@ class SwapCarrier:
             self._recount(self.index - 1)
             if action.let_go:
                 self._let_go()
-        kept, recomputes = self.kept, self.recomputes
+        kept, recipes = self.kept, self.recipes
         for swap in action.swap_out:
             slot = slots[swap]
             if slot is None:
                 raise _Diverged(f"swap {swap} was not taken")
             if not slot.resident or (kept and swap in kept):
                 continue
-            if recomputes[swap]:
-                self.released += self._release(swap, slot)
+            if (recipe := recipes[swap]) is not None:
+                self.released += self._release(swap, slot, recipe)
             elif executor._swap_out(slot):
                 self.swapped_out += 1
         if action.flush:
@@ -319,35 +318,27 @@ class SwapCarrier:
             self._hook_nodes(self.pending)
             self.pending.clear()
 
-    def _release(self, swap: int, slot: Slot) -> bool:
+    def _release(self, swap: int, slot: Slot, recipe: NativeRecipe) -> bool:
         """A tensor the plan recomputes is freed, its recipe bound to this iteration's inputs first; one whose inputs
-        cannot be read (a saved-tensor hook packed them) stays on the device, named once."""
+        cannot be read as learnt stays on the device, named once."""
         storage = slot.ref()
         if storage is None:
             return False
-        recipe = self.recipes[swap].bind(self.nodes[swap], storage)
-        if recipe is None:
+        bound = recipe.bind(self.nodes[swap], storage)
+        if bound is None:
             if swap not in self.unbound:
                 self.unbound.add(swap)
-                self.executor._say(f"native recompute {swap}: an input of its recipe is not where autograd saved it "
-                                   "before (a saved-tensor hook packed it): it stays on the device in such iterations")
+                self.executor._say(f"native recompute {swap}: an input of its recipe is not what autograd saved there "
+                                   "when it was learnt (a saved-tensor hook packed it, or the graph differs): it stays on "
+                                   "the device in such iterations")
             return False
         storage.resize_(0)
-        slot.recipe = recipe
+        slot.recipe = bound
         if slot.counted:
             self.executor.registry.mark_absent(slot)
         else:
             slot.resident = False
         return True
-
-    def ensure_resident(self, tensors: list[torch.Tensor]) -> None:
-        """What a recompute reads, back first where this iteration swapped it out (its slots are outside the
-        registry, which the executor checks)."""
-        absent = {slot.key: slot for slot in self.slots if slot is not None and (not slot.resident or slot.pending is not None)}
-        for tensor in tensors if absent else ():
-            slot = absent.get(id(tensor.untyped_storage()))
-            if slot is not None:
-                self.executor._ensure_slot_resident(slot)
 
     def _recount(self, index: int) -> None:
         """A top-level call returned before backward. A taken tensor with more references here than in the
@@ -614,11 +605,6 @@ class NativeSwaps:
                 self.carrying.restore()
             except Exception:  # noqa: BLE001 - standing down must not raise into the user's code
                 log.exception("tensile: could not restore a tensor")
-
-    def ensure_resident(self, tensors: list[torch.Tensor]) -> None:
-        """What a recompute reads, back first where this native iteration swapped it out."""
-        if self.carrying is not None:
-            self.carrying.ensure_resident(tensors)
 
     def slots(self) -> list[Slot | None]:
         """The slots of what this native iteration swaps (outside the registry)."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tensile.runtime_hook.storages import tensors_in
+from tensile.runtime_hook.storages import map_leaves, tensors_in
 from tensile.timeline import WORKSPACES
 from tensile.tracer import written_values
 
@@ -236,13 +236,7 @@ def _is_storage(value: Any, key: int) -> bool:
 
 
 def _substitute(values: Any, key: int, replacement: Any) -> Any:
-    if isinstance(values, torch.Tensor):
-        return replacement if _is_storage(values, key) else values
-    if isinstance(values, (list, tuple)):
-        return type(values)(_substitute(v, key, replacement) for v in values)
-    if isinstance(values, dict):
-        return {k: _substitute(v, key, replacement) for k, v in values.items()}
-    return values
+    return map_leaves(values, lambda value: replacement if _is_storage(value, key) else value)
 
 
 def _geometry(tensor: torch.Tensor) -> tuple:

@@ -110,6 +110,16 @@ def tensors_in(values: Any) -> list[torch.Tensor]:
     return found
 
 
+def map_leaves(values: Any, leaf: Callable[[Any], Any]) -> Any:
+    """`values` rebuilt with each value that is not a list, tuple or dict replaced by `leaf(value)`: a recipe's
+    arguments with a tensor substituted, turned into a template, or a template bound to this iteration's tensors."""
+    if isinstance(values, (list, tuple)):
+        return type(values)(map_leaves(v, leaf) for v in values)
+    if isinstance(values, dict):
+        return {k: map_leaves(v, leaf) for k, v in values.items()}
+    return leaf(values)
+
+
 def tensor_paths(values: Any) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
     """`tensors_in`'s tensors in the same order, each with its index path into `values`: a native
     boundary indexes straight to the one tensor it takes instead of collecting them all."""

@@ -33,8 +33,9 @@ class Recompute:
 
 # the ops whose outputs the runtime hook's native path regenerates: their inputs are saved by their autograd nodes or are
 # parameters (runtime_hook/native_recipes.py); the same aten ops the dispatch path replays (runtime_hook/recipes.py).
-# On CUDA a batch norm in training runs as cuDNN's op (`aten.cudnn_batch_norm`), which neither path replays: a
-# workload traced on the meta device names it `native_batch_norm`, so a CUDA plan leaves it out.
+# On CUDA a float32 batch norm in training is expected to dispatch to cuDNN's op (`aten.cudnn_batch_norm`, by PyTorch's
+# `_batch_norm_impl_index`; not yet seen on a GPU here), which neither path replays, while a workload traced on the meta
+# device names it `native_batch_norm`: so a CUDA plan leaves batch norm out.
 NATIVE_CREATORS = frozenset({"aten.convolution.default", "aten.native_batch_norm.default"})
 NATIVE_CREATORS_ON_CUDA = frozenset({"aten.convolution.default"})
 
