@@ -166,7 +166,7 @@ class PlanExecutor(TorchDispatchMode):
         self.device = device
         self.registry = StorageRegistry(on_free=self._storage_freed)
         self.mover = CudaMover(device) if device.type == "cuda" else CpuMover()
-        self.registry.release_host = self.mover.pool.put
+        self.registry.release_host = self.mover.release_host
         self.recorder = _LiveRecorder(device.type, self.registry)
         self.op_timer = CudaOpTimer() if device.type == "cuda" else None  # the recorded ops' kernel times
         # op latencies for the node agent's drift rule, only where a link to one listens
@@ -1054,9 +1054,9 @@ class PlanExecutor(TorchDispatchMode):
         self.stats.events[event.kind] += 1
 
     # A swap-out and a fetch time the mover's call (its copy) as transfer time, not the hook's own, inline: on the
-    # native path they run right after kernels, and after the copy on caches it emptied, where a helper's call
-    # costs 3-5 µs. The bookkeeping stays after the copy: a copy that passes through the dispatch mode (a caller
-    # outside its `__torch_dispatch__`) must find its storage resident, or the check before use fetches it back.
+    # native path they run right after kernels, on caches those emptied, where a helper's call costs 3-5 µs. The
+    # bookkeeping stays after the copy: a copy that passes through the dispatch mode (a caller outside its
+    # `__torch_dispatch__`) must find its storage resident, or the check before use fetches it back.
     def _swap_out(self, slot: Slot) -> bool:
         storage = slot.ref()
         if storage is None or slot.pinned:
@@ -1083,7 +1083,7 @@ class PlanExecutor(TorchDispatchMode):
 
     def _fetch(self, slot: Slot) -> None:
         storage = slot.ref()
-        if storage is None:  # died while away: nothing comes back, its host buffer returns to the pool
+        if storage is None:  # died while away: nothing comes back, its host buffer goes (back to the pool on CUDA)
             self.mover.drop_host(slot)
             slot.recipe = None  # nor do its recipe's inputs stay referenced
             return

@@ -1,8 +1,10 @@
 """Moving storages between the device and host memory, and freeing them in place.
 
-The tensor objects keep their identity: a storage is copied out and resized to zero bytes, and
-later resized back and copied in. On the CPU device copies are synchronous (the same logic, for
-tests and GPU-less machines). On CUDA, copies run on one side stream per direction, ordered by
+The tensor objects keep their identity: a storage is emptied to zero bytes while its bytes are on
+the host, and filled again when they come back. On the CPU device, where both are the same RAM, its
+memory itself is handed to a host storage and back, without a copy (the same logic, for tests and
+GPU-less machines). On CUDA, a storage is copied out and resized to zero bytes, later resized back
+and copied in; copies run on one side stream per direction, ordered by
 events (never host sleeps), into pinned host buffers taken from a pool so that pinning does not
 serialise the copies. A swap-out never makes the compute stream wait: the freed block is marked as
 used by the copy stream, so the allocator hands it out again only after the copy has read it.
@@ -17,53 +19,57 @@ import torch
 from tensile.runtime_hook.storages import Slot
 
 
-class HostBufferPool:
-    """Reusable host buffers by size: allocated once, pinned on CUDA."""
+class PinnedBufferPool:
+    """Reusable pinned host buffers by size: allocated (and pinned) once."""
 
-    def __init__(self, pinned: bool) -> None:
-        self.pinned = pinned
-        self.free: dict[int, list[torch.Tensor]] = defaultdict(list)
+    def __init__(self) -> None:
+        self.free: dict[int, list[torch.UntypedStorage]] = defaultdict(list)
 
-    def get(self, nbytes: int) -> torch.Tensor:
+    def get(self, nbytes: int) -> torch.UntypedStorage:
         if self.free[nbytes]:
             return self.free[nbytes].pop()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
 
-    def put(self, buffer: torch.Tensor) -> None:
-        self.free[buffer.numel()].append(buffer)
+    def put(self, buffer: torch.UntypedStorage) -> None:
+        self.free[buffer.nbytes()].append(buffer)
 
 
 class CpuMover:
-    """Synchronous copies: swap-out returns once the storage is freed; swap-in once it is back."""
-
-    def __init__(self) -> None:
-        self.pool = HostBufferPool(pinned=False)
+    """The CPU device's device memory and host memory are the same RAM: a swap-out hands the storage's memory to
+    a host storage of its own without copying a byte (`_swap_data_ptr_`), and a swap-in hands it back. The
+    device storage holds 0 bytes meanwhile, as after a copy out and `resize_(0)`; the copies it saves would only
+    move bytes within the same memory, evicting the caches on their way (50 MB a ResNet-50 activation at batch
+    16: the hook's own steps after each ran 14 µs slower, 0.45 ms an iteration). A storage not resizable (from
+    numpy) is refused, as on CUDA."""
 
     def swap_out(self, slot: Slot, storage: torch.UntypedStorage) -> None:
-        slot.host = self.pool.get(slot.nbytes)
-        slot.host.untyped_storage().copy_(storage)
-        storage.resize_(0)
+        if not storage.resizable():
+            raise RuntimeError("the storage is not resizable")
+        host = torch.UntypedStorage(0)
+        host._swap_data_ptr_(storage)  # type: ignore[attr-defined]  # PyTorch's own, without a stub
+        slot.host = host
 
     def swap_in(self, slot: Slot, storage: torch.UntypedStorage) -> None:
-        """Copy back and give the host buffer up: the tensor may change before its next swap-out."""
-        storage.resize_(slot.nbytes)
+        """The memory back to the storage: the tensor may change before its next swap-out."""
         assert slot.host is not None
-        storage.copy_(slot.host.untyped_storage())
-        self.drop_host(slot)
+        storage._swap_data_ptr_(slot.host)  # type: ignore[attr-defined]
+        slot.host = None
 
     def wait(self, slot: Slot) -> None:
         """Nothing is in flight on the CPU."""
 
     def drop_host(self, slot: Slot) -> None:
-        if slot.host is not None:
-            self.pool.put(slot.host)
-            slot.host = None
+        """The host storage goes with its memory: nothing is reused on the CPU."""
+        slot.host = None
+
+    def release_host(self, host: torch.UntypedStorage) -> None:
+        """A storage died while swapped out: its memory goes with the host storage."""
 
     def settle(self) -> None:
         """Nothing is in flight on the CPU."""
 
 
-class CudaMover(CpuMover):
+class CudaMover:
     """Side streams and events: the compute stream waits on an event only when it needs the tensor.
 
     Its swaps run on the training loop's host path, right after big kernel launches (cold caches), 24 a
@@ -73,7 +79,7 @@ class CudaMover(CpuMover):
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.pool = HostBufferPool(pinned=True)
+        self.pool = PinnedBufferPool()
         # indexed, so that a storage's device compares equal ("cuda" alone is not "cuda:0")
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.index: int = self.device.index  # an int: torch.cuda's device lookups return it at once
@@ -82,7 +88,7 @@ class CudaMover(CpuMover):
         # "the compute stream's work queued so far", recorded anew by each copy: a stream waits for the
         # state an event had when the wait was queued, so recording it again later changes no earlier wait
         self.mark = torch.cuda.Event()
-        self.returning: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # buffers still read by a copy
+        self.returning: list[tuple[torch.cuda.Event, torch.UntypedStorage]] = []  # buffers still read by a copy
 
     def swap_out(self, slot: Slot, storage: torch.UntypedStorage) -> None:
         if storage.device != self.device:  # its copy would run on its own device's stream, not ordered by ours
@@ -91,14 +97,14 @@ class CudaMover(CpuMover):
         slot.host = self.pool.get(slot.nbytes)
         # the copy reads what compute wrote, and what a swap-in still in flight writes (evicted before any
         # op read it); a swap-in copies the host buffer back only after it (slot.pending)
-        self._copy(self.d2h, slot, slot.host.untyped_storage(), storage)
+        self._copy(self.d2h, slot, slot.host, storage)
         self._used_by(storage, self.d2h)  # compute goes on while the copy reads the freed block
         storage.resize_(0)
 
     def swap_in(self, slot: Slot, storage: torch.UntypedStorage) -> None:
         storage.resize_(slot.nbytes)  # allocated on the compute stream, which last freed it
         assert slot.host is not None
-        self._copy(self.h2d, slot, storage, slot.host.untyped_storage())
+        self._copy(self.h2d, slot, storage, slot.host)
         self._used_by(storage, self.h2d)  # should the tensor die unread, the copy may still be writing its block
         self.returning.append((slot.pending, slot.host))
         slot.host = None
@@ -134,6 +140,11 @@ class CudaMover(CpuMover):
         if slot.host is not None:
             self.returning.append((self.d2h.record_event(), slot.host))
             slot.host = None
+
+    def release_host(self, host: torch.UntypedStorage) -> None:
+        """Straight back to the pool, no event: the copy that last wrote it (the swap-out) and the next one to use it
+        (another swap-out) both run on the d2h stream, in order."""
+        self.pool.put(host)
 
     def _collect_returned(self) -> None:
         still = []

@@ -30,7 +30,7 @@ class IterationStats:
     passive_evictions: int = 0
     events: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVENT_KINDS, 0))
     hook_seconds: float = 0.0  # the hook's own logic, without the mover's copies
-    transfer_seconds: float = 0.0  # time in the mover's copies (synchronous on the CPU device, enqueued on CUDA)
+    transfer_seconds: float = 0.0  # time in the mover's calls (enqueuing copies on CUDA; handing memory over, no copy, on the CPU device)
     ops: int = 0
     # what the iteration ran against (HookReport.add stamps them): the guard's budget (None: no budget, or a fraction
     # not yet made bytes), and the forecast scheduled peak of the plan in force. A run's plan and budget change (a

@@ -27,7 +27,7 @@ class Slot:
     ref: weakref.ref
     nbytes: int
     resident: bool = True
-    host: torch.Tensor | None = None  # host copy while swapped out (kept until the storage dies)
+    host: torch.UntypedStorage | None = None  # its bytes on the host while swapped out (the mover's)
     recipe: Any = None  # how to recompute it when it was released
     pending: Any = None  # an in-flight transfer (CUDA event) to wait for before use
     passive: bool = False  # evicted by the budget guard rather than by the plan
@@ -44,7 +44,7 @@ class StorageRegistry:
         self.device_bytes = 0
         self.lru: OrderedDict[int, None] = OrderedDict()  # resident keys, least recently used first
         self.on_free = on_free
-        self.release_host: Callable[[torch.Tensor], None] | None = None
+        self.release_host: Callable[[torch.UntypedStorage], None] | None = None
 
     def watch(self, storage: torch.UntypedStorage) -> Slot:
         key = id(storage)
@@ -65,8 +65,6 @@ class StorageRegistry:
             self.device_bytes -= slot.nbytes
         self.lru.pop(key, None)
         if slot.host is not None and self.release_host is not None:
-            # straight back to the pool, no event: on CUDA the copy that last wrote this buffer (the
-            # swap-out) and the next one to use it (another swap-out) both run on the d2h stream, in order
             self.release_host(slot.host)
         slot.host = slot.recipe = None
         if self.on_free is not None:

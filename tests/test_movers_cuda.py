@@ -1,5 +1,5 @@
 """The CUDA mover's stream ordering, on a real GPU (skipped where PyTorch sees none: CI has none; a lent
-GPU machine runs it). On the CPU device copies are synchronous, so these orderings cannot go wrong there."""
+GPU machine runs it). On the CPU device no bytes move (`test_movers.py`), so these orderings cannot go wrong there."""
 
 from __future__ import annotations
 

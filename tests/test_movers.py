@@ -1,0 +1,56 @@
+"""The CPU device's mover: a swap hands the storage's memory to the host and back, without a copy."""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+from tensile.runtime_hook.movers import CpuMover
+from tensile.runtime_hook.storages import Slot
+
+
+def _slot(storage: torch.UntypedStorage) -> Slot:
+    return Slot(id(storage), weakref.ref(storage), storage.nbytes())
+
+
+def test_a_swap_out_empties_the_storage_and_a_swap_in_gives_back_the_same_memory_and_values():
+    values = torch.randn(1000)
+    expected = values.clone()
+    storage = values.untyped_storage()
+    address, nbytes = storage.data_ptr(), storage.nbytes()
+    slot, mover = _slot(storage), CpuMover()
+    mover.swap_out(slot, storage)
+    assert storage.nbytes() == 0  # as after resize_(0): the tracker and the check before use see it away
+    assert slot.host is not None and slot.host.nbytes() == nbytes and slot.host.data_ptr() == address  # moved, not copied
+    mover.swap_in(slot, storage)
+    assert slot.host is None and storage.nbytes() == nbytes and storage.data_ptr() == address
+    assert torch.equal(values, expected)
+    values.add_(1)  # the tensor is usable again, in place too
+    assert torch.equal(values, expected + 1)
+
+
+def test_a_storage_that_is_not_resizable_is_refused_and_keeps_its_values():
+    """From numpy, as on CUDA where resize_(0) refuses it: the executor then pins it on the device."""
+    array = np.arange(16, dtype=np.float32)
+    values = torch.from_numpy(array)
+    storage = values.untyped_storage()
+    slot = _slot(storage)
+    with pytest.raises(RuntimeError, match="not resizable"):
+        CpuMover().swap_out(slot, storage)
+    assert slot.host is None and storage.nbytes() == array.nbytes
+    assert torch.equal(values, torch.arange(16, dtype=torch.float32))
+
+
+def test_a_storage_that_dies_while_away_takes_its_memory_with_its_host_storage():
+    values = torch.randn(1000)
+    storage = values.untyped_storage()
+    slot, mover = _slot(storage), CpuMover()
+    mover.swap_out(slot, storage)
+    host = weakref.ref(slot.host)
+    del values, storage
+    assert slot.ref() is None  # the tensor died away: nothing comes back
+    mover.drop_host(slot)
+    assert slot.host is None and host() is None
