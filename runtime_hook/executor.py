@@ -164,6 +164,9 @@ class PlanExecutor(TorchDispatchMode):
         self.listener = listener
         self.settings = settings
         self.device = device
+        # read at every step and iteration start: torch.device's `type` makes its str anew in C++ on each read (18 µs
+        # on the caches a step's optimizer leaves, where the interpreter's own steps cost under 1 µs)
+        self.device_type: str = device.type
         self.registry = StorageRegistry(on_free=self._storage_freed)
         self.mover = CudaMover(device) if device.type == "cuda" else CpuMover()
         self.registry.release_host = self.mover.release_host
@@ -288,7 +291,7 @@ class PlanExecutor(TorchDispatchMode):
         self.report.guard_slack_bytes = max(slack + BUDGET_TOLERANCE_BYTES, self.report.guard_slack_bytes or 0)
         if self.vanilla_peak is None or self.shape_sets:  # a plan file's forecast gives the first shapes' one
             self._set_vanilla(analyze_vanilla(live).peak_bytes)
-        if self.device.type == "cuda":
+        if self.device_type == "cuda":
             self._measure_workspace()
         self._plan_for(live)
         if self.shape_key is not None:
@@ -403,7 +406,7 @@ class PlanExecutor(TorchDispatchMode):
         observed native iteration, CUDA): the next iteration's path follows it, not the one before it (a
         recorded iteration's vanilla peak over the budget cost ResNet-50 one more dispatch iteration a plan)."""
         stats = self.stats
-        if self.device.type == "cuda":
+        if self.device_type == "cuda":
             stats.peak_bytes = max(stats.peak_bytes, torch.cuda.max_memory_allocated(self.device))
         return stats if stats.peak_source == "measured" else None
 
@@ -420,7 +423,7 @@ class PlanExecutor(TorchDispatchMode):
             why = f"forecasts a scheduled peak of {expected} bytes"
         said = (f"plan version {plan.plan.version} {why}, against a memory budget of {self.budget} bytes: its "
                 "iterations run on the dispatch path, where the budget guard swaps out what the plan leaves on the device")
-        if measured is None and expected is not None and native_plans(self.settings, self.device.type):
+        if measured is None and expected is not None and native_plans(self.settings, self.device_type):
             said += (" (its events are native events only, as TENSILE_PLAN_EVENTS=native, or auto on CUDA, asks: "
                      "with all, the plan may swap parameters and optimizer state too)")
         return said
@@ -517,7 +520,7 @@ class PlanExecutor(TorchDispatchMode):
             self.stats.hook_seconds += time.perf_counter() - started
 
     def _take_key(self, args: Any) -> None:
-        self.entry_key = shape_key(args, self.device.type)
+        self.entry_key = shape_key(args, self.device_type)
         self._drop_key_hook()
 
     def _drop_key_hook(self) -> None:
@@ -559,7 +562,7 @@ class PlanExecutor(TorchDispatchMode):
         # iterations, every one without an agent) not even the call, whose lists are made anew
         samples = self.sampler.end() if self.sampler.begun else None
         stats.ops = len(self.recorder.ops) if self.iteration == self.match_at else self.op_index
-        if self.device.type == "cuda":
+        if self.device_type == "cuda":
             stats.peak_bytes = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         elif stats.peak_source == "planned":  # nothing watched the storages: the forecast, marked as such
@@ -571,7 +574,7 @@ class PlanExecutor(TorchDispatchMode):
                     op.latency = seconds
             self.recorder.stop()
             classify_roles(self.recorder)
-            live = Workload(self.settings.job, 0, self.device.type, self.recorder.tensors, self.recorder.ops)
+            live = Workload(self.settings.job, 0, self.device_type, self.recorder.tensors, self.recorder.ops)
             self._match(live)
         if self.listener is not None and not self.disabled:
             # only a link to an agent gets samples (`sampler`): a listener of two arguments is called with two
@@ -627,7 +630,7 @@ class PlanExecutor(TorchDispatchMode):
             self._drop_key_hook()
         self._follow_shapes(key)
         if self.iteration == self.match_at:
-            self.recorder = _LiveRecorder(self.device.type, self.registry)
+            self.recorder = _LiveRecorder(self.device_type, self.registry)
         self.active = None if self.disabled else self.ready
         mode = "planned" if self.active else ("recording" if self.iteration <= self.match_at else "guarded")
         self.stats = IterationStats(self.iteration, mode, self.active.plan.version if self.active else None)
@@ -694,7 +697,7 @@ class PlanExecutor(TorchDispatchMode):
             self.active = None
             native = True
         self.path = self.stats.path = "native" if native else "dispatch"
-        if native and not self.in_mode and self.device.type != "cuda":  # CUDA's allocator measures every iteration
+        if native and not self.in_mode and self.device_type != "cuda":  # CUDA's allocator measures every iteration
             self.stats.peak_source = "planned"
 
     def finish(self) -> None:
@@ -748,7 +751,7 @@ class PlanExecutor(TorchDispatchMode):
         (inputs are checked only because an out-of-memory retry in `_run` may have evicted some)."""
         self._ensure_resident(leaves)
         out = self._run(func, args, kwargs)
-        device_type = self.device.type
+        device_type = self.device_type
         slots = self.registry.slots
         for value in _tensors(out):
             if value.device.type == device_type and id(storage := value.untyped_storage()) not in slots:
@@ -761,7 +764,7 @@ class PlanExecutor(TorchDispatchMode):
         """A read (`reads_only`) the plan's iteration did not make here: its inputs checked before use, then run,
         outside the plan's op stream. A script logging `loss.item()` every tenth step made that step diverge from the
         plan at the read."""
-        keys = [id(v.untyped_storage()) for v in leaves if v.device.type == self.device.type]
+        keys = [id(v.untyped_storage()) for v in leaves if v.device.type == self.device_type]
         self._ensure_keys_resident(keys)
         before_op = time.perf_counter()
         out = self._run(func, args, kwargs)
@@ -807,7 +810,7 @@ class PlanExecutor(TorchDispatchMode):
             active = None
         if self.deferred:
             self._apply_deferred()
-        device_type = self.device.type
+        device_type = self.device_type
         arg_keys = list(dict.fromkeys(id(v.untyped_storage()) for v in leaves if v.device.type == device_type))
         self._ensure_keys_resident(arg_keys)
         if self.swaps.learner is not None and active is not None:
@@ -834,7 +837,7 @@ class PlanExecutor(TorchDispatchMode):
 
     def _after_fast(self, active: ActivePlan | None, index: int, arg_keys: list[int], written: list[int], func: Any,
                     args: tuple, kwargs: dict, out: Any, rng: torch.Tensor | None) -> None:
-        device_type = self.device.type
+        device_type = self.device_type
         new_keys = []
         for value in _tensors(out):
             if value.device.type == device_type:
@@ -889,7 +892,7 @@ class PlanExecutor(TorchDispatchMode):
         if self.budget is not None and self.registry.device_bytes > self.budget + BUDGET_TOLERANCE_BYTES:
             self._evict(self.registry.device_bytes - self.budget, protected)
         device_bytes = self.registry.device_bytes
-        if self.device.type == "cuda":  # the allocator measures the peak; this one tells its workspaces apart
+        if self.device_type == "cuda":  # the allocator measures the peak; this one tells its workspaces apart
             if device_bytes > self.tracked_peak:
                 self.tracked_peak = device_bytes
         elif device_bytes > self.stats.peak_bytes:
@@ -990,7 +993,7 @@ class PlanExecutor(TorchDispatchMode):
                       logging.INFO)
 
     def _ensure_resident(self, leaves: list[Any]) -> None:
-        device_type = self.device.type
+        device_type = self.device_type
         self._ensure_keys_resident([id(v.untyped_storage()) for v in leaves if v.device.type == device_type])
 
     def _ensure_keys_resident(self, keys: list[int]) -> None:
@@ -1204,7 +1207,7 @@ class PlanExecutor(TorchDispatchMode):
         It never writes the job's report or reports to the agent."""
         self.report_writer = None
         self.listener = None
-        if self.device.type == "cpu" and not self.disabled:
+        if self.device_type == "cpu" and not self.disabled:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # OpenMP's threads did not survive the fork: a parallel copy would hang
             try:

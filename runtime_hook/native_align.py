@@ -94,6 +94,7 @@ class NodeHook:
     """A node to pre-hook, by its sequence number relative to its boundary's root."""
 
     delta: int
+    path: tuple[int, ...] = ()  # the next_functions index path from the root to it in the learning iteration
     take: list[tuple[int, str, int]] = field(default_factory=list)  # (swap, `_raw_saved_` attribute, nbytes): taken when found
     fetch: list[int] = field(default_factory=list)  # swaps whose (planned) swap-in runs before this node
     check: list[int] = field(default_factory=list)  # swaps it reads: fetched if still absent (a stall)
@@ -151,7 +152,8 @@ class SwapLearner:
         self.saved: dict[int, tuple[int, str, int]] = {}  # plan tensor -> (node, saved attribute, nbytes)
         self.wanted: set[int] | None = None  # the plan tensors the plan swaps
         self.failed: str | None = None  # what went wrong while learning: nothing is aligned then
-        self.reach: dict[tuple[int, int], bool] = {}  # (boundary, node sequence number) -> behind its root
+        # (boundary, node sequence number) -> the index path from its root to the node, None where it is not behind it
+        self.reach: dict[tuple[int, int], tuple[int, ...] | None] = {}
         self.user_hooked: set[int] = set()  # id(storage) of what a module's own forward (pre-)hooks saw
         self.unexecuted: dict[int, set[int]] = {}  # id(storage) -> nodes that saved it but did not run (align)
         self.held: set[int] = set()  # id(storage) of the swapped ones the script holds when backward starts
@@ -330,7 +332,7 @@ class SwapLearner:
                 native_recipes.pop(swap, None)
                 continue
             if take_anchor is not None:
-                hook = eager[take_anchor].setdefault(taken[1], NodeHook(taken[1] - self._root_sequence(take_anchor)))
+                hook = eager[take_anchor].setdefault(taken[1], self._node_hook(take_anchor, taken[1]))
                 hook.take.append((swap, taken[0], taken[2]))
             else:
                 actions[taken[0]].take.append((swap, taken[1], taken[2]))
@@ -345,7 +347,7 @@ class SwapLearner:
                 if flush is not None:
                     actions[flush].flush = True
                 hooks = eager if flush is None else deferred
-                hook = hooks[anchor].setdefault(sequence, NodeHook(sequence - self._root_sequence(anchor)))
+                hook = hooks[anchor].setdefault(sequence, self._node_hook(anchor, sequence))
                 (hook.fetch if why == "fetch" else hook.check).append(swap)
         recounts = list(self._exits_before_backward(top_exits))
         for index, last in recounts:
@@ -476,17 +478,17 @@ class SwapLearner:
         return next((i for i in indices if (root := self.boundaries[i].root) is not None and root[1] >= sequence
                      and self._reaches(i, sequence)), None)
 
-    def _root_sequence(self, index: int) -> int:
-        """The sequence number of an anchor's root (`_anchor` picks only boundaries that have one)."""
-        root = self.boundaries[index].root
-        assert root is not None, f"boundary {index} anchors node hooks without a root"
-        return root[1]
+    def _node_hook(self, anchor: int, sequence: int) -> NodeHook:
+        """A hook on the node, found from the anchor's root (`_anchor` picks only boundaries whose root reaches it)
+        by the path its walk took here: the first native iteration follows it instead of walking again."""
+        root, path = self.boundaries[anchor].root, self.reach.get((anchor, sequence))
+        assert root is not None and path is not None, f"boundary {anchor} anchors node {sequence} without reaching it"
+        return NodeHook(sequence - root[1], path)
 
     def _reaches(self, index: int, sequence: int) -> bool:
         """Whether the node is behind the boundary's root: a node of a parallel branch (a residual
         block's main path, seen from its shortcut's exit) is newer than some roots it is not behind."""
-        known = self.reach.get((index, sequence))
-        if known is None:
+        if (index, sequence) not in self.reach:
             behind = nodes_behind(self.boundaries[index].root_node, sequence)
-            known = self.reach[index, sequence] = any(node._sequence_nr() == sequence for node, _ in behind)
-        return known
+            self.reach[index, sequence] = next((path for node, path in behind if node._sequence_nr() == sequence), None)
+        return self.reach[index, sequence] is not None

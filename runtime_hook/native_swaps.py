@@ -100,9 +100,6 @@ class SwapCarrier:
         # the hooks by sequence number relative to the root, and the lowest
         self.node_hooks = {id(hooks): ({hook.delta: hook for hook in hooks}, min(h.delta for h in hooks))
                            for hooks in hook_lists}
-        # per list of node hooks: the next_functions index paths from its root to its nodes, found by the
-        # first native iteration's walk; later ones follow them (a few steps, not a walk) while they hold
-        self.paths: dict[int, list[HookPath]] = {}
         # roots whose deferred node hooks wait for the next flush: (root, sequence number, id(hooks))
         self.pending: list[tuple[Any, int, int]] = []
         # per node hook that fetches or checks, for the carrier's life: a 0-element tensor whose backward-hook dict
@@ -116,6 +113,10 @@ class SwapCarrier:
                     if hook.fetch or hook.check:
                         holder = self.callbacks[id(hook)] = torch.empty(0)
                         holder._backward_hooks = {0: partial(self._node_pre, hook)}
+        # per list of node hooks: the next_functions index paths from its root to its nodes, as the learning
+        # iteration's walks found them; native iterations follow them (a few steps, not a walk) while they hold
+        self.paths: dict[int, list[HookPath]] = {
+            id(hooks): [(hook.path, hook, self.callbacks.get(id(hook))) for hook in hooks] for hooks in hook_lists}
         self.registry_slots = executor.registry.slots
         self.swaps = alignment.swaps
         # per swap: how it is recomputed where it is a release and a recompute (no copies), and this iteration's
@@ -386,13 +387,12 @@ class SwapCarrier:
 
     def _hook_nodes(self, roots: list[tuple[Any, int, int]]) -> None:
         """Pre-hook the nodes behind each root (root, its sequence number, id of its list of node hooks): along
-        the paths found before when they still lead to nodes of the learnt sequence numbers (relative to the
-        root), else by one walk shared by that root's hooks. One call for all of a flush's roots: a call a root
-        cost ~6 µs after the model's kernels."""
+        the paths learnt (or last walked) when they still lead to nodes of the learnt sequence numbers (relative
+        to the root), else by one walk shared by that root's hooks. One call for all of a flush's roots: a call a
+        root cost ~6 µs after the model's kernels."""
         known, slots = self.paths, self.slots
         for root, sequence, key in roots:
-            paths = known.get(key)
-            nodes = _follow(root, sequence, paths) if paths is not None else None
+            nodes = _follow(root, sequence, known[key])
             if nodes is None:
                 nodes, known[key] = self._walk(root, sequence, *self.node_hooks[key])
             for node, hook, holder in nodes:
@@ -537,7 +537,7 @@ class NativeSwaps:
         why = [f"learning failed ({learner.failed})"] if alignment is None else [
             f"swap of tensor {tensor}: {reason}" for tensor, reason in unmapped.items()]
         said = f"{len(why)} swaps of plan version {active.plan.version} do not align with module calls (e.g. {'; '.join(why[:3])})"
-        if alignment is None or (unmapped and not native_plans(executor.settings, executor.device.type)):
+        if alignment is None or (unmapped and not native_plans(executor.settings, executor.device_type)):
             executor._say(f"{said}: its iterations run on the dispatch path")
             active.native = None
             return

@@ -70,7 +70,7 @@ def guard_outside_reads(executor: PlanExecutor) -> list[Callable[[], None]]:
         (torch.UntypedStorage, "share_memory_", pinning),
         (torch.Tensor, "__deepcopy__", copying),  # a plain tensor's copy clones its storage directly
     ]
-    if executor.device.type == "cpu":  # on CUDA numpy() and tolist() copy to the host first, which the dispatcher sees
+    if executor.device_type == "cpu":  # on CUDA numpy() and tolist() copy to the host first, which the dispatcher sees
         # tolist() reads the values once (logging predictions each step: released or swapped out, it raised)
         patches += [(torch.Tensor, "numpy", pinning), (torch.Tensor, "tolist", copying)]
     undo: list[Callable[[], None]] = []

@@ -458,6 +458,40 @@ def test_node_hooks_wait_for_the_top_level_call_to_return_and_anchor_on_acting_b
     assert all(i in taking or i in flushes for i in hooked_at[:per_iteration]), (hooked_at[:per_iteration], flushes)
 
 
+@pytest.mark.parametrize("spoiled", [False, True])
+def test_native_iterations_find_their_node_hooks_along_the_learnt_paths_and_walk_where_one_no_longer_holds(
+        monkeypatch, spoiled):
+    """The learning iteration's walks give each node hook its index path from its root: native iterations follow
+    it (a few steps) from the first on, with no walk of their own. A path that leads elsewhere (here spoiled on
+    purpose, as another graph would) is walked again once, and that walk's path is followed from then on."""
+    from tensile.runtime_hook.native_swaps import SwapCarrier
+
+    walks = []
+    walk, init = SwapCarrier._walk, SwapCarrier.__init__
+
+    def counting(self, *args):  # type: ignore[no-untyped-def]
+        walks.append(self.executor.iteration)
+        return walk(self, *args)
+
+    def spoiling(self, *args):  # type: ignore[no-untyped-def]
+        init(self, *args)
+        if spoiled:  # every non-empty path one step longer: it ends at a node of another sequence number
+            self.paths = {key: [((*path, 0) if path else path, hook, holder) for path, hook, holder in found]
+                          for key, found in self.paths.items()}
+
+    monkeypatch.setattr(SwapCarrier, "_walk", counting)
+    monkeypatch.setattr(SwapCarrier, "__init__", spoiling)
+    plain = fit(blocks, 4, STEPS)
+    state, report = hooked(blocks, feature_swaps)
+    assert_identical(plain, state)
+    native = [it.iteration for it in report.iterations if it.path == "native"]
+    assert len(native) == STEPS - 3 and all(it.mode == "planned" for it in report.iterations[3:STEPS])
+    if spoiled:
+        assert walks and set(walks) == {native[0]}, (walks, native)
+    else:
+        assert walks == []
+
+
 class TrainStep(nn.Module):
     """A training-step module: its forward runs the loss's backward itself, so its call returns
     only after backward: no node hook may wait for that return."""
