@@ -1079,7 +1079,7 @@ class PlanExecutor(TorchDispatchMode):
             return False
         if slot.counted:
             self.registry.mark_absent(slot)
-        else:  # a native swap's own slot (outside the registry): one call less after the copy emptied the caches
+        else:  # a native swap's own slot (outside the registry): one call less on the caches the kernels emptied
             slot.resident = False
         stats.swap_out_bytes += slot.nbytes
         return True
@@ -1113,10 +1113,11 @@ class PlanExecutor(TorchDispatchMode):
         recipe: Recipe = slot.recipe
         inputs = recipe.inputs(own_key=slot.key)
         self._ensure_resident(inputs)
-        own = {s.key: s for s in self.swaps.slots() if s is not None}  # a native iteration's, outside the registry
-        for value in inputs if own else ():
-            if (swapped := own.get(id(value.untyped_storage()))) is not None:
-                self._ensure_slot_resident(swapped)
+        if own := self.swaps.slots():  # a native iteration's, outside the registry: its inputs among them come back
+            keys = {id(value.untyped_storage()) for value in inputs}
+            for swapped in own:
+                if swapped is not None and swapped.key in keys:
+                    self._ensure_slot_resident(swapped)
         result = _tensors(recipe.producer.replay(self.random))[recipe.position]
         for step in recipe.then:
             step.replay(self.random, slot.key, result)

@@ -89,6 +89,7 @@ def learn(recipe: Recipe, node: Any, key: int) -> NativeRecipe | str:
     where: dict[int, tuple[tuple[int, ...], str]] = {}
     for saved, at in _saved_behind(node):
         where.setdefault(saved, at)  # the nearest node's: `_saved_behind` yields nearer nodes first
+
     def template(value: Any) -> Any:
         return _template(value, key, where) if isinstance(value, torch.Tensor) else value
 

@@ -170,10 +170,9 @@ def test_cuda_plans_keep_to_activation_swaps_unless_told(capsys, tmp_path):
     auto = run_json(capsys, "--model", "resnet50", "--batch-size", "4", "--save", str(saved), "--save-plan", str(auto_plan))
     every = run_json(capsys, "--workload", str(saved), "--plan-events", "all", "--save-plan", str(all_plan))
     assert auto["activations_only"] and not every["activations_only"]
-    tensors = load_workload(saved).tensors
+    workload = load_workload(saved)
+    tensors, ops = workload.tensors, workload.ops
     persistent = ("param", "optimizer_state", "input")
-
-    ops = load_workload(saved).ops
 
     def beyond_activations(path: Path) -> list[dict]:
         return [e for e in json.loads(path.read_text())["events"] if tensors[e["tensor"]].role in persistent
