@@ -144,9 +144,10 @@ class SwapCarrier:
         self.last_root: int | None = None
         # this iteration's tensors taken at module calls, held until backward starts, so that the references
         # to them can be counted at each top-level exit; by (exit, swap), the fewest counted there in the
-        # aligned iteration or a native one that kept to it, and this iteration's counts, merged at its end
-        # if it did (one of another kind, a GAN's other step, may reach an exit before it leaves the calls);
-        # the swaps left on the device this iteration; those the report has named
+        # aligned iteration or a native one that kept to it, and this iteration's counts where new or fewer (in
+        # most iterations none: an equal count changes nothing), merged at its end if it kept to them (one of
+        # another kind, a GAN's other step, may reach an exit before it leaves the calls); the swaps left on the
+        # device this iteration; those the report has named
         self.taken: list[tuple[torch.Tensor, int] | None] = [None] * self.swaps  # with its storage's handle
         self.fewest: dict[tuple[int, int], int] = dict(alignment.references)
         self.counted: dict[tuple[int, int], int] = {}
@@ -205,10 +206,7 @@ class SwapCarrier:
     def _settle_counts(self) -> None:
         """The iteration kept to the learnt calls: its counts join the fewest, and the swaps it kept on the
         device because the script held more references are named, once each."""
-        fewest = self.fewest
-        for key, count in self.counted.items():
-            if key not in fewest or count < fewest[key]:
-                fewest[key] = count
+        self.fewest.update(self.counted)  # each new or fewer than the fewest (`_recount`)
         if not self.kept:  # as most iterations: no set made, nothing sorted
             return
         for swap in sorted(self.kept - self.named):
@@ -352,9 +350,9 @@ class SwapCarrier:
                 continue
             count, key = reference_count(*taken), (index, swap)
             least = fewest.get(key)
-            if least is None or count <= least:
+            if least is None or count < least:
                 counted[key] = count
-            elif swap not in self.kept:
+            elif count > least and swap not in self.kept:
                 self.kept.add(swap)
                 slot = self.slots[swap]
                 if slot is not None and not slot.resident:
