@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
@@ -35,7 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tensile.latency.calibrate import local_device
-from tensile.latency.measure import synchronize
+from tensile.latency.measure import HostLoad, synchronize
 from tensile.plan import Plan
 from tensile.runtime_hook import activate, deactivate
 from tensile.runtime_hook.report import HookReport
@@ -104,7 +103,7 @@ def main() -> None:
     device_type, device_key, device_name = local_device(args.device)
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
     console = Console()
-    load_before = os.getloadavg()[0]
+    host_load = HostLoad()
     rows = []
     # 1. tiny ops, empty plan; interleave repeats so noise hits both alike
     plain_times, hooked_times, hook_seconds = [], [], []
@@ -176,8 +175,8 @@ def main() -> None:
     out = RESULTS if device_type == "cpu" else RESULTS.with_name(f"hook_overhead_{device_key}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     # the ResNet-50 ratios compare runs made one after the other: only meaningful on a quiet machine
-    load = {"before": load_before, "after": os.getloadavg()[0], "cores": os.cpu_count()}
-    console.print(f"load average (1 min): {load['before']:.2f} before, {load['after']:.2f} after, {load['cores']} cores")
+    load = host_load.around()
+    console.print(HostLoad.said(load))
     out.write_text(json.dumps({"device": device_name, "device_key": device_key, "machine": platform.machine(),
                                "torch": torch.__version__, "load_average_1min": load, "rows": rows}, indent=2))
 

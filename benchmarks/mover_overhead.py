@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import random
 import statistics
@@ -37,6 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tensile.latency.calibrate import local_device
+from tensile.latency.measure import HostLoad
 from tensile.runtime_hook.movers import CudaMover
 from tensile.runtime_hook.storages import Slot
 
@@ -138,7 +138,7 @@ def main() -> None:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     console = Console()
-    load_before = os.getloadavg()[0]
+    host_load = HostLoad()
 
     torch.manual_seed(0)
     sizes = spread_sizes(args.storages, args.min_mib, args.max_mib)
@@ -182,8 +182,8 @@ def main() -> None:
     rounds = WARMUP_ROUNDS + args.rounds
     for kind, checks in identical.items():
         console.print(f"{kind}: data bit-identical after {sum(checks)} of {rounds} rounds")
-    load = {"before": load_before, "after": os.getloadavg()[0], "cores": os.cpu_count()}
-    console.print(f"load average (1 min): {load['before']:.2f} before, {load['after']:.2f} after, {load['cores']} cores")
+    load = host_load.around()
+    console.print(HostLoad.said(load))
     out = RESULTS / f"mover_overhead_{device_key}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({

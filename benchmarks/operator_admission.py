@@ -19,7 +19,6 @@ import asyncio
 import gc
 import json
 import logging
-import os
 import platform
 import statistics
 import sys
@@ -32,6 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from operator_harness import cluster, fake_kubelet, simulated_gpu, start_operator, trainingjob  # noqa: E402
 
+from tensile.latency.measure import HostLoad  # noqa: E402
 from tensile.operator.forecasting import Forecaster  # noqa: E402
 from tensile.operator.model import parse_spec  # noqa: E402
 
@@ -65,7 +65,7 @@ def percentile(values: list[float], q: float) -> float:
 
 async def measure(jobs: int, interval: float, gpu_gib: float) -> dict:
     forecaster = Forecaster()
-    load_before = os.getloadavg()[0]
+    host_load = HostLoad()
     started = time.perf_counter()
     for model, batch in MODELS:
         spec = parse_spec(trainingjob("warm-up", model, batch)["spec"])  # as the jobs below are forecast
@@ -114,8 +114,7 @@ async def measure(jobs: int, interval: float, gpu_gib: float) -> dict:
         },
         "target_p99_seconds": 0.2,
         "full_gc_pauses": pauses.summary(),
-        "load_average_1min": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2),
-                              "cores": os.cpu_count()},
+        "load_average_1min": host_load.around(),
         "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
     }
 

@@ -26,7 +26,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -70,6 +70,21 @@ def load_average() -> float:
         return round(os.getloadavg()[0], 2)
     except OSError:
         return 0.0
+
+
+@dataclass
+class HostLoad:
+    """The machine's load around a benchmark's measurements, taken when made and again at `around()`: ratios of
+    runs made one after another mean something only on a quiet machine, so each result file says how quiet."""
+
+    before: float = field(default_factory=load_average)
+
+    def around(self) -> dict[str, float | int | None]:
+        return {"before": self.before, "after": load_average(), "cores": os.cpu_count()}
+
+    @staticmethod
+    def said(load: dict[str, float | int | None]) -> str:
+        return f"load average (1 min): {load['before']:.2f} before, {load['after']:.2f} after, {load['cores']} cores"
 
 
 def outliers(samples: Sequence[float], tolerance: float = OUTLIER_TOLERANCE) -> list[int]:
