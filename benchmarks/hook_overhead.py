@@ -10,7 +10,9 @@
 
 Each row says which path (dispatch / native) its measured iterations took, with the figures of
 each path apart (`by_path`): the first iteration under a plan runs on the dispatch path (it aligns
-the plan's swaps with module and autograd node hooks), the later ones natively when they can.
+the plan's swaps with module and autograd node hooks), the later ones natively when they can. The
+full plan's row also says which module calls and autograd nodes carried it (`carried_by`): that plan
+is made from this run's measured latencies, so it differs between runs, and the hook's time with it.
 
 On CUDA (`--device cuda`) every iteration's time ends at a device synchronisation, and `hook_seconds`
 is host time: there the kernels run asynchronously, so the hook's Python does not run right after
@@ -28,6 +30,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from rich.console import Console
@@ -37,6 +40,7 @@ from tensile.latency.calibrate import local_device
 from tensile.latency.measure import HostLoad, synchronize
 from tensile.plan import Plan
 from tensile.runtime_hook import activate, deactivate
+from tensile.runtime_hook.executor import PlanExecutor
 from tensile.runtime_hook.report import HookReport
 from tensile.runtime_hook.settings import HookSettings
 from tensile.workload import Workload
@@ -80,14 +84,35 @@ def timed_step(model: torch.nn.Module, batch: tuple, loss_fn, optimizer: torch.o
     return time.perf_counter() - started
 
 
+class Timed(NamedTuple):
+    times: list[float]
+    report: HookReport | None
+    carried: dict[str, int] | None  # how the native path carried the plan (`carried_by`)
+
+
+def carried_by(executor: PlanExecutor) -> dict[str, int] | None:
+    """The module calls and autograd nodes the native path carried the plan at: `hook_seconds` grows with them, and
+    the in-process planner's plan, made from this run's measured latencies, differs from run to run (the same 18
+    swaps at 22 acting boundaries in one run, 26 in another), so each row says what it measured."""
+    swaps = executor.swaps
+    carrier = swaps.carrier or swaps.idle or swaps.carrying
+    if carrier is None:
+        return None
+    actions = [action for action in carrier.actions if action is not None]
+    hooks = [hook for action in actions for hook in (*action.hooks, *action.deferred)]
+    return {"boundaries": len(carrier.expected), "acting_boundaries": len(actions),
+            "roots": sum(action.root is not None for action in actions), "node_hooks": len(hooks),
+            "node_hook_path_steps": sum(len(hook.path) for hook in hooks)}
+
+
 def timed_iterations(parts: tuple, steps: int, planner=None, budget: float | None = None,  # type: ignore[no-untyped-def]
-                     device: torch.device = torch.device("cpu")) -> tuple[list[float], HookReport | None]:
+                     device: torch.device = torch.device("cpu")) -> Timed:
     executor = activate(HookSettings(job="bench", memory_budget=budget), planner=planner, device=device) if planner else None
     try:
         model, batch, loss_fn, make_optimizer = parts
         optimizer = make_optimizer(model.parameters())
         times = [timed_step(model, batch, loss_fn, optimizer, device) for _ in range(steps)]
-        return times, (executor.report if executor else None)
+        return Timed(times, executor.report, carried_by(executor)) if executor else Timed(times, None, None)
     finally:
         if executor is not None:
             deactivate()
@@ -108,8 +133,8 @@ def main() -> None:
     # 1. tiny ops, empty plan; interleave repeats so noise hits both alike
     plain_times, hooked_times, hook_seconds = [], [], []
     for _ in range(3):
-        plain, _ = timed_iterations(tiny_ops_model(4, device), 30, device=device)
-        hooked, report = timed_iterations(tiny_ops_model(4, device), 30, planner=empty_plan, device=device)
+        plain = timed_iterations(tiny_ops_model(4, device), 30, device=device).times
+        hooked, report, _ = timed_iterations(tiny_ops_model(4, device), 30, planner=empty_plan, device=device)
         iterations = report.iterations
         plain_times += plain[5:]
         hooked_times += hooked[5:]
@@ -128,10 +153,10 @@ def main() -> None:
     # 2-3. ResNet-50 under the planner's full plan, then under an empty plan, between two plain runs
     # (the machine is shared: their steady iterations together are the plain figure)
     resnet_rows = []
-    plain = timed_iterations(build_zoo_parts("resnet50", args.batch_size, device=device_type), args.steps, device=device)[0][2:]
+    plain = timed_iterations(build_zoo_parts("resnet50", args.batch_size, device=device_type), args.steps, device=device).times[2:]
     for label, planner, budget in (("full plan (budget 0.6)", full_plan(device), 0.6), ("empty plan", empty_plan, None)):
-        hooked, report = timed_iterations(build_zoo_parts("resnet50", args.batch_size, device=device_type), args.steps,
-                                          planner=planner, budget=budget, device=device)
+        hooked, report, carried = timed_iterations(build_zoo_parts("resnet50", args.batch_size, device=device_type),
+                                                   args.steps, planner=planner, budget=budget, device=device)
         iterations = report.iterations
         planned = [it for it in iterations if it.mode == "planned"]
         native = [it for it in planned if it.path == "native"]
@@ -150,12 +175,13 @@ def main() -> None:
             "planned_iterations": len(planned),
             "paths": sorted({it.path for it in planned}),
             "events_per_iteration": steady[-1].events if steady else None,
+            "carried_by": carried,
             "by_path": by_path,
             "messages": report.messages,
             "target_hook_seconds": 0.002,
         }
         resnet_rows.append(row)
-    plain += timed_iterations(build_zoo_parts("resnet50", args.batch_size, device=device_type), args.steps, device=device)[0][2:]
+    plain += timed_iterations(build_zoo_parts("resnet50", args.batch_size, device=device_type), args.steps, device=device).times[2:]
     for row in resnet_rows:
         row["plain_seconds"] = statistics.median(plain)
         if row["hooked_seconds"]:
