@@ -40,26 +40,35 @@ class CpuMover:
     device storage holds 0 bytes meanwhile, as after a copy out and `resize_(0)`; the copies it saves would only
     move bytes within the same memory, evicting the caches on their way (50 MB a ResNet-50 activation at batch
     16: the hook's own steps after each ran 14 µs slower, 0.45 ms of `hook_seconds` an iteration). A storage
-    that is not resizable (from numpy) is refused, as on CUDA."""
+    that is not resizable (from numpy) is refused, as on CUDA. The empty host storages are kept for the next
+    swap-outs (`spare`): one made at each swap-out, right after the kernels, took it from 6 to 16 µs (stamped)."""
+
+    def __init__(self) -> None:
+        self.spare: list[torch.UntypedStorage] = []  # host storages of 0 bytes, given back by swap-ins
 
     def swap_out(self, slot: Slot, storage: torch.UntypedStorage) -> None:
         if not storage.resizable():
             raise RuntimeError("the storage is not resizable")
-        host = torch.UntypedStorage(0)
+        host = self.spare.pop() if self.spare else torch.UntypedStorage(0)
         host._swap_data_ptr_(storage)  # type: ignore[attr-defined]  # PyTorch's own, without a stub
         slot.host = host
 
     def swap_in(self, slot: Slot, storage: torch.UntypedStorage) -> None:
-        """The memory back to the storage: the tensor may change before its next swap-out."""
-        assert slot.host is not None
-        storage._swap_data_ptr_(slot.host)  # type: ignore[attr-defined]
+        """The memory back to the storage: the tensor may change before its next swap-out. The host storage then
+        holds what the storage held while away, no memory unless something resized it meanwhile: only an empty one
+        waits for the next swap-out, which must leave its storage empty."""
+        host = slot.host
+        assert host is not None
+        storage._swap_data_ptr_(host)  # type: ignore[attr-defined]
+        if not host.nbytes():
+            self.spare.append(host)
         slot.host = None
 
     def wait(self, slot: Slot) -> None:
         """Nothing is in flight on the CPU."""
 
     def drop_host(self, slot: Slot) -> None:
-        """The host storage goes with its memory: nothing is reused on the CPU."""
+        """The host storage goes with its memory (only empty ones wait in `spare`)."""
         slot.host = None
 
     def release_host(self, host: torch.UntypedStorage) -> None:
