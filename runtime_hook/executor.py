@@ -168,12 +168,12 @@ class PlanExecutor(TorchDispatchMode):
         # on the caches a step's optimizer leaves, where the interpreter's own steps cost under 1 µs)
         self.device_type: str = device.type
         self.registry = StorageRegistry(on_free=self._storage_freed)
-        self.mover = CudaMover(device) if device.type == "cuda" else CpuMover()
+        self.mover = CudaMover(device) if self.device_type == "cuda" else CpuMover()
         self.registry.release_host = self.mover.release_host
-        self.recorder = _LiveRecorder(device.type, self.registry)
-        self.op_timer = CudaOpTimer() if device.type == "cuda" else None  # the recorded ops' kernel times
+        self.recorder = _LiveRecorder(self.device_type, self.registry)
+        self.op_timer = CudaOpTimer() if self.device_type == "cuda" else None  # the recorded ops' kernel times
         # op latencies for the node agent's drift rule, only where a link to one listens
-        self.sampler = OpSampler(device.type, settings.latency_sample_every if settings.agent_url and listener else 0)
+        self.sampler = OpSampler(self.device_type, settings.latency_sample_every if settings.agent_url and listener else 0)
         self.planner = planner
         self.report = HookReport(job=settings.job, device=str(device))
         self.said: set[str] = set()  # messages said so far (`_say`)
@@ -992,9 +992,12 @@ class PlanExecutor(TorchDispatchMode):
                       f"the plan expected {expected}): code after training, not a training step; it ran guarded",
                       logging.INFO)
 
-    def _ensure_resident(self, leaves: list[Any]) -> None:
+    def _ensure_resident(self, leaves: list[Any]) -> list[int]:
+        """The leaves on the device resident; their storages' keys, for a caller that looks for them elsewhere too."""
         device_type = self.device_type
-        self._ensure_keys_resident([id(v.untyped_storage()) for v in leaves if v.device.type == device_type])
+        keys = [id(v.untyped_storage()) for v in leaves if v.device.type == device_type]
+        self._ensure_keys_resident(keys)
+        return keys
 
     def _ensure_keys_resident(self, keys: list[int]) -> None:
         slots = self.registry.slots
@@ -1112,9 +1115,8 @@ class PlanExecutor(TorchDispatchMode):
         """Replay the recipe with the random states it first ran with: dropout draws the same numbers."""
         recipe: Recipe = slot.recipe
         inputs = recipe.inputs(own_key=slot.key)
-        self._ensure_resident(inputs)
+        keys = self._ensure_resident(inputs)
         if own := self.swaps.slots():  # a native iteration's, outside the registry: its inputs among them come back
-            keys = {id(value.untyped_storage()) for value in inputs}
             for swapped in own:
                 if swapped is not None and swapped.key in keys:
                     self._ensure_slot_resident(swapped)
