@@ -316,6 +316,13 @@ class PlanExecutor(TorchDispatchMode):
                 self.ready = candidate
                 return
             self._say("the plan was made for another workload (signature mismatch); planning from the live iteration")
+            fraction = self.settings.memory_budget
+            if fraction is not None and fraction <= 1 and self.plan_budget is None and not self.shape_sets:
+                # the share was taken of that plan's forecast, another workload's vanilla peak: it is taken of this one's
+                self.budget = None
+                self._set_vanilla(analyze_vanilla(live).peak_bytes)
+                self._say(f"the memory budget is now {self.budget} bytes: {fraction:g} of this workload's vanilla peak, not "
+                          "of the one the plan forecast", logging.INFO)
         if self.planner is None:
             self._say("no plan and no planner: running guarded by the memory budget only")
             return

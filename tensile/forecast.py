@@ -31,6 +31,12 @@ DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("cuda", "cpu")
 
 
+def optimizer_for(model: str, optimizer: str | None) -> str | None:
+    """The optimizer a model is traced with: the one asked for, else Adam for a zoo model, and a user model's own
+    make_optimizer (None)."""
+    return optimizer or (None if is_user_model(model) else "adam")
+
+
 def _check_choice(field: str, value: str, choices: Collection[str]) -> None:
     if value not in choices:
         raise TensileUserError(f"{field} '{value}' is not supported; choose one of: {', '.join(choices)}")

@@ -59,7 +59,7 @@ class JobRun:
 def forecast(run: JobRun, device: str, preset: str, directory: Path) -> None:
     """Trace and plan the job's model (CPU, meta device); a job given by profile keeps its budget."""
     from tensile.commands.forecast import make_forecast
-    from tensile.forecast import trace_workload
+    from tensile.forecast import optimizer_for, trace_workload
     from tensile.workload_io import save_workload
 
     job = run.job
@@ -67,9 +67,8 @@ def forecast(run: JobRun, device: str, preset: str, directory: Path) -> None:
         run.demand = job.memory_budget
         run.message = f"profile '{job.profile}': admitted by its memory budget"
         return
-    optimizer = job.optimizer or (None if ".py:" in job.model else "adam")
-    workload = trace_workload(job.model, job.batch_size, optimizer=optimizer, dtype=job.dtype, device=device,
-                              micro_batches=job.micro_batches, input_shape=job.input_shape)
+    workload = trace_workload(job.model, job.batch_size, optimizer=optimizer_for(job.model, job.optimizer), dtype=job.dtype,
+                              device=device, micro_batches=job.micro_batches, input_shape=job.input_shape)
     # with its max swapping rate, as the agent plans it: without, mlp-wide (maxSwapRate 0.5) was admitted at a
     # 7.1 MiB peak its plan could not reach (9.1 MiB) and every iteration ran guarded, evicting
     summary, _, _ = make_forecast(workload, preset, plan_events=job.plan_events, recompute=job.recompute,

@@ -13,7 +13,7 @@ from rich.table import Table
 from tensile.commands import option_value, output_file
 from tensile.devices import PRESETS, device_preset
 from tensile.errors import TensileUserError
-from tensile.forecast import DEVICES, DTYPES, OPTIMIZERS, trace_workload
+from tensile.forecast import DEVICES, DTYPES, OPTIMIZERS, optimizer_for, trace_workload
 from tensile.latency import QuickCalibrationWarning, UncalibratedWarning, assign_latencies, iteration_seconds
 from tensile.peak import PeakResult, analyze_plan, analyze_vanilla
 from tensile.plan import PLAN_EVENTS, Plan, native_plan_events
@@ -54,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _load(args: argparse.Namespace) -> Workload:
     if args.workload:
         return load_workload(args.workload)
-    optimizer = args.optimizer or ("adam" if ".py:" not in args.model else None)
+    optimizer = optimizer_for(args.model, args.optimizer)
     foreach = {"auto": None, "on": True, "off": False}[args.foreach or "auto"]
     return trace_workload(
         args.model, 16 if args.batch_size is None else args.batch_size, optimizer, args.dtype or "float32", args.device or "cuda",

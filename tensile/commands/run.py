@@ -22,13 +22,14 @@ from tensile.agent_contract import GPU_PATTERN
 from tensile.child_process import ends_with_this_process
 from tensile.commands import option_value, output_file
 from tensile.errors import TensileUserError
+from tensile.forecast import DTYPES, OPTIMIZERS
 from tensile.knobs import parse_swap_rate
 from tensile.local_jobs import local_command
 from tensile.plan import PLAN_EVENTS, load_plan
 from tensile.runtime_hook.plan_source import load_plan_files
 from tensile.runtime_hook.report import PlanPeak, RunTotals, UnderPlan
 from tensile.runtime_hook.settings import HookSettings, parse_budget
-from tensile.workload_io import load_workload
+from tensile.workload_io import load_workload, save_workload
 
 SITE_DIR = Path(tensile.runtime_hook.__file__).parent / "site"
 # passed on to the command when sent to `tensile run` alone; siginfo's si_code of one the kernel sent to the whole
@@ -45,7 +46,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                       "--agent, the script's name and 6 random hex digits, e.g. train-3f9a1c, so that two "
                                       "runs never share a registration)")
     parser.add_argument("--memory-budget", help="bytes (12GiB), or a fraction of the vanilla peak (e.g. 0.6)")
-    parser.add_argument("--workload", help="the workload the plan is for (tensile forecast --save)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--workload", help="the workload the plan is for (tensile forecast --save)")
+    source.add_argument("--model", metavar="NAME|FILE.py:FUNC",
+                        help="trace the job's iteration from this model before the command starts, as tensile forecast "
+                             "--model does, and (without --agent) plan from it: the plan applies from iteration 2 if the "
+                             "live iteration matches it, else the hook plans from the live one")
+    parser.add_argument("--batch-size", type=int, help="with --model: the batch size it is traced at (default 16)")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS),
+                        help="with --model: default adam (zoo) or the model's own make_optimizer")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="with --model: bfloat16/float16 for autocast (default float32)")
+    parser.add_argument("--micro-batches", type=int, help="with --model: gradient accumulation steps per optimizer step (1)")
     parser.add_argument("--plan", help="a plan for that workload (tensile forecast --save-plan); default: plan in-process")
     parser.add_argument("--agent", help="node agent URL; without it the hook plans in-process")
     parser.add_argument("--token", help="the job's token for the agent")
@@ -112,8 +123,18 @@ def _check(args: argparse.Namespace) -> list[str]:
             raise TensileUserError(f"--gpu: '{args.gpu}' is no GPU UUID or index (the agent lists its GPUs at /v1/gpus)")
     if args.report:
         output_file(args.report, "--report")
+    tracing = [option for option, value in (("--batch-size", args.batch_size), ("--optimizer", args.optimizer),
+               ("--dtype", args.dtype), ("--micro-batches", args.micro_batches)) if value is not None]
+    if tracing and not args.model:
+        raise TensileUserError(f"{', '.join(tracing)}: how to trace --model; give --model NAME|FILE.py:FUNC too")
+    if args.plan and args.model:
+        raise TensileUserError("--plan is for the --workload it was made for; with --model the plan is made now from the "
+                               "traced iteration (tensile forecast --model ... --save W.json --save-plan P.json keeps one)")
     if args.plan and not args.workload:
         raise TensileUserError("--plan needs --workload: the workload the plan was made for")
+    for value, option in ((args.batch_size, "--batch-size"), (args.micro_batches, "--micro-batches")):
+        if value is not None and value < 1:
+            raise TensileUserError(f"{option} must be a positive integer (was {value})")
     if args.workload:
         workload = load_workload(args.workload)  # a malformed file is reported here, not in the child
         if args.plan:
@@ -122,6 +143,37 @@ def _check(args: argparse.Namespace) -> list[str]:
             except ValueError as exc:
                 raise TensileUserError(str(exc)) from None
     return command
+
+
+def forecast_files(args: argparse.Namespace, console: Console) -> None:
+    """--model: the job's iteration traced before the command starts, for the device it will run on, and planned here
+    when no node agent plans it (TENSILE's forecast, made before the job runs); its files then stand as --workload (and
+    --plan), in a folder of their own that is kept, as the report's is."""
+    import torch
+
+    from tensile.commands.forecast import make_forecast
+    from tensile.forecast import optimizer_for, trace_workload
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with console.status(f"tracing one training iteration of {args.model}..."):
+        workload = trace_workload(args.model, args.batch_size or 16, optimizer_for(args.model, args.optimizer),
+                                  args.dtype or "float32", device, micro_batches=args.micro_batches or 1)
+    folder = Path(tempfile.mkdtemp(prefix="tensile-"))
+    args.workload = str(folder / "workload.json.gz")
+    save_workload(workload, args.workload)
+    traced = f"{args.model} at batch {workload.batch_size} ({device})"
+    if args.agent:
+        console.print(f"tensile: {traced} traced; the node agent plans from it: {args.workload}", highlight=False)
+        return
+    with console.status("planning swaps and recomputations..."):
+        summary, plan, _ = make_forecast(workload, "a6000" if device == "cuda" else "cpu", args.memory_budget,
+                                         args.plan_events or "auto", args.recompute, args.max_swap_rate or 1.0)
+    args.plan = str(folder / "plan.json")
+    Path(args.plan).write_text(json.dumps(plan.to_dict(), indent=1))
+    unfit = "" if summary["fits"] else f" ({summary['plan_message']})"
+    console.print(f"tensile: forecast of {traced}: vanilla peak {summary['vanilla_peak_bytes'] / MIB:,.1f} MiB, "
+                  f"scheduled {summary['scheduled_peak_bytes'] / MIB:,.1f} MiB by {summary['plan_events']} events{unfit}; "
+                  f"workload and plan in {folder}", highlight=False)
 
 
 def check_environment(env: dict[str, str], checked: Collection[str] = ()) -> None:
@@ -153,8 +205,14 @@ def run(args: argparse.Namespace) -> int:
     named = args.job is None
     if named:
         args.job = _unique_job(command) if args.agent else "local"
+    # before --model's tracing and its files: a bad setting is refused before anything is done or made
+    given = {k for k, v in option_variables(args).items() if v} | ({"TENSILE_WORKLOAD", "TENSILE_PLAN"} if args.model else set())
+    check_environment(hook_environment(args), given)
+    if args.model:
+        forecast_files(args, console)
     env = hook_environment(args)
-    check_environment(env, {k for k, v in option_variables(args).items() if v})
+    if args.model and not args.plan:  # the agent plans from the traced workload, not from a plan file the environment names
+        env.pop("TENSILE_PLAN", None)
     if named and args.agent:
         console.print(f"tensile: the job registers with the node agent as {args.job} (--job names it)", highlight=False)
     report = args.report

@@ -1,0 +1,118 @@
+"""`tensile run --model`: the job's iteration traced, and planned without an agent, before the command starts (the
+forecast TENSILE plans from, made before the job runs); its plan applies when the live iteration matches it, the job
+plans from the live one when not, and either way it trains bit-identically to the run without Tensile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from agent_harness import ROOT
+from test_hook_agent import FAST
+
+from tensile.cli import main
+
+TRAIN = ROOT / "examples" / "train_mlp.py"
+MODEL = "examples/tiny_mlp.py:build"  # what examples/train_mlp.py trains
+BATCH, STEPS = 32, 4
+
+
+def _train(tmp_path: Path, name: str, *tensile: str, batch: int = BATCH) -> tuple[dict, dict | None, str]:
+    """examples/train_mlp.py's final state, run alone (no `tensile` options) or under `tensile run OPTIONS`; its
+    report and what `tensile run` said."""
+    state, report = tmp_path / f"{name}.pt", tmp_path / f"{name}.json"
+    script = [sys.executable, str(TRAIN), "--steps", str(STEPS), "--batch-size", str(batch), "--save", str(state)]
+    command = [sys.executable, "-m", "tensile.cli", "run", *tensile, "--report", str(report), "--", *script] if tensile else script
+    done = subprocess.run(command, cwd=ROOT, env=os.environ | FAST, capture_output=True, text=True,
+                          timeout=300)
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 0, said
+    return torch.load(state), (json.loads(report.read_text()) if tensile else None), said
+
+
+def _assert_identical(plain: dict, hooked: dict) -> None:
+    for part in ("model", "optimizer"):
+        flat_plain, flat_hooked = _tensors(plain[part]), _tensors(hooked[part])
+        assert flat_plain.keys() == flat_hooked.keys()
+        for key, tensor in flat_plain.items():
+            assert torch.equal(tensor, flat_hooked[key]), (part, key)
+
+
+def _tensors(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """A state dict's tensors (nested in the optimizer's), by their path."""
+    found = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            found.update(_tensors(value, f"{prefix}{key}."))
+        elif isinstance(value, torch.Tensor):
+            found[f"{prefix}{key}"] = value
+    return found
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _train(tmp_path_factory.mktemp("plain"), "plain")[0]
+
+
+def test_a_model_traced_before_the_run_is_planned_and_its_plan_applied(tmp_path: Path, plain: dict) -> None:
+    hooked, report, said = _train(tmp_path, "hooked", "--model", MODEL, "--batch-size", str(BATCH))
+    _assert_identical(plain, hooked)
+    assert report is not None and report["plan_source"] == "file" and report["signature_match"] is True, report
+    recorded = report["iterations"][1]  # the matched iteration, before any plan: the vanilla peak, measured
+    assert recorded["mode"] == "recording"
+    # the forecast's vanilla peak, traced on the meta device, against the one measured
+    assert abs(report["vanilla_peak_bytes"] - recorded["peak_bytes"]) <= 0.05 * recorded["peak_bytes"], report
+    planned = [it for it in report["iterations"] if it["mode"] == "planned"]
+    assert len(planned) == STEPS - 2 and all(sum(it["events"].values()) > 0 for it in planned), planned
+    assert f"forecast of {MODEL} at batch {BATCH} (cpu): vanilla peak" in said, said
+    folder = Path(said.split("workload and plan in ")[1].split(";")[0].split()[0])
+    assert json.loads((folder / "plan.json").read_text())["signature"] == report["live_signature"]
+
+
+def test_a_model_traced_at_another_batch_size_leaves_the_job_to_plan_from_the_live_iteration(tmp_path: Path,
+                                                                                              plain: dict) -> None:
+    """A budget given as a share of the vanilla peak is this workload's share, not one of the peak forecast at the
+    other batch size."""
+    hooked, report, _ = _train(tmp_path, "other", "--model", MODEL, "--batch-size", str(BATCH // 2), "--memory-budget", "0.8")
+    _assert_identical(plain, hooked)
+    assert report is not None and report["signature_match"] is False and report["plan_source"] == "local", report
+    assert any("the plan was made for another workload" in m for m in report["messages"]), report["messages"]
+    assert report["memory_budget_bytes"] == int(0.8 * report["vanilla_peak_bytes"]), report
+
+
+def test_with_an_agent_the_traced_model_is_what_the_job_registers(agent_server, tmp_path: Path, plain: dict) -> None:
+    """No plan is made here: the node agent plans from the workload the job registers at its start, the traced one."""
+    agent = agent_server()
+    hooked, report, said = _train(tmp_path, "agent", "--agent", agent.url, "--model", MODEL, "--batch-size", str(BATCH))
+    _assert_identical(plain, hooked)
+    assert "traced; the node agent plans from it" in said and "forecast of" not in said, said
+    assert report is not None and report["plan_source"] == "agent" and report["signature_match"] is True, report
+
+
+@pytest.mark.parametrize("options, named", [
+    (["--model", MODEL, "--workload", "w.json"], "argument --workload: not allowed with argument --model"),
+    (["--batch-size", "8"], "--batch-size: how to trace --model; give --model NAME|FILE.py:FUNC too"),
+    (["--model", MODEL, "--plan", "p.json"], "--plan is for the --workload it was made for; with --model the plan is made now"),
+    (["--model", MODEL, "--batch-size", "0"], "--batch-size must be a positive integer (was 0)"),
+    (["--model", "resnet51"], "unknown model 'resnet51'; known models: vgg16"),
+    (["--model", "examples/none.py:build"], "--model examples/none.py:build: file 'examples/none.py' does not exist"),
+])
+def test_tensile_run_refuses_a_model_it_cannot_trace_before_the_command_starts(capsys, monkeypatch, tmp_path: Path,
+                                                                               options: list[str], named: str) -> None:
+    ran = tmp_path / "ran"
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the forecast's folder would be made
+    try:
+        code = main(["run", *options, "--", sys.executable, "-c", f"open({str(ran)!r}, 'w')"])
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    assert code == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert named in said, said
+    assert not ran.exists()
