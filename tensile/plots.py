@@ -50,3 +50,48 @@ def plot_timeline(workload: Workload, curves: dict[str, PeakResult], path: str |
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+MODE_COLOURS = {"recording": "#888888", "planned": "#55a868", "guarded": "#dd8452", "diverged": "#c44e52"}
+
+
+def plot_iterations(report: dict, path: str | Path, title: str) -> Path:
+    """A hooked run's iterations from its report: the peak measured in each (coloured by mode) against the forecast
+    of the plan in force, the vanilla peak and the budget in force; below, each one's time, stalls and hook time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    iterations = report["iterations"]
+    xs = [it["iteration"] for it in iterations]
+    fig, (memory, seconds) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, height_ratios=(2, 1))
+    memory.plot(xs, [it["peak_bytes"] / MIB for it in iterations], color="#4c72b0", lw=1, zorder=1)
+    for mode, colour in MODE_COLOURS.items():
+        shown = [(it["iteration"], it["peak_bytes"] / MIB) for it in iterations if it["mode"] == mode]
+        if shown:
+            memory.scatter(*zip(*shown), color=colour, s=18, zorder=2, label=f"measured, {mode}")
+    for field, label, style in (("scheduled_peak_bytes", "plan's forecast (scheduled peak)", "-"),
+                                ("memory_budget_bytes", "memory budget", "--")):
+        values = [None if it.get(field) is None else it[field] / MIB for it in iterations]
+        if any(v is not None for v in values):
+            memory.step(xs, [float("nan") if v is None else v for v in values], where="mid", ls=style, color="black",
+                        lw=1, label=label)
+    if report.get("vanilla_peak_bytes"):
+        memory.axhline(report["vanilla_peak_bytes"] / MIB, ls=":", color="#888888", label="vanilla peak")
+    memory.set_ylabel("memory peak (MiB)")
+    memory.set_ylim(bottom=0)
+    memory.legend(loc="lower left", fontsize=8)
+    memory.set_title(title, fontsize="medium")
+    for field, label in (("seconds", "iteration"), ("stall_seconds", "stalls"), ("hook_seconds", "inside the hook")):
+        seconds.plot(xs, [it[field] * 1e3 for it in iterations], lw=1, marker=".", label=label)
+    seconds.set_yscale("symlog", linthresh=0.01)  # log above 0.01 ms, linear to 0: most iterations stall for 0
+    seconds.set_ylabel("ms per iteration")
+    seconds.set_xlabel("iteration")
+    seconds.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,4 +1,4 @@
-"""`tensile run --model`: the job's iteration traced, and planned without an agent, before the command starts (the
+"""`tensile run --model` (and `--plot`): the job's iteration traced, and planned without an agent, before the command starts (the
 forecast TENSILE plans from, made before the job runs); its plan applies when the live iteration matches it, the job
 plans from the live one when not, and either way it trains bit-identically to the run without Tensile."""
 
@@ -61,7 +61,8 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_a_model_traced_before_the_run_is_planned_and_its_plan_applied(tmp_path: Path, plain: dict) -> None:
-    hooked, report, said = _train(tmp_path, "hooked", "--model", MODEL, "--batch-size", str(BATCH))
+    plot = tmp_path / "plots" / "iterations.png"
+    hooked, report, said = _train(tmp_path, "hooked", "--model", MODEL, "--batch-size", str(BATCH), "--plot", str(plot))
     _assert_identical(plain, hooked)
     assert report is not None and report["plan_source"] == "file" and report["signature_match"] is True, report
     recorded = report["iterations"][1]  # the matched iteration, before any plan: the vanilla peak, measured
@@ -73,6 +74,7 @@ def test_a_model_traced_before_the_run_is_planned_and_its_plan_applied(tmp_path:
     assert f"forecast of {MODEL} at batch {BATCH} (cpu): vanilla peak" in said, said
     folder = Path(said.split("workload and plan in ")[1].split(";")[0].split()[0])
     assert json.loads((folder / "plan.json").read_text())["signature"] == report["live_signature"]
+    assert f"tensile:plot:{plot}" in said.replace(" ", "") and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 20_000
 
 
 def test_a_model_traced_at_another_batch_size_leaves_the_job_to_plan_from_the_live_iteration(tmp_path: Path,
@@ -116,3 +118,10 @@ def test_tensile_run_refuses_a_model_it_cannot_trace_before_the_command_starts(c
     said = " ".join(capsys.readouterr().err.split())
     assert named in said, said
     assert not ran.exists()
+
+
+def test_a_run_that_reports_no_iteration_writes_no_plot_and_says_so(capsys, tmp_path: Path) -> None:
+    plot = tmp_path / "iterations.png"
+    assert main(["run", "--plot", str(plot), "--report", str(tmp_path / "r.json"), "--", sys.executable, "-c", "pass"]) == 0
+    assert f"no iteration was reported: no plot written to {plot}" in " ".join(capsys.readouterr().err.split())
+    assert not plot.exists()

@@ -64,6 +64,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="the agent's GPU the job runs on (TENSILE_GPU): needed where the agent has several")
     parser.add_argument("--max-swap-rate", type=float, help="the share of the GPU's swap traffic in (0, 1] plans may use")
     parser.add_argument("--report", help="write the hook's JSON report here")
+    parser.add_argument("--plot", metavar="PNG", help="write the iterations' measured peaks against the plan's forecast "
+                                                       "and the budget, and their times, here")
     parser.add_argument("--plan-events", choices=PLAN_EVENTS,
                         help="which events plans use (TENSILE_PLAN_EVENTS); default auto: native events only on CUDA")
     parser.add_argument("--no-recompute", dest="recompute", action="store_false",
@@ -121,8 +123,9 @@ def _check(args: argparse.Namespace) -> list[str]:
             raise TensileUserError("--gpu names one of the node agent's GPUs: give --agent too")
         if not re.match(GPU_PATTERN, args.gpu):
             raise TensileUserError(f"--gpu: '{args.gpu}' is no GPU UUID or index (the agent lists its GPUs at /v1/gpus)")
-    if args.report:
-        output_file(args.report, "--report")
+    for path, option in ((args.report, "--report"), (args.plot, "--plot")):
+        if path:
+            output_file(path, option)
     tracing = [option for option, value in (("--batch-size", args.batch_size), ("--optimizer", args.optimizer),
                ("--dtype", args.dtype), ("--micro-batches", args.micro_batches)) if value is not None]
     if tracing and not args.model:
@@ -237,6 +240,14 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"[yellow]tensile: {over}[/]")
         if data.get("stood_down"):
             console.print(f"[yellow]tensile: the hook stood down: {data['stood_down']}[/]")
+    if args.plot:
+        if data is not None and data["iterations"]:
+            from tensile.plots import plot_iterations
+
+            title = f"{_script(command)} under Tensile ({data['device']}): {RunTotals.of(data).iterations} iterations"
+            console.print(f"tensile: plot: {plot_iterations(data, args.plot, title)}", highlight=False)
+        else:
+            console.print(f"[yellow]tensile: no iteration was reported: no plot written to {args.plot}[/]", highlight=False)
     return 128 - returncode if returncode < 0 else returncode  # a signal's exit status, as a shell gives it
 
 
