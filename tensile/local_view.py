@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tensile.local_runner import JobRun
+from tensile.plots import save_figure
 
 MIB = 2**20
 PHASE_STYLE = {"Running": "green", "Succeeded": "bold green", "Failed": "bold red", "Queued": "yellow"}
@@ -62,9 +63,4 @@ def plot_peaks(runs: list[JobRun], path: str | Path, title: str) -> Path:
     # the GPU and agent line is long: wrapped to the figure's width (at 60 characters a one-job chart cut it)
     ax.set_title(textwrap.fill(title, int(figure_width * 10)), fontsize="medium")
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)  # as plot_timeline does
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

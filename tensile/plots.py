@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from tensile.peak import PeakResult
 from tensile.workload import Workload
 
 MIB = 1024**2
 PHASE_COLOURS = {"forward": "#dbeafe", "backward": "#fde68a", "optimizer": "#d1fae5"}
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """A finished figure written as PNG (its folder made) and closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def phase_spans(workload: Workload) -> list[tuple[str, int, int]]:
@@ -44,12 +57,7 @@ def plot_timeline(workload: Workload, curves: dict[str, PeakResult], path: str |
     ax.set_xlim(0, max(1, len(workload.ops)))
     ax.set_ylim(bottom=0)
     ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 MODE_COLOURS = {"recording": "#888888", "planned": "#55a868", "guarded": "#dd8452", "diverged": "#c44e52"}
@@ -89,9 +97,4 @@ def plot_iterations(report: dict, path: str | Path, title: str) -> Path:
     seconds.set_ylabel("ms per iteration")
     seconds.set_xlabel("iteration")
     seconds.legend(loc="lower left", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
