@@ -156,6 +156,7 @@ def forecast_files(args: argparse.Namespace, console: Console) -> None:
 
     from tensile.commands.forecast import make_forecast
     from tensile.forecast import optimizer_for, trace_workload
+    from tensile.latency.device import resolve_target
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with console.status(f"tracing one training iteration of {args.model}..."):
@@ -169,8 +170,10 @@ def forecast_files(args: argparse.Namespace, console: Console) -> None:
         console.print(f"tensile: {traced} traced; the node agent plans from it: {args.workload}", highlight=False)
         return
     with console.status("planning swaps and recomputations..."):
-        summary, plan, _ = make_forecast(workload, "a6000" if device == "cuda" else "cpu", args.memory_budget,
-                                         args.plan_events or "auto", args.recompute, args.max_swap_rate or 1.0)
+        # the preset of this machine's GPU (and its calibrated latency model, where one is on file)
+        preset = resolve_target("cuda").preset if device == "cuda" else "cpu"
+        summary, plan, _ = make_forecast(workload, preset, args.memory_budget, args.plan_events or "auto", args.recompute,
+                                         args.max_swap_rate or 1.0)
     args.plan = str(folder / "plan.json")
     Path(args.plan).write_text(json.dumps(plan.to_dict(), indent=1))
     unfit = "" if summary["fits"] else f" ({summary['plan_message']})"
