@@ -297,6 +297,18 @@ class PlanExecutor(TorchDispatchMode):
         if self.shape_key is not None:
             self.shape_sets[self.shape_key] = ShapeSet(live, self.vanilla_peak or 0, self.ready)
 
+    def _forget_forecast(self, live: Workload) -> None:
+        """The vanilla peak is the live workload's, and so is a budget given as a share of it (made bytes on the
+        forecast of a plan for another workload; a budget the job took from a plan stays, as the plan's own)."""
+        fraction = self.settings.memory_budget
+        shared = fraction is not None and fraction <= 1 and self.plan_budget is None
+        if shared:
+            self.budget = None  # made bytes again by `_set_vanilla`
+        self._set_vanilla(analyze_vanilla(live).peak_bytes)
+        if shared:
+            self._say(f"the memory budget is now {self.budget} bytes: {fraction:g} of this workload's vanilla peak, not of "
+                      "the one the plan forecast", logging.INFO)
+
     def _measure_workspace(self) -> None:
         """What the CUDA allocator held at the recorded iteration's peak beyond the tensors the hook tracks (and the
         forecast counts): cuBLAS's and cuDNN's workspaces, its rounding (on an H100 the paper's five models' allocator
@@ -316,13 +328,8 @@ class PlanExecutor(TorchDispatchMode):
                 self.ready = candidate
                 return
             self._say("the plan was made for another workload (signature mismatch); planning from the live iteration")
-            fraction = self.settings.memory_budget
-            if fraction is not None and fraction <= 1 and self.plan_budget is None and not self.shape_sets:
-                # the share was taken of that plan's forecast, another workload's vanilla peak: it is taken of this one's
-                self.budget = None
-                self._set_vanilla(analyze_vanilla(live).peak_bytes)
-                self._say(f"the memory budget is now {self.budget} bytes: {fraction:g} of this workload's vanilla peak, not "
-                          "of the one the plan forecast", logging.INFO)
+            if not self.shape_sets:  # the first shapes' vanilla peak was that plan's forecast, another workload's
+                self._forget_forecast(live)
         if self.planner is None:
             self._say("no plan and no planner: running guarded by the memory budget only")
             return
