@@ -10,6 +10,9 @@ from tensile.workload import Workload
 
 MIB = 1024**2
 PHASE_COLOURS = {"forward": "#dbeafe", "backward": "#fde68a", "optimizer": "#d1fae5"}
+# an iteration's mode in the hook's report (`IterationStats.mode`)
+MODE_COLOURS = {"recording": "#888888", "planned": "#55a868", "guarded": "#dd8452", "diverged": "#c44e52",
+                "stood_down": "#8172b3"}
 
 
 def save_figure(fig: Any, path: str | Path) -> Path:
@@ -59,8 +62,6 @@ def plot_timeline(workload: Workload, curves: dict[str, PeakResult], path: str |
     ax.legend(loc="upper left", fontsize=8)
     return save_figure(fig, path)
 
-
-MODE_COLOURS = {"recording": "#888888", "planned": "#55a868", "guarded": "#dd8452", "diverged": "#c44e52"}
 
 
 def plot_iterations(report: dict, path: str | Path, title: str) -> Path:

@@ -126,3 +126,30 @@ def test_a_run_that_reports_no_iteration_writes_no_plot_and_says_so(capsys, tmp_
     said = capsys.readouterr().err.replace("\n", "")  # rich wraps a long path anywhere
     assert f"no iteration was reported: no plot written to {plot}" in said, said
     assert not plot.exists()
+
+
+def test_the_iterations_plot_draws_each_iterations_figures(monkeypatch, tmp_path: Path) -> None:
+    """What `--plot` draws, read back from the figure: the measured peaks, each mode's points, the plan's forecast and
+    the budget where they were in force, the vanilla peak, and the times."""
+    from tensile import plots
+
+    mib = 2**20
+    rows = [(0, "recording", 8, None, None), (1, "recording", 8, None, None), (2, "planned", 6, 7, 6.5),
+            (3, "diverged", 7, 7, 6.5), (4, "planned", 6, 7, 6.5)]
+    report = {"vanilla_peak_bytes": 8 * mib, "iterations": [
+        {"iteration": i, "mode": mode, "peak_bytes": peak * mib, "scheduled_peak_bytes": None if plan is None else plan * mib,
+         "memory_budget_bytes": None if budget is None else int(budget * mib), "seconds": 0.1 + i / 100,
+         "stall_seconds": 0.0, "hook_seconds": 0.002} for i, mode, peak, plan, budget in rows]}
+    drawn = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: drawn.append(fig) or Path(path))
+    plots.plot_iterations(report, tmp_path / "p.png", "test")
+    memory, seconds = drawn[0].axes
+    lines = {line.get_label(): line for line in memory.get_lines()}
+    assert list(memory.get_lines()[0].get_ydata()) == [8, 8, 6, 7, 6]
+    assert [list(p.get_offsets()[:, 1]) for p in memory.collections] == [[8, 8], [6, 6], [7]]  # recording, planned, diverged
+    forecast = lines["plan's forecast (scheduled peak)"].get_ydata()
+    assert list(forecast[2:]) == [7, 7, 7] and all(v != v for v in forecast[:2])  # nan where no plan was in force
+    assert list(lines["memory budget"].get_ydata()[2:]) == [6.5, 6.5, 6.5]
+    assert list(lines["vanilla peak"].get_ydata()) == [8, 8]
+    times = {line.get_label(): list(line.get_ydata()) for line in seconds.get_lines()}
+    assert times["iteration"] == pytest.approx([100, 110, 120, 130, 140]) and times["inside the hook"] == [2.0] * 5
