@@ -153,3 +153,26 @@ def test_the_iterations_plot_draws_each_iterations_figures(monkeypatch, tmp_path
     assert list(lines["vanilla peak"].get_ydata()) == [8, 8]
     times = {line.get_label(): list(line.get_ydata()) for line in seconds.get_lines()}
     assert times["iteration"] == pytest.approx([100, 110, 120, 130, 140]) and times["inside the hook"] == [2.0] * 5
+
+
+def test_on_a_gpu_machine_the_forecast_is_cudas_with_the_gpus_preset(capsys, monkeypatch, tmp_path: Path) -> None:
+    """The CUDA branch without a GPU: the trace is for the device the command will run on, on the meta device, and the
+    plan takes the latencies of this machine's GPU (NVML's name, as `tensile calibrate` keys its model), not the A6000's."""
+    from tensile.commands import forecast
+    from tensile.latency import device
+    from tensile.workload_io import load_workload
+
+    presets = []
+    make_forecast = forecast.make_forecast
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device, "gpu_name", lambda index=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(forecast, "make_forecast", lambda workload, preset, *rest: presets.append(preset)
+                        or make_forecast(workload, preset, *rest))
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(["run", "--model", MODEL, "--batch-size", "8", "--report", str(tmp_path / "r.json"), "--",
+                 sys.executable, "-c", "pass"]) == 0
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"forecast of {MODEL} at batch 8 (cuda): vanilla peak" in said and presets == ["h100"], (presets, said)
+    (workload,) = tmp_path.glob("tensile-*/workload.json.gz")
+    assert load_workload(workload).device == "cuda"
