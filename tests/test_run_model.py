@@ -23,11 +23,12 @@ MODEL = "examples/tiny_mlp.py:build"  # what examples/train_mlp.py trains
 BATCH, STEPS = 32, 4
 
 
-def _train(tmp_path: Path, name: str, *tensile: str, batch: int = BATCH) -> tuple[dict, dict | None, str]:
-    """examples/train_mlp.py's final state, run alone (no `tensile` options) or under `tensile run OPTIONS`; its
-    report and what `tensile run` said."""
+def _train(tmp_path: Path, name: str, *tensile: str, batch: int = BATCH, train: tuple[str, ...] = (str(TRAIN),)
+           ) -> tuple[dict, dict | None, str]:
+    """A training script's final state (examples/train_mlp.py unless `train` names another and its arguments), run
+    alone (no `tensile` options) or under `tensile run OPTIONS`; its report and what `tensile run` said."""
     state, report = tmp_path / f"{name}.pt", tmp_path / f"{name}.json"
-    script = [sys.executable, str(TRAIN), "--steps", str(STEPS), "--batch-size", str(batch), "--save", str(state)]
+    script = [sys.executable, *train, "--steps", str(STEPS), "--batch-size", str(batch), "--save", str(state)]
     command = [sys.executable, "-m", "tensile.cli", "run", *tensile, "--report", str(report), "--", *script] if tensile else script
     done = subprocess.run(command, cwd=ROOT, env=os.environ | FAST, capture_output=True, text=True,
                           timeout=300)
@@ -86,6 +87,22 @@ def test_a_model_traced_at_another_batch_size_leaves_the_job_to_plan_from_the_li
     assert report is not None and report["signature_match"] is False and report["plan_source"] == "local", report
     assert any("the plan was made for another workload" in m for m in report["messages"]), report["messages"]
     assert report["memory_budget_bytes"] == int(0.8 * report["vanilla_peak_bytes"]), report
+
+
+def test_a_zoo_model_traced_before_the_run_holds_a_0_6_budget_at_its_forecast(tmp_path: Path) -> None:
+    """examples/train_zoo.py trains ResNet-50 as `--model resnet50` traces it: the forecast's plan applies, the peak
+    under it is the scheduled one (within 5%) and under 60% of the vanilla peak plus the guard's slack."""
+    zoo = (str(ROOT / "examples" / "train_zoo.py"), "resnet50")
+    plain = _train(tmp_path, "plain", batch=2, train=zoo)[0]
+    hooked, report, _ = _train(tmp_path, "hooked", "--model", "resnet50", "--batch-size", "2", "--memory-budget", "0.6",
+                               batch=2, train=zoo)
+    _assert_identical(plain, hooked)
+    assert report is not None and report["plan_source"] == "file" and report["signature_match"] is True, report
+    steady = [it for it in report["iterations"] if it["mode"] == "planned"][1:]  # the first starts from an unplanned state
+    assert steady and all(sum(it["events"].values()) > 0 for it in steady)
+    for it in steady:
+        assert abs(it["peak_bytes"] - report["scheduled_peak_bytes"]) <= 0.05 * report["scheduled_peak_bytes"], it
+        assert it["peak_bytes"] <= 0.6 * report["vanilla_peak_bytes"] + report["guard_slack_bytes"], it
 
 
 def test_with_an_agent_the_traced_model_is_what_the_job_registers(agent_server, tmp_path: Path, plain: dict) -> None:
