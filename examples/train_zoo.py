@@ -9,12 +9,12 @@ import argparse
 
 import torch
 
-from tensile.zoo import build_zoo_parts
+from tensile.zoo import ZOO, build_zoo_parts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("name", help="a zoo model: vgg16, inception_v3, inception_v4, resnet50, densenet121, bert_base, gpt2")
+    parser.add_argument("name", choices=list(ZOO), help="a zoo model")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save", help="write the final model and optimizer state here")

@@ -291,6 +291,8 @@ class PlanExecutor(TorchDispatchMode):
         self.report.guard_slack_bytes = max(slack + BUDGET_TOLERANCE_BYTES, self.report.guard_slack_bytes or 0)
         if self.vanilla_peak is None or self.shape_sets:  # a plan file's forecast gives the first shapes' one
             self._set_vanilla(analyze_vanilla(live).peak_bytes)
+        elif self.candidate is None or self.candidate.plan.signature != live.signature:
+            self._forget_forecast(live)  # that forecast was another workload's
         if self.device_type == "cuda":
             self._measure_workspace()
         self._plan_for(live)
@@ -328,8 +330,6 @@ class PlanExecutor(TorchDispatchMode):
                 self.ready = candidate
                 return
             self._say("the plan was made for another workload (signature mismatch); planning from the live iteration")
-            if not self.shape_sets:  # the first shapes' vanilla peak was that plan's forecast, another workload's
-                self._forget_forecast(live)
         if self.planner is None:
             self._say("no plan and no planner: running guarded by the memory budget only")
             return

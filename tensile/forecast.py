@@ -94,6 +94,9 @@ def trace_workload(
     """
     if batch_size < 1:
         raise TensileUserError(f"--batch-size must be a positive integer (was {batch_size})")
+    if micro_batches < 1:
+        raise TensileUserError(f"--micro-batches must be a positive integer (was {micro_batches}): "
+                               "the gradient accumulation steps per optimizer step")
     _check_choice("--dtype", dtype, DTYPES)
     _check_choice("--device", device, DEVICES)
     if optimizer is not None:

@@ -119,6 +119,7 @@ def test_with_an_agent_the_traced_model_is_what_the_job_registers(agent_server, 
     (["--batch-size", "8"], "--batch-size: how to trace --model; give --model NAME|FILE.py:FUNC too"),
     (["--model", MODEL, "--plan", "p.json"], "--plan is for the --workload it was made for; with --model the plan is made now"),
     (["--model", MODEL, "--batch-size", "0"], "--batch-size must be a positive integer (was 0)"),
+    (["--model", MODEL, "--micro-batches", "0"], "--micro-batches must be a positive integer (was 0)"),
     (["--model", "resnet51"], "unknown model 'resnet51'; known models: vgg16"),
     (["--model", "examples/none.py:build"], "--model examples/none.py:build: file 'examples/none.py' does not exist"),
 ])

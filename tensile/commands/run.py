@@ -135,9 +135,6 @@ def _check(args: argparse.Namespace) -> list[str]:
                                "traced iteration (tensile forecast --model ... --save W.json --save-plan P.json keeps one)")
     if args.plan and not args.workload:
         raise TensileUserError("--plan needs --workload: the workload the plan was made for")
-    for value, option in ((args.batch_size, "--batch-size"), (args.micro_batches, "--micro-batches")):
-        if value is not None and value < 1:
-            raise TensileUserError(f"{option} must be a positive integer (was {value})")
     if args.workload:
         workload = load_workload(args.workload)  # a malformed file is reported here, not in the child
         if args.plan:
@@ -160,8 +157,9 @@ def forecast_files(args: argparse.Namespace, console: Console) -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with console.status(f"tracing one training iteration of {args.model}..."):
-        workload = trace_workload(args.model, args.batch_size or 16, optimizer_for(args.model, args.optimizer),
-                                  args.dtype or "float32", device, micro_batches=args.micro_batches or 1)
+        workload = trace_workload(args.model, 16 if args.batch_size is None else args.batch_size,
+                                  optimizer_for(args.model, args.optimizer), args.dtype or "float32", device,
+                                  micro_batches=1 if args.micro_batches is None else args.micro_batches)
     folder = Path(tempfile.mkdtemp(prefix="tensile-"))
     args.workload = str(folder / "workload.json.gz")
     save_workload(workload, args.workload)
