@@ -23,14 +23,15 @@ MODEL = "examples/tiny_mlp.py:build"  # what examples/train_mlp.py trains
 BATCH, STEPS = 32, 4
 
 
-def _train(tmp_path: Path, name: str, *tensile: str, batch: int = BATCH, train: tuple[str, ...] = (str(TRAIN),)
-           ) -> tuple[dict, dict | None, str]:
+def _train(tmp_path: Path, name: str, *tensile: str, batch: int = BATCH, train: tuple[str, ...] = (str(TRAIN),),
+           env: dict[str, str] | None = None) -> tuple[dict, dict | None, str]:
     """A training script's final state (examples/train_mlp.py unless `train` names another and its arguments), run
-    alone (no `tensile` options) or under `tensile run OPTIONS`; its report and what `tensile run` said."""
+    alone (no `tensile` options) or under `tensile run OPTIONS` (`env`: more of its environment); its report and what
+    `tensile run` said."""
     state, report = tmp_path / f"{name}.pt", tmp_path / f"{name}.json"
     script = [sys.executable, *train, "--steps", str(STEPS), "--batch-size", str(batch), "--save", str(state)]
     command = [sys.executable, "-m", "tensile.cli", "run", *tensile, "--report", str(report), "--", *script] if tensile else script
-    done = subprocess.run(command, cwd=ROOT, env=os.environ | FAST, capture_output=True, text=True,
+    done = subprocess.run(command, cwd=ROOT, env=os.environ | FAST | (env or {}), capture_output=True, text=True,
                           timeout=300)
     said = " ".join(done.stderr.split())
     assert done.returncode == 0, said
@@ -63,7 +64,11 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_a_model_traced_before_the_run_is_planned_and_its_plan_applied(tmp_path: Path, plain: dict) -> None:
     plot = tmp_path / "plots" / "iterations.png"
-    hooked, report, said = _train(tmp_path, "hooked", "--model", MODEL, "--batch-size", str(BATCH), "--plot", str(plot))
+    # files an earlier run left in the environment, gone since: --model's stand in for them (the hook, given these,
+    # would stand down)
+    gone = {"TENSILE_WORKLOAD": str(tmp_path / "gone.json.gz"), "TENSILE_PLAN": str(tmp_path / "gone-plan.json")}
+    hooked, report, said = _train(tmp_path, "hooked", "--model", MODEL, "--batch-size", str(BATCH), "--plot", str(plot),
+                                  env=gone)
     _assert_identical(plain, hooked)
     assert report is not None and report["plan_source"] == "file" and report["signature_match"] is True, report
     recorded = report["iterations"][1]  # the matched iteration, before any plan: the vanilla peak, measured
@@ -106,9 +111,11 @@ def test_a_zoo_model_traced_before_the_run_holds_a_0_6_budget_at_its_forecast(tm
 
 
 def test_with_an_agent_the_traced_model_is_what_the_job_registers(agent_server, tmp_path: Path, plain: dict) -> None:
-    """No plan is made here: the node agent plans from the workload the job registers at its start, the traced one."""
+    """No plan is made here: the node agent plans from the workload the job registers at its start, the traced one,
+    not from a plan file the environment names (one of another run, gone since: the hook would stand down)."""
     agent = agent_server()
-    hooked, report, said = _train(tmp_path, "agent", "--agent", agent.url, "--model", MODEL, "--batch-size", str(BATCH))
+    hooked, report, said = _train(tmp_path, "agent", "--agent", agent.url, "--model", MODEL, "--batch-size", str(BATCH),
+                                  env={"TENSILE_PLAN": str(tmp_path / "gone-plan.json")})
     _assert_identical(plain, hooked)
     assert "traced; the node agent plans from it" in said and "forecast of" not in said, said
     assert report is not None and report["plan_source"] == "agent" and report["signature_match"] is True, report

@@ -145,10 +145,11 @@ def _check(args: argparse.Namespace) -> list[str]:
     return command
 
 
-def forecast_files(args: argparse.Namespace, console: Console) -> None:
+def forecast_files(args: argparse.Namespace, console: Console) -> dict[str, str | None]:
     """--model: the job's iteration traced before the command starts, for the device it will run on, and planned here
-    when no node agent plans it (TENSILE's forecast, made before the job runs); its files then stand as --workload (and
-    --plan), in a folder of their own that is kept, as the report's is."""
+    when no node agent plans it (TENSILE's forecast, made before the job runs): the TENSILE_WORKLOAD and TENSILE_PLAN
+    of the command (None: no plan file, the agent plans), files in a folder of their own that is kept, as the
+    report's is."""
     import torch
 
     from tensile.commands.forecast import make_forecast
@@ -161,23 +162,24 @@ def forecast_files(args: argparse.Namespace, console: Console) -> None:
                                   optimizer_for(args.model, args.optimizer), args.dtype or "float32", device,
                                   micro_batches=1 if args.micro_batches is None else args.micro_batches)
     folder = Path(tempfile.mkdtemp(prefix="tensile-"))
-    args.workload = str(folder / "workload.json.gz")
-    save_workload(workload, args.workload)
+    saved = folder / "workload.json.gz"
+    save_workload(workload, saved)
     traced = f"{args.model} at batch {workload.batch_size} ({device})"
     if args.agent:
-        console.print(f"tensile: {traced} traced; the node agent plans from it: {args.workload}", highlight=False)
-        return
+        console.print(f"tensile: {traced} traced; the node agent plans from it: {saved}", highlight=False)
+        return {"TENSILE_WORKLOAD": str(saved), "TENSILE_PLAN": None}
     with console.status("planning swaps and recomputations..."):
         # the preset of this machine's GPU (and its calibrated latency model, where one is on file)
         preset = resolve_target("cuda").preset if device == "cuda" else "cpu"
         summary, plan, _ = make_forecast(workload, preset, args.memory_budget, args.plan_events or "auto", args.recompute,
                                          args.max_swap_rate or 1.0)
-    args.plan = str(folder / "plan.json")
-    Path(args.plan).write_text(json.dumps(plan.to_dict(), indent=1))
+    plan_file = folder / "plan.json"
+    plan_file.write_text(json.dumps(plan.to_dict(), indent=1))
     unfit = "" if summary["fits"] else f" ({summary['plan_message']})"
     console.print(f"tensile: forecast of {traced}: vanilla peak {summary['vanilla_peak_bytes'] / MIB:,.1f} MiB, "
                   f"scheduled {summary['scheduled_peak_bytes'] / MIB:,.1f} MiB by {summary['plan_events']} events{unfit}; "
                   f"workload and plan in {folder}", highlight=False)
+    return {"TENSILE_WORKLOAD": str(saved), "TENSILE_PLAN": str(plan_file)}
 
 
 def check_environment(env: dict[str, str], checked: Collection[str] = ()) -> None:
@@ -209,14 +211,17 @@ def run(args: argparse.Namespace) -> int:
     named = args.job is None
     if named:
         args.job = _unique_job(command) if args.agent else "local"
-    # before --model's tracing and its files: a bad setting is refused before anything is done or made
-    given = {k for k, v in option_variables(args).items() if v} | ({"TENSILE_WORKLOAD", "TENSILE_PLAN"} if args.model else set())
-    check_environment(hook_environment(args), given)
-    if args.model:
-        forecast_files(args, console)
     env = hook_environment(args)
-    if args.model and not args.plan:  # the agent plans from the traced workload, not from a plan file the environment names
-        env.pop("TENSILE_PLAN", None)
+    # before --model's tracing and its files, which stand in for the environment's: a bad setting is refused before
+    # anything is done or made
+    given = {k for k, v in option_variables(args).items() if v} | ({"TENSILE_WORKLOAD", "TENSILE_PLAN"} if args.model else set())
+    check_environment(env, given)
+    if args.model:  # with --agent no plan file: the agent plans from the traced workload, not one the environment names
+        for variable, path in forecast_files(args, console).items():
+            if path is None:
+                env.pop(variable, None)
+            else:
+                env[variable] = path
     if named and args.agent:
         console.print(f"tensile: the job registers with the node agent as {args.job} (--job names it)", highlight=False)
     report = args.report
