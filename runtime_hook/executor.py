@@ -23,6 +23,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from functools import partial
 from time import perf_counter
 from typing import Any, Protocol
 
@@ -347,8 +348,25 @@ class PlanExecutor(TorchDispatchMode):
         self.ready = self.candidate
 
     # -- iterations ---------------------------------------------------------------------------
-    def step_pre_hook(self, *_: Any) -> None:
+    def step_pre_hook(self, _optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """A step given a closure runs the training's forward and backward itself, inside the step (LBFGS's
+        `step(closure)`, PyTorch Lightning's every step): the closure is handed on wrapped, so that what it runs counts
+        as outside the step, where an iteration starts and the native path acts. Inside the step, the first iteration
+        never ended: the whole run went through the dispatch mode, nothing planned, and the report said nothing."""
         self.in_step += 1
+        positional = len(args) > 1  # args[0] is the optimizer
+        closure = args[1] if positional else kwargs.get("closure")
+        if closure is None or self.disabled:
+            return None
+        wrapped = partial(self._outside_step, closure)
+        return ((args[0], wrapped, *args[2:]), kwargs) if positional else (args, {**kwargs, "closure": wrapped})
+
+    def _outside_step(self, closure: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self.in_step -= 1
+        try:
+            return closure(*args, **kwargs)
+        finally:
+            self.in_step += 1
 
     def step_post_hook(self, *_: Any) -> None:
         """Timed as a whole: the restores here subtract their copies from `hook_seconds` (see `_swap_out`)."""

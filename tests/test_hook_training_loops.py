@@ -1188,6 +1188,49 @@ def test_backward_run_other_ways(call: str, path: str) -> None:
     check(backward_calls_loop(call), path)
 
 
+
+def closure_loop(optimizer_of: Callable[[nn.Module], torch.optim.Optimizer] = sgd, keyword: bool = True) -> Loop:
+    """The optimizer's step runs the forward and backward from a closure: PyTorch Lightning gives every step one
+    (`step(closure=...)`), LBFGS needs one (`step(closure)`, evaluated several times a step)."""
+
+    def loop() -> Results:
+        model = net()
+        optimizer = optimizer_of(model)
+        losses = []
+        for x, y in batches([4] * STEPS):
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                return loss
+
+            loss = optimizer.step(closure=closure) if keyword else optimizer.step(closure)
+            losses.append(loss.detach())
+        return {"losses": losses, "state": final(model, optimizer)}
+
+    return loop
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_step_that_runs_a_closure(path: str) -> None:
+    """What the closure runs counts as outside the step, where iterations start and the native path acts. Inside
+    it, the first iteration never ended: every op of the run went through the dispatch mode, nothing was planned,
+    and the report, of one iteration, said nothing."""
+    report = check(closure_loop(keyword=path != "native"), path)
+    assert len(report.iterations) == STEPS, paths_and_modes(report)
+
+
+def test_lbfgs_steps_are_iterations_of_several_evaluations() -> None:
+    """Each LBFGS step evaluates the closure up to `max_iter` times and runs ops of its own that grow with its
+    history: its iterations diverge from their plans and are planned again, which costs time, never correctness.
+    Before, its one iteration was never planned."""
+    loop = closure_loop(lambda model: torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3), keyword=False)
+    plain = loop()
+    hooked, report = run_hooked(loop, "budget")
+    assert_same(plain, hooked)
+    assert report.stood_down is None and len(report.iterations) == STEPS, paths_and_modes(report)
+    assert report.plan_source == "local", report.messages
+
 def two_views_loop() -> Results:
     """Two forwards of one model per step (a consistency loss between a batch and its mirror image, as
     in semi-supervised and contrastive training): every activation of both is alive in one backward."""
