@@ -1,13 +1,14 @@
 """Real training loops, not just forward/backward/step: validation passes, a smaller last batch,
 gradient clipping with an LR schedule, checkpoints, EMA copies, logging, activation checkpointing,
 two models, a data-dependent branch, an auxiliary loss on some steps, a skipped step, a gradient
-penalty. Each loop trains twice from the same seed,
+penalty, a step that runs a closure, DistributedDataParallel. Each loop trains twice from the same seed,
 plain and under a plan that moves tensors (on the dispatch path, on the native path, and under the
 in-process planner with a budget): everything the loop produces must be bit-identical, and the
 report must show that the plan really ran where the test meant it to."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import logging
@@ -1218,6 +1219,37 @@ def test_a_step_that_runs_a_closure(path: str) -> None:
     and the report, of one iteration, said nothing."""
     report = check(closure_loop(keyword=path != "native"), path)
     assert len(report.iterations) == STEPS, paths_and_modes(report)
+
+
+def ddp_loop(accumulate: int) -> Loop:
+    """The model wrapped in DistributedDataParallel (one process, gloo): its reducer's hooks on the gradients
+    and its buckets, and gradient accumulation over `accumulate` batches under `no_sync()` (the reducer
+    sits out all but the last backward of each step). `extra`, run on some steps only elsewhere, is unused here."""
+
+    def loop() -> Results:
+        model = nn.parallel.DistributedDataParallel(net(), find_unused_parameters=True)
+        optimizer = sgd(model)
+        losses = []
+        for i, batch in enumerate(batches([4] * (STEPS * accumulate))):
+            last = (i + 1) % accumulate == 0
+            with contextlib.nullcontext() if last else model.no_sync():
+                loss, _ = forward_backward(model, batch)
+            if last:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        return {"losses": losses, "state": final(model.module, optimizer)}
+
+    return loop
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_distributed_data_parallel_with_gradient_accumulation(path: str, tmp_path: Path) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        check(ddp_loop(accumulate=2), path)
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def test_lbfgs_steps_are_iterations_of_several_evaluations() -> None:
