@@ -738,6 +738,9 @@ class PlanExecutor(TorchDispatchMode):
         if self.step_done:
             self._finish_iteration()
             self.step_done = False
+        if self.report_writer is not None and self.report_writer.another_process_wrote(self.report):
+            log.info("tensile: this process ran no iteration; the report another process of the run wrote is kept")
+            return
         if not self.disabled:
             self._say_nothing_carried()
         self._write_report(now=True)

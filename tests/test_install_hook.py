@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
+import pytest
+
+import tensile.runtime_hook
 from tensile.cli import main
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
+SITE = Path(tensile.runtime_hook.__file__).parent / "site"
 
 
 def test_installed_hook_runs_a_training_script(tmp_path):
@@ -44,3 +50,29 @@ def test_the_init_containers_installer_does_not_load_torch(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "torch loaded: False", done.stdout
     assert (tmp_path / "hook" / "lib" / "tensile" / "runtime_hook" / "lifecycle.py").exists()
+
+
+def _sitecustomize() -> ModuleType:
+    """The hook's sitecustomize as a module of its own (TENSILE_JOB unset here: loading it starts nothing)."""
+    spec = importlib.util.spec_from_file_location("tensile_sitecustomize", SITE / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None and "TENSILE_JOB" not in os.environ
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv, launcher", [
+    (["python", "/venv/bin/torchrun", "--nproc_per_node=1", "train.py"], True),
+    (["python", "-m", "torch.distributed.run", "--standalone", "train.py"], True),
+    (["python", "-u", "-X", "dev", "-mtorch.distributed.launch", "train.py"], True),
+    (["python", "-W", "ignore", "-m", "torch.distributed.run", "train.py"], True),
+    (["python", "train.py", "-m", "torch.distributed.run"], False),  # the script's own arguments
+    (["python", "-c", "import torchrun"], False),
+    (["python", "/work/torchrun.py"], False),
+    (["python", "-m", "trainer"], False),
+])
+def test_torchruns_launcher_is_known_by_its_command_line(monkeypatch, argv: list[str], launcher: bool) -> None:
+    """torchrun's own process starts the training's and trains nothing: it must not start the hook (its empty report
+    replaced the training's at exit, and with an agent it would register as the job)."""
+    monkeypatch.setattr(sys, "orig_argv", argv)
+    assert _sitecustomize()._launcher() is launcher

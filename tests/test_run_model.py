@@ -1,6 +1,7 @@
 """`tensile run --model` (and `--plot`): the job's iteration traced, and planned without an agent, before the command starts (the
 forecast TENSILE plans from, made before the job runs); its plan applies when the live iteration matches it, the job
-plans from the live one when not, and either way it trains bit-identically to the run without Tensile."""
+plans from the live one when not, and either way it trains bit-identically to the run without Tensile. Also which
+process of the command is the job: the one that trains, not torchrun's launcher or a script that starts it."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _train(tmp_path: Path, name: str, *tensile: str, batch: int = BATCH, train: 
                           timeout=300)
     said = " ".join(done.stderr.split())
     assert done.returncode == 0, said
-    return torch.load(state), (json.loads(report.read_text()) if tensile else None), said
+    return torch.load(state), (json.loads(report.read_text()) if tensile and report.exists() else None), said
 
 
 def _assert_identical(plain: dict, hooked: dict) -> None:
@@ -201,3 +202,29 @@ def test_on_a_gpu_machine_the_forecast_is_cudas_with_the_gpus_preset(capsys, mon
     assert f"forecast of {MODEL} at batch 8 (cuda): vanilla peak" in said and presets == ["h100"], (presets, said)
     (workload,) = tmp_path.glob("tensile-*/workload.json.gz")
     assert load_workload(workload).device == "cuda"
+
+
+# torchrun's launcher, as a script and as a module; a script of the user's that starts the training as a process
+LAUNCHERS = {"torchrun": (str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node=1"),
+             "torch.distributed.run": ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"),
+             "a script": ("-c", "import subprocess, sys; subprocess.run([sys.executable, *sys.argv[1:]], check=True)")}
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_the_process_that_trains_is_the_job_not_the_one_that_starts_it(launcher: str, tmp_path: Path,
+                                                                       plain: dict) -> None:
+    """The starting process trains nothing: with the hook, its report ("no optimizer step was seen", 0 iterations)
+    replaced the training's at exit. torchrun's does not start the hook; another keeps the training's report."""
+    hooked, report, said = _train(tmp_path, "launched", "--memory-budget", "0.6", train=(*LAUNCHERS[launcher], str(TRAIN)))
+    _assert_identical(plain, hooked)
+    assert report is not None and len(report["iterations"]) == STEPS and report["plan_source"] == "local", report
+    assert "no optimizer step" not in said, said
+
+
+def test_a_job_of_several_processes_runs_without_the_hook_and_says_why(tmp_path: Path, plain: dict) -> None:
+    """Each process has its own GPU's memory to plan, and they would share the job's report and its registration."""
+    ranks = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN))
+    trained, report, said = _train(tmp_path, "ranks", "--memory-budget", "0.6", train=ranks)
+    # each process trained the MLP alone to the end (torchrun gives each one thread: not the plain run's bits)
+    assert trained["model"].keys() == plain["model"].keys()
+    assert report is None and said.count("a job of 2 processes (WORLD_SIZE) is not carried") == 1, said
