@@ -8,6 +8,7 @@ precision is traced on fake CPU tensors, because autocast has no meta device.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
@@ -123,6 +124,12 @@ def trace_workload(
                 opt = make_optimizer(net.parameters())
                 if not isinstance(opt, torch.optim.Optimizer):
                     raise TensileUserError(f"--model {model}: {CONTRACT}; make_optimizer returned {type(opt).__name__}")
+                if needs_closure(opt):
+                    raise TensileUserError(
+                        f"--model {model}: make_optimizer returned {type(opt).__name__}, whose step needs a closure: it "
+                        "runs the forward and backward itself, as often as the values decide, which a trace cannot "
+                        "follow; trace with --optimizer (adam, sgd, ...) for a forecast, or run the job without a "
+                        "forecast (tensile run without --model): the hook plans from its live iterations")
             step = TrainingStep(net, batch, loss_fn, [opt], micro_batches, autocast)
             return trace_step(
                 step,
@@ -132,6 +139,12 @@ def trace_workload(
                 meta={"optimizer": optimizer or type(opt).__name__.lower(), "dtype": dtype, "micro_batches": micro_batches},
                 foreach=foreach,
             )
+
+
+def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Its step cannot run without a closure (LBFGS's): one `step()` is no iteration of it."""
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 @contextlib.contextmanager

@@ -161,11 +161,17 @@ def test_data_dependent_step_points_to_live_tracing():
         ("not_a_module", "model \\(item 1\\) must be a torch.nn.Module"),
         ("batch_not_tensors", "batch \\(item 2\\)"),
         ("missing_function", "has no function 'missing_function'"),
+        ("lbfgs", "returned LBFGS, whose step needs a closure.*trace with --optimizer"),  # was LBFGS's TypeError
     ],
 )
 def test_user_model_contract_violations_say_which_part(func, message):
     with pytest.raises(TensileUserError, match=message):
         trace_workload(f"{MODELS}:{func}", 2, optimizer=None)
+
+
+def test_a_closure_optimizers_model_traces_with_another_optimizer():
+    workload = trace_workload(f"{MODELS}:lbfgs", 2, optimizer="adam", device="cpu")
+    assert workload.meta["optimizer"] == "adam" and any(op.phase == "optimizer" for op in workload.ops)
 
 
 def test_a_copy_of_a_transposed_tensor_records_its_contiguous_runs():

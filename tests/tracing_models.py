@@ -84,6 +84,12 @@ def batch_not_tensors(batch_size: int):
     return nn.Linear(2, 2), [1, 2], _classify_loss, lambda p: torch.optim.SGD(p, lr=0.1)
 
 
+def lbfgs(batch_size: int):
+    """An optimizer whose step needs a closure."""
+    model, batch, loss_fn, _ = views(batch_size)
+    return model, batch, loss_fn, lambda p: torch.optim.LBFGS(p, max_iter=3)
+
+
 def item_in_loss(batch_size: int):
     """Data-dependent: the loss reads a value, which the meta device does not have."""
     torch.manual_seed(0)
