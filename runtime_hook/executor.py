@@ -356,7 +356,7 @@ class PlanExecutor(TorchDispatchMode):
         self.in_step += 1
         positional = len(args) > 1  # args[0] is the optimizer
         closure = args[1] if positional else kwargs.get("closure")
-        if closure is None or self.disabled:
+        if not callable(closure) or self.disabled:  # a third-party step's other argument is handed on as it was
             return None
         wrapped = partial(self._outside_step, closure)
         return ((args[0], wrapped, *args[2:]), kwargs) if positional else (args, {**kwargs, "closure": wrapped})

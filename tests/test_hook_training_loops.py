@@ -1252,6 +1252,30 @@ def test_distributed_data_parallel_with_gradient_accumulation(path: str, tmp_pat
         torch.distributed.destroy_process_group()
 
 
+class ScaledSGD(torch.optim.SGD):
+    """A third-party step whose argument is no closure: `step(0.5)` halves the learning rate for that step."""
+
+    def step(self, scale: float = 1.0) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            group["lr"] *= scale
+        super().step()
+        for group in self.param_groups:
+            group["lr"] /= scale
+
+
+def test_a_steps_argument_that_is_no_closure_is_handed_on_as_it_was() -> None:
+    def halved() -> Results:
+        model = net()
+        optimizer = ScaledSGD(model.parameters(), lr=0.1)
+        for batch in batches([4] * STEPS):
+            optimizer.zero_grad(set_to_none=True)
+            forward_backward(model, batch)
+            optimizer.step(0.5)
+        return {"state": final(model, optimizer)}
+
+    check(halved, "dispatch")
+
+
 def test_lbfgs_steps_are_iterations_of_several_evaluations() -> None:
     """Each LBFGS step evaluates the closure up to `max_iter` times and runs ops of its own that grow with its
     history: its iterations diverge from their plans and are planned again, which costs time, never correctness.
