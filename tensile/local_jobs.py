@@ -200,9 +200,12 @@ def _job(doc: object, path: Path, at: str) -> LocalJob:
 
 def local_command(command: list[str]) -> tuple[list[str], str | None]:
     """The container command as it runs here (from the current directory): `python` is this Python
-    (the one with Tensile); a program or script that does not exist here is a problem, not a crash."""
+    (the one with Tensile), and so is torchrun's (it starts its workers with its own Python); a program or script
+    that does not exist here is a problem, not a crash."""
     program, *rest = command
-    if Path(program).name in ("python", "python3"):
+    if Path(program).name == "torchrun":
+        program, rest = sys.executable, ["-m", "torch.distributed.run", *rest]
+    if program == sys.executable or Path(program).name in ("python", "python3"):
         program = sys.executable
         script = next((a for a in rest if not a.startswith("-")), None)
         if script is not None and script.endswith(".py") and not Path(script).exists():

@@ -25,12 +25,12 @@ BATCH, STEPS = 32, 4
 
 
 def _train(tmp_path: Path, name: str, *tensile: str, batch: int = BATCH, train: tuple[str, ...] = (str(TRAIN),),
-           env: dict[str, str] | None = None) -> tuple[dict, dict | None, str]:
+           env: dict[str, str] | None = None, program: str = sys.executable) -> tuple[dict, dict | None, str]:
     """A training script's final state (examples/train_mlp.py unless `train` names another and its arguments), run
-    alone (no `tensile` options) or under `tensile run OPTIONS` (`env`: more of its environment); its report and what
-    `tensile run` said."""
+    alone (no `tensile` options) or under `tensile run OPTIONS` (`env`: more of its environment; `program`: what
+    runs `train`); its report and what `tensile run` said."""
     state, report = tmp_path / f"{name}.pt", tmp_path / f"{name}.json"
-    script = [sys.executable, *train, "--steps", str(STEPS), "--batch-size", str(batch), "--save", str(state)]
+    script = [program, *train, "--steps", str(STEPS), "--batch-size", str(batch), "--save", str(state)]
     command = [sys.executable, "-m", "tensile.cli", "run", *tensile, "--report", str(report), "--", *script] if tensile else script
     done = subprocess.run(command, cwd=ROOT, env=os.environ | FAST | (env or {}), capture_output=True, text=True,
                           timeout=300)
@@ -219,6 +219,20 @@ def test_the_process_that_trains_is_the_job_not_the_one_that_starts_it(launcher:
     _assert_identical(plain, hooked)
     assert report is not None and len(report["iterations"]) == STEPS and report["plan_source"] == "local", report
     assert "no optimizer step" not in said, said
+
+
+def test_a_leading_torchrun_is_this_pythons(tmp_path: Path, plain: dict) -> None:
+    """As a leading `python` is: the `torchrun` on PATH may be another Python's, without Tensile (here one that
+    exits 7), whose workers would have run without the hook."""
+    other = tmp_path / "bin" / "torchrun"
+    other.parent.mkdir()
+    other.write_text("#!/bin/sh\nexit 7\n")
+    other.chmod(0o755)
+    path = {"PATH": f"{other.parent}{os.pathsep}{os.environ['PATH']}"}
+    hooked, report, _ = _train(tmp_path, "torchrun", "--memory-budget", "0.6", program="torchrun", env=path,
+                               train=("--standalone", "--nproc_per_node=1", str(TRAIN)))
+    _assert_identical(plain, hooked)
+    assert report is not None and len(report["iterations"]) == STEPS and report["plan_source"] == "local", report
 
 
 def test_a_job_of_several_processes_runs_without_the_hook_and_says_why(tmp_path: Path, plain: dict) -> None:
