@@ -751,7 +751,8 @@ class PlanExecutor(TorchDispatchMode):
         iterations = self.report.iterations
         if not iterations:
             self._say("no optimizer step was seen: Tensile finds training iterations by torch.optim steps (a loop that "
-                      "updates parameters by hand has none), so nothing was planned or measured")
+                      "updates parameters by hand has none, and processes torch.multiprocessing.spawn starts run without "
+                      "the hook), so nothing was planned or measured")
         elif not any(it.ops for it in iterations):
             self._say(OTHER_THREAD)
 
