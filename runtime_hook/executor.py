@@ -738,7 +738,9 @@ class PlanExecutor(TorchDispatchMode):
         if self.step_done:
             self._finish_iteration()
             self.step_done = False
-        if self.report_writer is not None and self.report_writer.another_process_wrote(self.report):
+        # a launcher (a script that starts the training as a process of its own, `accelerate launch`): its empty
+        # report ("no optimizer step was seen", 0 iterations) replaced the training's at exit
+        if not self.report.iterations and self.report_writer is not None and self.report_writer.written_elsewhere():
             log.info("tensile: this process ran no iteration; the report another process of the run wrote is kept")
             return
         if not self.disabled:

@@ -230,17 +230,14 @@ class ReportWriter:
         self.written_at: float | None = None
         self.write_seconds = 0.0  # how long the last write took
         self.iteration_texts: dict[int, str] = {}  # the listed iterations by number, serialised as they came
-        self.opened = time.time()  # against the file's modification time (`another_process_wrote`)
+        self.opened = time.time()  # against the file's modification time (`written_elsewhere`)
 
     def due(self) -> bool:
         return self.written_at is None or time.monotonic() - self.written_at >= max(self.interval, self.write_seconds / self.SHARE)
 
-    def another_process_wrote(self, report: HookReport) -> bool:
-        """This process ran no iteration, and another of the run wrote the report since it started: a launcher (a
-        script that starts the training as a process of its own, `accelerate launch`) whose empty report replaced the
-        training's at exit ("no optimizer step was seen", 0 iterations)."""
-        return (not report.iterations and self.written_at is None and self.path.exists()
-                and self.path.stat().st_mtime >= self.opened)
+    def written_elsewhere(self) -> bool:
+        """Another process of the run wrote the file since this writer was made, and this one never did."""
+        return self.written_at is None and self.path.exists() and self.path.stat().st_mtime >= self.opened
 
     def write(self, report: HookReport) -> None:
         """Atomically, so a reader never sees half a report."""

@@ -32,6 +32,9 @@ DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("cuda", "cpu")
 
 
+DEFAULT_BATCH_SIZE = 16  # what --model is traced at when no --batch-size is given
+
+
 def optimizer_for(model: str, optimizer: str | None) -> str | None:
     """The optimizer a model is traced with: the one asked for, else Adam for a zoo model, and a user model's own
     make_optimizer (None)."""

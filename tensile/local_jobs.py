@@ -204,8 +204,8 @@ def local_command(command: list[str]) -> tuple[list[str], str | None]:
     that does not exist here is a problem, not a crash."""
     program, *rest = command
     if Path(program).name == "torchrun":
-        program, rest = sys.executable, ["-m", "torch.distributed.run", *rest]
-    if program == sys.executable or Path(program).name in ("python", "python3"):
+        program, rest = "python", ["-m", "torch.distributed.run", *rest]
+    if Path(program).name in ("python", "python3"):
         program = sys.executable
         script = next((a for a in rest if not a.startswith("-")), None)
         if script is not None and script.endswith(".py") and not Path(script).exists():

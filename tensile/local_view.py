@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tensile.local_runner import JobRun
-from tensile.plots import save_figure
+from tensile.plots import pyplot, save_figure
 
 MIB = 2**20
 PHASE_STYLE = {"Running": "green", "Succeeded": "bold green", "Failed": "bold red", "Queued": "yellow"}
@@ -40,10 +40,7 @@ def job_view(runs: list[JobRun], title: str) -> Group:
 
 def plot_peaks(runs: list[JobRun], path: str | Path, title: str) -> Path:
     """Grouped bars per job: forecast vanilla, forecast scheduled, observed peak and observed under plan (MiB)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     series = (("forecast vanilla", "vanilla_peak", "#bbbbbb"), ("forecast scheduled", "scheduled_peak", "#4c72b0"),
               ("observed", "observed_peak", "#dd8452"), ("observed under plan", "observed_planned_peak", "#55a868"))

@@ -15,15 +15,23 @@ MODE_COLOURS = {"recording": "#888888", "planned": "#55a868", "guarded": "#dd845
                 "stood_down": "#8172b3"}
 
 
-def save_figure(fig: Any, path: str | Path) -> Path:
-    """A finished figure written as PNG (its folder made) and closed."""
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only, no display), imported when a plot is asked for."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """A finished figure written as PNG (its folder made) and closed."""
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -40,10 +48,7 @@ def phase_spans(workload: Workload) -> list[tuple[str, int, int]]:
 
 def plot_timeline(workload: Workload, curves: dict[str, PeakResult], path: str | Path, title: str) -> Path:
     """Memory in use per op, one curve per analysis (vanilla, scheduled...), phases shaded."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(11, 4.5))
     labelled: set[str] = set()
@@ -63,14 +68,10 @@ def plot_timeline(workload: Workload, curves: dict[str, PeakResult], path: str |
     return save_figure(fig, path)
 
 
-
 def plot_iterations(report: dict, path: str | Path, title: str) -> Path:
     """A hooked run's iterations from its report: the peak measured in each (coloured by mode) against the forecast
     of the plan in force, the vanilla peak and the budget in force; below, each one's time, stalls and hook time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     iterations = report["iterations"]
     xs = [it["iteration"] for it in iterations]

@@ -7,6 +7,7 @@ import os
 import random
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,14 +234,19 @@ def test_tensile_run_takes_a_quantity_budget_and_makes_the_reports_folder(tmp_pa
     assert report.parent.is_dir()
 
 
+def path_with_another(name: str, folder: Path) -> str:
+    """PATH with a program `name` first that is not this Python's (it exits 7), written in `folder`."""
+    other = folder / name
+    other.parent.mkdir(exist_ok=True)
+    other.write_text("#!/bin/sh\nexit 7\n")
+    other.chmod(0o755)
+    return f"{other.parent}{os.pathsep}{os.environ['PATH']}"
+
+
 def test_tensile_run_runs_a_leading_python_as_the_python_with_tensile(tmp_path, monkeypatch):
     """`tensile run -- python train.py` as the README writes it: the `python` on PATH may lack Tensile (no
     venv activated), and the hook was not active; `tensile local` runs this Python, and so does `tensile run`."""
-    other = tmp_path / "bin" / "python"
-    other.parent.mkdir()
-    other.write_text("#!/bin/sh\nexit 7\n")
-    other.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{other.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PATH", path_with_another("python", tmp_path / "bin"))
     assert _tensile_run("--", "python", "-c", "import sys; raise SystemExit(0 if sys.executable == %r else 9)" % sys.executable) == 0
 
 

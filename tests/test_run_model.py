@@ -16,6 +16,7 @@ import pytest
 import torch
 from agent_harness import ROOT
 from test_hook_agent import FAST
+from test_hook_faults import path_with_another
 
 from tensile.cli import main
 
@@ -224,11 +225,7 @@ def test_the_process_that_trains_is_the_job_not_the_one_that_starts_it(launcher:
 def test_a_leading_torchrun_is_this_pythons(tmp_path: Path, plain: dict) -> None:
     """As a leading `python` is: the `torchrun` on PATH may be another Python's, without Tensile (here one that
     exits 7), whose workers would have run without the hook."""
-    other = tmp_path / "bin" / "torchrun"
-    other.parent.mkdir()
-    other.write_text("#!/bin/sh\nexit 7\n")
-    other.chmod(0o755)
-    path = {"PATH": f"{other.parent}{os.pathsep}{os.environ['PATH']}"}
+    path = {"PATH": path_with_another("torchrun", tmp_path / "bin")}
     hooked, report, _ = _train(tmp_path, "torchrun", "--memory-budget", "0.6", program="torchrun", env=path,
                                train=("--standalone", "--nproc_per_node=1", str(TRAIN)))
     _assert_identical(plain, hooked)
@@ -241,4 +238,5 @@ def test_a_job_of_several_processes_runs_without_the_hook_and_says_why(tmp_path:
     trained, report, said = _train(tmp_path, "ranks", "--memory-budget", "0.6", train=ranks)
     # each process trained the MLP alone to the end (torchrun gives each one thread: not the plain run's bits)
     assert trained["model"].keys() == plain["model"].keys()
+    assert all(torch.allclose(trained["model"][key], value, rtol=1e-3, atol=1e-5) for key, value in plain["model"].items())
     assert report is None and said.count("a job of 2 processes (WORLD_SIZE) is not carried") == 1, said

@@ -51,10 +51,11 @@ def _processes() -> int:
 
 
 if os.environ.get("TENSILE_JOB") and not _started_by_multiprocessing() and not _launcher():
-    if _processes() > 1:
+    processes = _processes()
+    if processes > 1:
         # each process has its GPU's memory to plan, and they would share the job's report and agent registration
         if os.environ.get("RANK", "0") == "0":
-            print(f"tensile: hook not active: a job of {_processes()} processes (WORLD_SIZE) is not carried; Tensile "
+            print(f"tensile: hook not active: a job of {processes} processes (WORLD_SIZE) is not carried; Tensile "
                   "plans a job of one process on one GPU, so training runs without Tensile", file=sys.stderr)
     else:
         try:

@@ -13,7 +13,7 @@ from rich.table import Table
 from tensile.commands import option_value, output_file
 from tensile.devices import PRESETS, device_preset
 from tensile.errors import TensileUserError
-from tensile.forecast import DEVICES, DTYPES, OPTIMIZERS, optimizer_for, trace_workload
+from tensile.forecast import DEFAULT_BATCH_SIZE, DEVICES, DTYPES, OPTIMIZERS, optimizer_for, trace_workload
 from tensile.latency import QuickCalibrationWarning, UncalibratedWarning, assign_latencies, iteration_seconds
 from tensile.peak import PeakResult, analyze_plan, analyze_vanilla
 from tensile.plan import PLAN_EVENTS, Plan, native_plan_events
@@ -30,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="zoo model name (resnet50, bert_base, ...) or FILE.py:FUNC")
     source.add_argument("--workload", help="a workload saved with --save")
-    parser.add_argument("--batch-size", type=int, help="default 16")
+    parser.add_argument("--batch-size", type=int, help=f"default {DEFAULT_BATCH_SIZE}")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=None, help="default: adam (zoo) or the model's own make_optimizer")
     parser.add_argument("--foreach", choices=("auto", "on", "off"),
                         help="optimizer kernels, for a FILE.py:FUNC model's own optimizer too; "
@@ -57,7 +57,7 @@ def _load(args: argparse.Namespace) -> Workload:
     optimizer = optimizer_for(args.model, args.optimizer)
     foreach = {"auto": None, "on": True, "off": False}[args.foreach or "auto"]
     return trace_workload(
-        args.model, 16 if args.batch_size is None else args.batch_size, optimizer, args.dtype or "float32", args.device or "cuda",
+        args.model, DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size, optimizer, args.dtype or "float32", args.device or "cuda",
         args.live, foreach, args.micro_batches or 1,
     )
 

@@ -22,7 +22,7 @@ from tensile.agent_contract import GPU_PATTERN
 from tensile.child_process import ends_with_this_process
 from tensile.commands import option_value, output_file
 from tensile.errors import TensileUserError
-from tensile.forecast import DTYPES, OPTIMIZERS
+from tensile.forecast import DEFAULT_BATCH_SIZE, DTYPES, OPTIMIZERS
 from tensile.knobs import parse_swap_rate
 from tensile.local_jobs import local_command
 from tensile.plan import PLAN_EVENTS, load_plan
@@ -52,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="trace the job's iteration from this model before the command starts, as tensile forecast "
                              "--model does, and (without --agent) plan from it: the plan applies from iteration 2 if the "
                              "live iteration matches it, else the hook plans from the live one")
-    parser.add_argument("--batch-size", type=int, help="with --model: the batch size it is traced at (default 16)")
+    parser.add_argument("--batch-size", type=int, help=f"with --model: the batch size it is traced at (default {DEFAULT_BATCH_SIZE})")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS),
                         help="with --model: default adam (zoo) or the model's own make_optimizer")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="with --model: bfloat16/float16 for autocast (default float32)")
@@ -158,7 +158,7 @@ def forecast_files(args: argparse.Namespace, console: Console) -> dict[str, str 
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with console.status(f"tracing one training iteration of {args.model}..."):
-        workload = trace_workload(args.model, 16 if args.batch_size is None else args.batch_size,
+        workload = trace_workload(args.model, DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size,
                                   optimizer_for(args.model, args.optimizer), args.dtype or "float32", device,
                                   micro_batches=1 if args.micro_batches is None else args.micro_batches)
     folder = Path(tempfile.mkdtemp(prefix="tensile-"))
