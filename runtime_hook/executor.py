@@ -1118,10 +1118,7 @@ class PlanExecutor(TorchDispatchMode):
             self.mover.drop_host(slot)
             slot.pinned = True
             return False
-        if slot.counted:
-            self.registry.mark_absent(slot)
-        else:  # a native swap's own slot (outside the registry): one call less on the caches the kernels emptied
-            slot.resident = False
+        self.registry.mark_absent(slot)  # a native swap's own slot is swapped out by its carrier (`SwapCarrier._act`)
         stats.swap_out_bytes += slot.nbytes
         return True
 

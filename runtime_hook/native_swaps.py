@@ -132,14 +132,18 @@ class SwapCarrier:
         self.live = False  # carrying the current iteration
         self.diverged = False
         self.index = 0
-        # this iteration's time at boundaries and its swaps, kept on the carrier, which the hooks read anyway (the
-        # iteration's figures are two objects further, each a cache miss after a kernel): `_settle_figures`
+        # this iteration's time at boundaries and node hooks and its swaps, kept on the carrier, which the hooks read
+        # anyway (the iteration's figures are two objects further, each a cache miss after a kernel): `_settle_figures`
         self.seconds = 0.0
         self.swapped_out = self.swapped_in = self.released = self.recomputed = 0
+        # the mover's calls on the swaps' own slots (`_act`, `_node_pre`): transfer time, not the hook's, and bytes
+        self.moving = 0.0
+        self.out_bytes = self.in_bytes = 0
+        self.mover = executor.mover
         # this iteration's slots by swap: one list, emptied in place, that the callbacks read (a node
         # of an older graph run late finds this iteration's slots: at worst it fetches one early)
         self.slots: list[Slot | None] = [None] * self.swaps
-        self.own: list[Slot | None] = [None] * self.swaps  # each swap's own slot, reused by its takes (`_slot`)
+        self.own: list[Slot | None] = [None] * self.swaps  # each swap's own slot, reused by its takes (`_act`)
         self.last_root: int | None = None
         # this iteration's tensors taken at module calls, held until backward starts, so that the references
         # to them can be counted at each top-level exit; by (exit, swap), the fewest counted there in the
@@ -189,11 +193,15 @@ class SwapCarrier:
         return self.diverged
 
     def _settle_figures(self) -> None:
-        """The iteration's time at boundaries and its swaps join its figures, once, at its end: boundaries act only
-        while it is carried, and node hooks swap only the slots it has until `end` forgets them (one of an older
-        graph run late counts in the iteration whose slots it finds, as before)."""
+        """The iteration's time at boundaries and node hooks, its swaps, and the mover's time and bytes on the swaps'
+        own slots join its figures, once, at its end: boundaries act only while it is carried, and node hooks swap
+        only the slots it has until `end` forgets them (one of an older graph run late counts in the iteration whose
+        slots it finds, as before)."""
         stats = self.executor.stats
-        stats.hook_seconds += self.seconds
+        stats.hook_seconds += self.seconds - self.moving
+        stats.transfer_seconds += self.moving
+        stats.swap_out_bytes += self.out_bytes
+        stats.swap_in_bytes += self.in_bytes
         events = stats.events
         events["swap_out"] += self.swapped_out
         events["swap_in"] += self.swapped_in
@@ -201,6 +209,7 @@ class SwapCarrier:
             events["release"] += self.released
             events["recompute"] += self.recomputed
         self.seconds, self.swapped_out, self.swapped_in, self.released, self.recomputed = 0.0, 0, 0, 0, 0
+        self.moving, self.out_bytes, self.in_bytes = 0.0, 0, 0
 
     def _settle_counts(self) -> None:
         """The iteration kept to the learnt calls: its counts join the fewest, and the swaps it kept on the
@@ -267,7 +276,7 @@ class SwapCarrier:
         """Every call runs right after the module's kernels have emptied the caches, where each
         Python step costs ten times its warm figure: it indexes straight to what it takes."""
         executor = self.executor
-        slots, taken = self.slots, self.taken
+        slots, taken, own, registry_slots = self.slots, self.taken, self.own, self.registry_slots
         # the index paths' steps inline: the loop's opcodes are the interpreter's own, still cached, where a helper's
         # call costs 3-5 µs and C's `reduce(getitem, path, values)` was stamped at 5 µs a take (the loop: 0.5 µs)
         try:
@@ -278,7 +287,14 @@ class SwapCarrier:
                 # no device check here: the mover refuses a storage on another device, which then stays
                 if not isinstance(tensor, Tensor) or (storage := tensor.untyped_storage()).nbytes() != nbytes:
                     raise _Diverged(f"the tensor at boundary {self.index - 1} is not the learnt one")
-                slots[swap] = self._slot(swap, storage, nbytes)
+                # the swap's own slot, reset for this take (a new one cost 7 µs after the kernels); a new one where it
+                # still holds a host buffer (its storage died away), the registry's where that watches the storage
+                if (slot := own[swap]) is None or slot.host is not None or (key := id(storage)) in registry_slots:
+                    slot = self._slot(swap, storage, nbytes)
+                else:
+                    slot.key, slot.ref, slot.nbytes, slot.resident, slot.pending, slot.passive, slot.pinned, slot.recipe = (
+                        key, _weak(storage), nbytes, True, None, False, False, None)
+                slots[swap] = slot
                 taken[swap] = (tensor, storage._cdata)
                 if self.recipes[swap] is not None:
                     self.nodes[swap] = tensor.grad_fn
@@ -316,8 +332,21 @@ class SwapCarrier:
                 continue
             if (recipe := recipes[swap]) is not None:
                 self.released += self._release(swap, slot, recipe)
-            elif executor._swap_out(slot):
-                self.swapped_out += 1
+            elif slot.counted:  # the registry's (an observed native iteration)
+                self.swapped_out += executor._swap_out(slot)
+            elif not slot.pinned and (leaving := slot.ref()) is not None:
+                # the swap's own slot: the mover's call here, not through the executor's (a call costs 3-5 µs after the
+                # kernels); a storage that is not resizable (from numpy) is refused by the mover and stays, as there
+                started = perf_counter()
+                try:
+                    self.mover.swap_out(slot, leaving)
+                    slot.resident = False
+                    self.swapped_out += 1
+                    self.out_bytes += slot.nbytes
+                except RuntimeError:
+                    self.mover.drop_host(slot)
+                    slot.pinned = True
+                self.moving += perf_counter() - started
         if action.flush:
             # every node made so far exists and backward has not started: hooking them in one go here,
             # with the hook's code in the caches, costs a fraction of hooking each at its own boundary
@@ -375,19 +404,11 @@ class SwapCarrier:
         self.taken[:] = [None] * self.swaps
 
     def _slot(self, swap: int, storage: torch.UntypedStorage, nbytes: int) -> Slot:
-        """The registry's slot when it watches the storage (an observed native iteration counts its bytes), else
-        the swap's own: no registry entry, no callback when its storage dies. That one is reset for each take,
-        not made anew (7 µs after the kernels), unless it still holds a host buffer (its storage died away)."""
-        key = id(storage)
-        slot = self.registry_slots.get(key)
-        if slot is not None:
-            return slot
-        slot = self.own[swap]
-        if slot is None or slot.host is not None:
-            slot = self.own[swap] = Slot(key, _weak(storage), nbytes, counted=False)
-        else:
-            slot.key, slot.ref, slot.nbytes, slot.resident, slot.pending, slot.passive, slot.pinned, slot.recipe = (
-                key, _weak(storage), nbytes, True, None, False, False, None)
+        """The registry's slot when it watches the storage (an observed native iteration counts its bytes), else a new
+        one of the swap's own: no registry entry, no callback when its storage dies (`_act` resets it for later takes)."""
+        slot = self.registry_slots.get(id(storage))
+        if slot is None:
+            slot = self.own[swap] = Slot(id(storage), _weak(storage), nbytes, counted=False)
         return slot
 
     def _hook_nodes(self, roots: list[tuple[Any, int, int]]) -> None:
@@ -439,13 +460,23 @@ class SwapCarrier:
         try:
             for swap in hook.fetch:
                 slot = slots[swap]
-                if slot is not None and not slot.resident:
-                    recomputing = slot.recipe is not None  # a release's recipe, or a swap's host copy
-                    executor._fetch(slot)
-                    if recomputing:
-                        self.recomputed += 1
-                    else:
-                        self.swapped_in += 1
+                if slot is None or slot.resident:
+                    continue
+                if not slot.counted and slot.recipe is None and (storage := slot.ref()) is not None:
+                    # the swap's own slot back by the mover's call here, as in `_act`
+                    begun = perf_counter()
+                    self.mover.swap_in(slot, storage)
+                    self.moving += perf_counter() - begun
+                    slot.resident = True
+                    self.in_bytes += slot.nbytes
+                    self.swapped_in += 1
+                    continue
+                recomputing = slot.recipe is not None  # a release's recipe, or a swap's host copy
+                executor._fetch(slot)
+                if recomputing:
+                    self.recomputed += 1
+                else:
+                    self.swapped_in += 1
             for swap in hook.check:  # mostly back already: the call only when there is something to do
                 slot = slots[swap]
                 if slot is not None and (not slot.resident or slot.pending is not None):
@@ -455,7 +486,7 @@ class SwapCarrier:
             if any((slot := slots[swap]) is not None and not slot.resident for swap in hook.check):
                 raise exc  # a tensor the node reads could not come back (out of memory): never run on 0 bytes
         finally:
-            executor.stats.hook_seconds += perf_counter() - started
+            self.seconds += perf_counter() - started  # the iteration's figures at its end, as the boundaries'
         return None
 
     def restore(self) -> None:

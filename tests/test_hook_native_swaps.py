@@ -389,16 +389,24 @@ def test_a_hook_failure_in_a_native_backward_brings_every_swapped_tensor_back(mo
     the middle of a native backward (here its first node pre-hook of iteration 4 fails), the
     tensors that iteration swapped out must still come back before autograd reads them."""
     from tensile.runtime_hook.executor import PlanExecutor
+    from tensile.runtime_hook.movers import CpuMover
 
-    fetch = PlanExecutor._fetch
+    executors: list[PlanExecutor] = []
+    init, swap_in = PlanExecutor.__init__, CpuMover.swap_in
 
-    def failing(self, slot):  # type: ignore[no-untyped-def]
-        if self.iteration == 4 and not self.disabled and torch._C._current_autograd_node() is not None:
-            assert any(slot is not None and not slot.resident for slot in self.swaps.slots())  # something is out to restore
+    def made(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        init(self, *args, **kwargs)
+        executors.append(self)
+
+    def failing(self, slot, storage):  # type: ignore[no-untyped-def]
+        executor = executors[-1]
+        if executor.iteration == 4 and not executor.disabled and torch._C._current_autograd_node() is not None:
+            assert any(slot is not None and not slot.resident for slot in executor.swaps.slots())  # something to restore
             raise RuntimeError("injected hook failure")
-        fetch(self, slot)
+        swap_in(self, slot, storage)
 
-    monkeypatch.setattr(PlanExecutor, "_fetch", failing)
+    monkeypatch.setattr(PlanExecutor, "__init__", made)
+    monkeypatch.setattr(CpuMover, "swap_in", failing)
     plain = fit(blocks, 4, STEPS)
     state, report = hooked(blocks, feature_swaps)
     assert_identical(plain, state)
