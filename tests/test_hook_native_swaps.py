@@ -384,6 +384,25 @@ def test_a_tensor_still_absent_when_its_node_runs_is_fetched_there():
     assert all(it.stall_seconds > 0 for it in native)
 
 
+def test_a_storage_the_mover_refuses_on_the_native_path_stays_on_the_device(monkeypatch):
+    """A storage that cannot be resized (from numpy) is refused by the mover: on the native path the carrier calls
+    the mover itself, and such a tensor stays where it is, without standing the hook down or counting a swap."""
+    from tensile.runtime_hook.movers import CpuMover
+
+    def refusing(self, slot, storage):  # type: ignore[no-untyped-def]
+        raise RuntimeError("the storage is not resizable")
+
+    plain = fit(blocks, 4, STEPS)
+    monkeypatch.setattr(CpuMover, "swap_out", refusing)
+    state, report = hooked(blocks, feature_swaps)
+    assert_identical(plain, state)
+    assert report.stood_down is None, report.stood_down
+    native = [it for it in report.iterations if it.path == "native"]
+    assert native and all(it.mode == "planned" for it in native), [(it.path, it.mode) for it in report.iterations]
+    assert all(it.events["swap_out"] == it.swap_out_bytes == it.swap_in_bytes == 0 for it in native), \
+        [(it.events, it.swap_out_bytes) for it in native]
+
+
 def test_a_hook_failure_in_a_native_backward_brings_every_swapped_tensor_back(monkeypatch):
     """The native swaps' slots live outside the storage registry: when the hook stands down in
     the middle of a native backward (here its first node pre-hook of iteration 4 fails), the
