@@ -40,7 +40,6 @@ from tensile.latency.calibrate import local_device
 from tensile.latency.measure import HostLoad, synchronize
 from tensile.plan import Plan
 from tensile.runtime_hook import activate, deactivate
-from tensile.runtime_hook.executor import PlanExecutor
 from tensile.runtime_hook.report import HookReport
 from tensile.runtime_hook.settings import HookSettings
 from tensile.workload import Workload
@@ -87,22 +86,7 @@ def timed_step(model: torch.nn.Module, batch: tuple, loss_fn, optimizer: torch.o
 class Timed(NamedTuple):
     times: list[float]
     report: HookReport | None
-    carried: dict[str, int] | None  # how the native path carried the plan (`carried_by`)
-
-
-def carried_by(executor: PlanExecutor) -> dict[str, int] | None:
-    """The module calls and autograd nodes the native path carried the plan at: `hook_seconds` grows with them, and
-    the in-process planner's plan, made from this run's measured latencies, differs from run to run (the same 18
-    swaps at 22 acting boundaries in one run, 26 in another), so each row says what it measured."""
-    swaps = executor.swaps
-    carrier = swaps.carrier or swaps.idle or swaps.carrying
-    if carrier is None:
-        return None
-    actions = [action for action in carrier.actions if action is not None]
-    hooks = [hook for action in actions for hook in (*action.hooks, *action.deferred)]
-    return {"boundaries": len(carrier.expected), "acting_boundaries": len(actions),
-            "roots": sum(action.root is not None for action in actions), "node_hooks": len(hooks),
-            "node_hook_path_steps": sum(len(hook.path) for hook in hooks)}
+    carried: dict[str, int] | None  # how the native path carried the plan (`NativeSwaps.carried_by`)
 
 
 def timed_iterations(parts: tuple, steps: int, planner=None, budget: float | None = None,  # type: ignore[no-untyped-def]
@@ -112,7 +96,7 @@ def timed_iterations(parts: tuple, steps: int, planner=None, budget: float | Non
         model, batch, loss_fn, make_optimizer = parts
         optimizer = make_optimizer(model.parameters())
         times = [timed_step(model, batch, loss_fn, optimizer, device) for _ in range(steps)]
-        return Timed(times, executor.report, carried_by(executor)) if executor else Timed(times, None, None)
+        return Timed(times, executor.report, executor.swaps.carried_by()) if executor else Timed(times, None, None)
     finally:
         if executor is not None:
             deactivate()

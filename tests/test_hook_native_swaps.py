@@ -136,6 +136,21 @@ def test_activation_swaps_are_carried_natively_and_train_bit_identically(micro_b
     assert all(it.hook_seconds >= 0 for it in iterations), [it.hook_seconds for it in iterations]
 
 
+def test_the_native_path_says_which_module_calls_and_nodes_carry_the_plan():
+    """`carried_by` (the overhead benchmark's rows): the hook's time grows with the boundaries and node hooks a plan
+    is carried at, and plans made from measured latencies differ between runs, so each run says what it measured."""
+    executor = activate(HookSettings(job="job"), planner=feature_swaps, device=torch.device("cpu"))
+    try:
+        fit(blocks, 4, STEPS)
+        carried = executor.swaps.carried_by()
+    finally:
+        deactivate()
+    assert carried is not None, executor.report.messages
+    assert 0 < carried["roots"] <= carried["acting_boundaries"] < carried["boundaries"], carried
+    assert carried["node_hooks"] >= carried["roots"] and carried["node_hook_path_steps"] >= 0, carried
+    assert executor.swaps.carried_by() is None  # nothing is carried once the hook is off
+
+
 def test_a_forward_that_takes_another_branch_falls_back_and_stays_bit_identical():
     """Forward call 5 (iteration 4, native) runs an extra module after the swap-outs: every
     tensor comes back, iteration 5 aligns again on the dispatch path, iteration 6 is native."""
