@@ -1,7 +1,8 @@
 """torch.compile under the hook: TorchDynamo does not compile a frame while a dispatch mode is on the
 stack ("non-infra torch dispatch mode present"), and marks that code to be skipped for the rest of the
-process, so compiled code runs eagerly under Tensile even in native iterations. Training stays correct
-(eager PyTorch's numerics) and within its plan; the user, who compiled for speed, is told why it is gone."""
+process, so compiled code first run in a dispatch-path iteration runs eagerly under Tensile even in native
+iterations. Training stays correct (eager PyTorch's numerics) and within its plan; the user, who compiled for
+speed, is told why it is gone. Code first run in a native iteration (the mode off) compiles as usual."""
 
 from __future__ import annotations
 

@@ -387,9 +387,7 @@ class PlanExecutor(TorchDispatchMode):
         """Choose the next iteration's path here, outside any op and outside the user's forward:
         the dispatch mode can be left or pushed, and the native swaps' hooks put on, safely."""
         diverged = self.swaps.at_step()
-        if self.dynamo_frames is not None and dynamo_frames() > self.dynamo_frames:
-            self.dynamo_frames = None  # said once
-            self._say(COMPILE_SKIPPED)
+        self._say_if_compile_skipped()
         if self.disabled:
             self.swaps.drop_idle()
             self._leave_mode()
@@ -409,6 +407,19 @@ class PlanExecutor(TorchDispatchMode):
             # another mode holds the stack, a module call starts it, without a plan (_choose_path)
             self._watch_for_start()
         self._want_key()
+
+    def _say_if_compile_skipped(self) -> None:
+        """Code TorchDynamo first met in an iteration under the dispatch mode is skipped for the rest of the process:
+        said once. Code it first met in a native iteration, the mode off, compiled as it does without Tensile: no word
+        (it was said to run eagerly, wrongly), and the count moves on."""
+        if self.dynamo_frames is None:
+            return
+        frames = dynamo_frames()
+        if frames > self.dynamo_frames and self.in_mode:
+            self.dynamo_frames = None  # said once
+            self._say(COMPILE_SKIPPED)
+        else:
+            self.dynamo_frames = frames
 
     def _native_map(self, plan: ActivePlan | None) -> NativeMap | None:
         """The plan on native hook points, or None where the next iteration needs the dispatch mode:

@@ -52,3 +52,32 @@ def test_a_model_that_is_not_compiled_hears_nothing_of_torch_compile():
     finally:
         deactivate()
     assert not any("torch.compile" in m for m in executor.report.messages)
+
+
+def test_code_compiled_in_native_iterations_compiles_and_hears_nothing():
+    """A validation function compiled and first called after step 5, in native iterations, where the dispatch mode
+    is off: TorchDynamo compiles it as without Tensile, and the report does not say it ran eagerly (it did, wrongly)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    executor = activate(HookSettings(job="job"), planner=feature_swaps, device=torch.device("cpu"))
+    try:
+        torch.manual_seed(1234)
+        model, batch, loss_fn, make_optimizer = blocks(4)
+        optimizer = make_optimizer(model.parameters())
+        evaluate = torch.compile(lambda x: model(x).argmax(1), backend="eager")
+        for step in range(8):
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model, batch).backward()
+            optimizer.step()
+            if step >= 5:
+                with torch.no_grad():
+                    evaluate(batch[0])
+        compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    finally:
+        deactivate()
+        torch._dynamo.reset()
+    report = executor.report
+    assert [it.path for it in report.iterations[5:]] == ["native"] * 3, [it.path for it in report.iterations]
+    assert compiled > 0
+    assert not any("torch.compile" in m for m in report.messages), report.messages
