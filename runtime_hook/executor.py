@@ -410,8 +410,8 @@ class PlanExecutor(TorchDispatchMode):
 
     def _say_if_compile_skipped(self) -> None:
         """Code TorchDynamo first met in an iteration under the dispatch mode is skipped for the rest of the process:
-        said once. Code it first met in a native iteration, the mode off, compiled as it does without Tensile: no word
-        (it was said to run eagerly, wrongly), and the count moves on."""
+        said once. Code it first met in a native iteration, the mode off, compiled as it does without Tensile: nothing
+        is said (saying it ran eagerly would be false), and the count moves on."""
         if self.dynamo_frames is None:
             return
         frames = dynamo_frames()
