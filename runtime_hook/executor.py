@@ -31,6 +31,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 
+from tensile.cuda_ops import traced_name
 from tensile.latency.measure import CudaOpTimer
 from tensile.peak import analyze_vanilla
 from tensile.plan import Event, Plan
@@ -207,7 +208,7 @@ class PlanExecutor(TorchDispatchMode):
         self.vanilla_peak: int | None = None
         self.candidate: ActivePlan | None = None  # offered, not yet matched against a live iteration
         self.op_index = 0  # position in the iteration (fast path)
-        self.names: dict[Any, str] = {}  # op -> its name, cached: str(op) is costly per call
+        self.names: dict[Any, str] = {}  # op -> its name as a workload has it, cached: str(op) is costly per call
         self.reads: dict[Any, bool] = {}  # op -> whether it only reads (`reads_only`), cached
         self.reads_by_name: dict[str, bool] = {}  # the same by a plan op's name
         self.match_at = 1  # the iteration whose recording is matched against the plan (0 is a warm-up)
@@ -934,7 +935,7 @@ class PlanExecutor(TorchDispatchMode):
     def _name(self, func: Any) -> str:
         name = self.names.get(func)
         if name is None:
-            name = self.names[func] = str(func)
+            name = self.names[func] = traced_name(func)
         return name
 
     def _after_accounting(self, protected: set[int]) -> None:

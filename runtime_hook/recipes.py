@@ -243,14 +243,18 @@ def _geometry(tensor: torch.Tensor) -> tuple:
     return (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
 
 
+BATCH_NORMS = ("aten.native_batch_norm.default", "aten.cudnn_batch_norm.default")  # running statistics: arguments 3, 4
+
+
 def _replayable(func: Any, args: tuple) -> tuple[Any, tuple] | None:
     """The op and arguments that regenerate an output without side effects, or None.
 
     Batch norm in training updates its running statistics in place without saying so in its
-    schema; replayed without them it computes the same output and leaves the statistics alone.
+    schema (cuDNN's, which CUDA runs, too); replayed without them it computes the same output and leaves the
+    statistics alone.
     """
     name = str(func)
-    if name == "aten.native_batch_norm.default":
+    if name in BATCH_NORMS:
         return func, (*args[:3], None, None, *args[5:])
     if "batch_norm" in name or any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
         return None

@@ -33,19 +33,16 @@ class Recompute:
 
 # the ops whose outputs the runtime hook's native path regenerates: their inputs are saved by their autograd nodes or are
 # parameters (runtime_hook/native_recipes.py); the same aten ops the dispatch path replays (runtime_hook/recipes.py).
-# On CUDA a float32 batch norm in training is expected to dispatch to cuDNN's op (`aten.cudnn_batch_norm`, by PyTorch's
-# `_batch_norm_impl_index`; not yet seen on a GPU here), which neither path replays, while a workload traced on the meta
-# device names it `native_batch_norm`: so a CUDA plan leaves batch norm out.
+# On CUDA a batch norm runs cuDNN's op, recorded and planned as this native one (tensile.cuda_ops) and replayed as
+# itself; a replay that does not give its output byte for byte leaves it swapped instead (recipes.RecipeBook.keep).
 NATIVE_CREATORS = frozenset({"aten.convolution.default", "aten.native_batch_norm.default"})
-NATIVE_CREATORS_ON_CUDA = frozenset({"aten.convolution.default"})
 
 
 def natively_replayable(workload: Workload, option: Recompute) -> bool:
     """A recomputation the native path carries: released after a forward access (at a module call) and made by a
-    convolution (or, on the CPU device, a batch norm), then written in place only by the ops of its chain."""
+    convolution or a batch norm, then written in place only by the ops of its chain."""
     ops = workload.ops
-    creators = NATIVE_CREATORS_ON_CUDA if workload.device == "cuda" else NATIVE_CREATORS
-    return ops[option.after].phase == "forward" and bool(option.chain) and ops[option.chain[0]].name in creators
+    return ops[option.after].phase == "forward" and bool(option.chain) and ops[option.chain[0]].name in NATIVE_CREATORS
 
 
 def msps(size: int, seconds: float) -> float:

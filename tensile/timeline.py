@@ -176,12 +176,19 @@ WORKSPACES = {
     "aten.mkldnn_rnn_layer.default": 3,  # workspace
     "aten._cudnn_rnn.default": 3,  # reserve
     "aten.miopen_rnn.default": 3,  # reserve
+    "aten.cudnn_batch_norm.default": 3,  # reserve (as the hook keeps recipes: recorded, the op is named as below)
 }
+# cuDNN's batch-norm reserve, where it is not empty: the fourth result of the native batch norm that op is recorded
+# as (tensile.cuda_ops); a batch norm of three results has none
+RESERVES = {"aten.native_batch_norm.default": 3}
 
 
 def _is_workspace(op: Op, tensor: int) -> bool:
     """Whether `tensor` is the workspace `op` returns. The tracer lists an op's new storages in result order;
     if it listed fewer than the result has, which one is the workspace is unknown and none is replayed."""
+    reserve = RESERVES.get(op.name)
+    if reserve is not None:
+        return len(op.outputs) > reserve and op.outputs[reserve] == tensor
     position = WORKSPACES.get(op.name)
     if position is None:
         return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from tensile.cuda_ops import as_traced, ops_as_on_cuda
 from tensile.errors import TensileUserError
 from tensile.workload import Op, TensorInfo, Workload, round_allocation
 
@@ -178,8 +180,13 @@ class Recorder(TorchDispatchMode):
         return out
 
     def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Op:
-        """Append the op that just ran with these arguments and result; new storages become tensors."""
+        """Append the op that just ran with these arguments and result; new storages become tensors (cuDNN's batch
+        norm is recorded as the native op a meta trace records: `cuda_ops`)."""
         index = len(self.ops)
+        written = written_values(func, args, kwargs)
+        flop_fn = flop_registry.get(func._overloadpacket)
+        flops = 0.0 if flop_fn is None else float(flop_fn(*args, **kwargs, out_val=out))
+        func, args, kwargs, out = as_traced(func, args, kwargs, out)
         in_leaves = tree_leaves((args, kwargs))
         in_tensors = [v for v in in_leaves if isinstance(v, torch.Tensor)]
         inputs: dict[int, None] = {}
@@ -187,7 +194,7 @@ class Recorder(TorchDispatchMode):
             if self._tracked(tensor):
                 inputs[self._storage_id(tensor)] = None
         writes: dict[int, None] = {}
-        for value in tree_leaves(written_values(func, args, kwargs)):
+        for value in tree_leaves(written):
             if self._tracked(value):
                 writes[self._storage_id(value)] = None
         outputs: dict[int, None] = {}
@@ -206,10 +213,6 @@ class Recorder(TorchDispatchMode):
                 new_tid = self._new_version(tid, index)
                 if new_tid is not None:
                     outputs[new_tid] = None
-        flops = 0.0
-        flop_fn = flop_registry.get(func._overloadpacket)
-        if flop_fn is not None:
-            flops = float(flop_fn(*args, **kwargs, out_val=out))
         moved = sum(t.numel() * t.element_size() for t in in_tensors + out_tensors)
         op = Op(
             index=index,
@@ -306,32 +309,35 @@ def trace_step(
 ) -> Workload:
     """Run a warm-up iteration (optimizer state appears), then record the next one.
 
-    `foreach`: the optimizers' kernels (None: as `target_device` defaults; see `choose_foreach`).
+    `foreach`: the optimizers' kernels (None: as `target_device` defaults; see `choose_foreach`). A CUDA iteration
+    traced on the meta device runs batch norm and dropout as a GPU would (`cuda_ops`).
     """
     device_type = step.batch[0].device.type
     choose_foreach(step.optimizers, target_device, foreach)
+    as_on_cuda = ops_as_on_cuda() if target_device == "cuda" and device_type == "meta" else nullcontext()
     try:
-        step.zero_grad()
-        step.run()
-        step.zero_grad()
-        recorder = Recorder(device_type, target_device)
-        for name, tensor in (*step.model.named_parameters(), *step.model.named_buffers()):
-            recorder.register(tensor, "param")
-        for optimizer in step.optimizers:
-            for state in optimizer.state.values():
-                for value in state.values():
-                    if isinstance(value, torch.Tensor) and value.device.type == device_type:
-                        recorder.register(value, "optimizer_state")
-        for tensor in step.batch:
-            recorder.register(tensor, "input")
-
-        def set_phase(phase: str) -> None:
-            recorder.phase = phase
-
-        step.phase_listener = set_phase
-        with recorder:
+        with as_on_cuda:
+            step.zero_grad()
             step.run()
-        recorder.stop()
+            step.zero_grad()
+            recorder = Recorder(device_type, target_device)
+            for name, tensor in (*step.model.named_parameters(), *step.model.named_buffers()):
+                recorder.register(tensor, "param")
+            for optimizer in step.optimizers:
+                for state in optimizer.state.values():
+                    for value in state.values():
+                        if isinstance(value, torch.Tensor) and value.device.type == device_type:
+                            recorder.register(value, "optimizer_state")
+            for tensor in step.batch:
+                recorder.register(tensor, "input")
+
+            def set_phase(phase: str) -> None:
+                recorder.phase = phase
+
+            step.phase_listener = set_phase
+            with recorder:
+                step.run()
+            recorder.stop()
     except TensileUserError:
         raise
     except (RuntimeError, NotImplementedError) as exc:

@@ -228,8 +228,8 @@ def test_zoo_models_train_bit_identically_under_an_aggressive_plan(model):
     assert min(it.peak_bytes for it in planned) < report.vanilla_peak_bytes
 
 
-def test_batch_norm_then_inplace_relu_is_recomputed_as_a_chain(monkeypatch):
-    """The in-place ReLU that wrote the batch-norm output is replayed on the regenerated tensor."""
+def replayed_ops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the ops the hook replays from now on, as they replay."""
     from tensile.runtime_hook import recipes
 
     replayed: list[str] = []
@@ -240,6 +240,12 @@ def test_batch_norm_then_inplace_relu_is_recomputed_as_a_chain(monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(recipes.Step, "replay", replay)
+    return replayed
+
+
+def test_batch_norm_then_inplace_relu_is_recomputed_as_a_chain(monkeypatch):
+    """The in-place ReLU that wrote the batch-norm output is replayed on the regenerated tensor."""
+    replayed = replayed_ops(monkeypatch)
     plain, _ = train(tracing_models.views, 4)
     hooked, report = train(tracing_models.views, 4, planner=aggressive_plan)
     assert_identical(plain, hooked)

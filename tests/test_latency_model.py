@@ -463,7 +463,7 @@ def test_a_zoo_model_is_measured_in_a_fresh_process_as_its_trace_records_it():
 
     probe = zoo_probes(batches=(1,), models=("resnet50",))[0]
     [measured] = measure_probes([probe], "cpu", timed=1, plain=1)
-    traced = trace_workload("resnet50", 1, foreach=probe.foreach)
+    traced = trace_workload("resnet50", 1, foreach=probe.foreach, device="cpu")  # the device it is measured on
     assert measured.probe == probe
     assert [op.name for op in measured.timing.ops] == [op.name for op in traced.ops]
     assert len(measured.timing.seconds) == len(traced.ops) and all(s > 0 for s in measured.timing.seconds)
