@@ -15,7 +15,7 @@ differs and the job plans from its live iteration, which does (`timeline.RESERVE
 The forecast must run CUDA's ops in the first place: on the meta device `_batch_norm_impl_index` takes the native
 path, which first makes an empty reserve of its own (`aten.empty`, an op the CUDA iteration does not run), and
 dropout runs as `bernoulli_` and `mul` (a mask of the input's dtype) where CUDA runs its fused `native_dropout`
-(a mask of bools: a BERT-base forecast counted its dropout masks 4 times their size). So while a CUDA iteration
+(a mask of bools: at batch 16 on the H100 preset BERT-base's forecast vanilla peak fell from 3,733 to 3,513 MiB). So while a CUDA iteration
 is traced on the meta device (`ops_as_on_cuda`), `torch.batch_norm` (what `F.batch_norm` and the batch-norm modules
 call) calls cuDNN's op wherever PyTorch's `_select_batch_norm_backend` picks cuDNN on a GPU, and dropout (`F.dropout`
 and `torch.dropout`) calls the fused op wherever PyTorch's `is_fused_kernel_acceptable` would; the meta device has

@@ -176,7 +176,7 @@ WORKSPACES = {
     "aten.mkldnn_rnn_layer.default": 3,  # workspace
     "aten._cudnn_rnn.default": 3,  # reserve
     "aten.miopen_rnn.default": 3,  # reserve
-    "aten.cudnn_batch_norm.default": 3,  # reserve (as the hook keeps recipes: recorded, the op is named as below)
+    "aten.cudnn_batch_norm.default": 3,  # reserve, as the hook names the op it keeps recipes of (recorded: RESERVES)
 }
 # cuDNN's batch-norm reserve, where it is not empty: the fourth result of the native batch norm that op is recorded
 # as (tensile.cuda_ops); a batch norm of three results has none

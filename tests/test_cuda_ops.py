@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tensile.cuda_ops import ops_as_on_cuda
 from tensile.runtime_hook import activate, deactivate
+from tensile.runtime_hook.recipes import DeviceRandom, RecipeBook
 from tensile.runtime_hook.report import HookReport
 from tensile.runtime_hook.settings import HookSettings
 from tensile.timeline import build_slots
@@ -165,6 +166,17 @@ def test_a_reserve_cudnn_fills_is_recorded_and_never_recomputed(forecast: Worklo
         assert slots[reserve].recomputable_by is None and slots[output].recomputable_by == op.index
         reader = next(o for o in live.ops if o.phase == "backward" and reserve in o.inputs)
         assert reader.name == BACKWARD and reader.inputs[-1] == reserve
+
+
+@pytest.mark.parametrize("cudnn_on_cpu", [64], indirect=True)
+def test_the_hook_keeps_no_recipe_of_cudnns_reserve(cudnn_on_cpu: int):
+    """Memory cuDNN's kernel leaves partly unwritten (as an RNN's reserve): a replay may give its bytes by chance."""
+    args = (torch.randn(4, 8, 5, 5), torch.ones(8), torch.zeros(8), torch.zeros(8), torch.ones(8), True, 0.1, 1e-5)
+    out = aten.cudnn_batch_norm.default(*args)
+    book = RecipeBook(DeviceRandom(torch.device("cpu")))
+    for tensor in out:
+        book.keep(id(tensor.untyped_storage()), aten.cudnn_batch_norm.default, args, {}, out, None)
+    assert [id(tensor.untyped_storage()) in book for tensor in out] == [True, True, True, False]
 
 
 def recomputed_natively(forecast: Workload, monkeypatch: pytest.MonkeyPatch) -> tuple[HookReport, list[str]]:
