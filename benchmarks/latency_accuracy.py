@@ -296,7 +296,9 @@ def zoo_accuracy(device: str, model_dir: str, prior, jobs: dict, console: Consol
     rows = {}
     for name, real in jobs.items():
         batch = BATCHES[name]
-        workload = trace_workload(name, batch, device="cpu")
+        # as `measure_job` trains it (a zoo probe's per-parameter loops), with the device's ops (on CUDA cuDNN's
+        # batch norm and the fused dropout, `tensile.cuda_ops`)
+        workload = trace_workload(name, batch, device=device, foreach=False)
         source = assign_latencies(workload, device, model_dir)
         predicted = iteration_seconds(workload)
         seen_seconds = sum(op.latency for op in workload.ops if op_key(op) in seen)
