@@ -14,13 +14,13 @@ differs and the job plans from its live iteration, which does (`timeline.RESERVE
 
 The forecast must run CUDA's ops in the first place: on the meta device `_batch_norm_impl_index` takes the native
 path, which first makes an empty reserve of its own (`aten.empty`, an op the CUDA iteration does not run), and
-dropout runs as `bernoulli_` and `mul` (a mask of the input's dtype) where CUDA runs its fused `native_dropout`
-(a mask of bools: at batch 16 on the H100 preset BERT-base's forecast vanilla peak fell from 3,733 to 3,513 MiB). So while a CUDA iteration
-is traced on the meta device (`ops_as_on_cuda`), `torch.batch_norm` (what `F.batch_norm` and the batch-norm modules
-call) calls cuDNN's op wherever PyTorch's `_select_batch_norm_backend` picks cuDNN on a GPU, and dropout (`F.dropout`
-and `torch.dropout`) calls the fused op wherever PyTorch's `is_fused_kernel_acceptable` would; the meta device has
-kernels for both and their backwards. The switch is per thread: the operator traces jobs in threads, some for the
-CPU.
+dropout runs as `bernoulli_` and `mul` (a mask of the input's dtype) where CUDA runs its fused `native_dropout` (a
+mask of bools: at batch 16 on the H100 preset BERT-base's forecast vanilla peak fell from 3,733 to 3,513 MiB with
+it). So while a CUDA iteration is traced on the meta device (`ops_as_on_cuda`), `torch.batch_norm` (what
+`F.batch_norm` and the batch-norm modules call) calls cuDNN's op wherever PyTorch's `_select_batch_norm_backend`
+picks cuDNN on a GPU, and dropout (`F.dropout` and `torch.dropout`) calls the fused op wherever PyTorch's
+`is_fused_kernel_acceptable` would; the meta device has kernels for both and their backwards. The switch is per
+thread: the operator traces jobs in threads, some for the CPU.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def ops_as_on_cuda() -> Iterator[None]:
 def _batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool, momentum: float,
                 eps: float, cudnn_enabled: bool) -> torch.Tensor:
-    if getattr(_tracing_for_cuda, "on", False) and _cudnn_takes(input, weight, bias, running_mean, running_var, training,
-                                                                 cudnn_enabled):
+    tracing = getattr(_tracing_for_cuda, "on", False)
+    if tracing and _cudnn_takes(input, weight, bias, running_mean, running_var, training, cudnn_enabled):
         return CUDNN_BATCH_NORM(input, weight, bias, running_mean, running_var, training, momentum, eps)[0]
     return _NATIVE_BATCH_NORM(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
 

@@ -47,8 +47,8 @@ def cudnn_on_cpu(request: pytest.FixtureRequest) -> Iterator[int]:
                                                               factor, eps)
         return output, mean, invstd, torch.zeros(reserve_bytes, dtype=torch.uint8, device=input.device)
 
-    def backward(input, grad_output, weight, running_mean, running_var, save_mean, save_var, eps,  # type: ignore[no-untyped-def]
-                 reserve):
+    def backward(input, grad_output, weight, running_mean, running_var,  # type: ignore[no-untyped-def]
+                 save_mean, save_var, eps, reserve):
         return aten.native_batch_norm_backward.default(grad_output, input, weight, running_mean, running_var, save_mean,
                                                        save_var, True, eps, [True, True, True])
 
@@ -108,7 +108,8 @@ def ops_run(call: Callable[[], object], names: str = "batch_norm") -> list[str]:
 def meta_batch_norm(shape: tuple[int, ...] = (4, 8, 5, 5), dtype: torch.dtype = torch.float32, affine: bool = True,
                     training: bool = True) -> Callable[[], object]:
     features = shape[1]
-    weight, bias = (torch.ones(features, device="meta"), torch.zeros(features, device="meta")) if affine else (None, None)
+    affine_parameters = torch.ones(features, device="meta"), torch.zeros(features, device="meta")
+    weight, bias = affine_parameters if affine else (None, None)
     stats = torch.zeros(features, device="meta"), torch.ones(features, device="meta")
     return lambda: F.batch_norm(torch.ones(shape, dtype=dtype, device="meta"), *stats, weight, bias, training)
 
@@ -181,8 +182,9 @@ def test_the_hook_keeps_no_recipe_of_cudnns_reserve(cudnn_on_cpu: int):
 
 def recomputed_natively(forecast: Workload, monkeypatch: pytest.MonkeyPatch) -> tuple[HookReport, list[str]]:
     """`blocks` trained plain and under the hook, its batch norms running cuDNN's ops, with the forecast's plan of
-    `feature_recomputes` (the hook plans the same from its live iteration if that one does not match); bit-identical, and conv1, bn1 (with its ReLU) and conv2 released and
-    recomputed in every iteration from the one that aligns them, natively from the next."""
+    `feature_recomputes` (the hook plans the same from its live iteration if that one does not match): bit-identical,
+    and conv1, bn1 (with its ReLU) and conv2 released and recomputed in every iteration from the one that aligns
+    them, natively from the next."""
     with ops_as_on_cuda():
         plain = fit(blocks, 4, STEPS)
         replayed = replayed_ops(monkeypatch)
@@ -207,7 +209,7 @@ def recomputed_natively(forecast: Workload, monkeypatch: pytest.MonkeyPatch) -> 
 def test_a_forecast_whose_batch_norm_runs_cudnns_ops_applies_and_recomputes_it(forecast: Workload, cudnn_on_cpu: int,
                                                                                monkeypatch: pytest.MonkeyPatch):
     report, replayed = recomputed_natively(forecast, monkeypatch)
-    assert report.signature_match is True and report.plan_source == "file", (report.signature_match, report.plan_source)
+    assert (report.signature_match, report.plan_source) == (True, "file")
     assert CUDNN in replayed and NATIVE not in replayed
 
 
@@ -215,11 +217,11 @@ def test_a_forecast_whose_batch_norm_runs_cudnns_ops_applies_and_recomputes_it(f
 def test_with_a_reserve_the_live_iteration_plans_and_batch_norm_is_recomputed(forecast: Workload, cudnn_on_cpu: int,
                                                                                monkeypatch: pytest.MonkeyPatch):
     report, replayed = recomputed_natively(forecast, monkeypatch)
-    assert report.signature_match is False and report.plan_source == "local", (report.signature_match, report.plan_source)
+    assert (report.signature_match, report.plan_source) == (False, "local")
     assert CUDNN in replayed
 
 
-def test_a_cuda_forecast_counts_the_fused_dropouts_mask_of_bools(cudnn_on_cpu: int):
+def test_a_cuda_forecast_counts_the_fused_dropouts_mask_of_bools():
     """Its plan applies where dropout runs the fused op (its outputs recomputed on the dispatch path, from the
     random state the op drew from; the native path leaves them on the device)."""
     forecast = traced("meta", "cuda", noisy)

@@ -212,8 +212,8 @@ def test_a_forecast_has_the_signature_of_the_iteration_that_runs_on_the_gpu(mode
         build = blocks
         parts = blocks(2)
         meta_model, meta_batch = parts[0].to("meta"), tuple(t.to("meta") for t in parts[1])
-        forecast = trace_step(TrainingStep(meta_model, meta_batch, parts[2], [OPTIMIZERS["sgd"](meta_model.parameters())]),
-                              model_name=model, batch_size=2, target_device="cuda")
+        meta_step = TrainingStep(meta_model, meta_batch, parts[2], [OPTIMIZERS["sgd"](meta_model.parameters())])
+        forecast = trace_step(meta_step, model_name=model, batch_size=2, target_device="cuda")
     else:
         build = lambda n: build_zoo_parts("resnet50", n, device="cpu")  # noqa: E731
         forecast = trace_workload("resnet50", 2, optimizer="sgd", device="cuda")
