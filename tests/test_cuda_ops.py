@@ -29,7 +29,7 @@ from tensile.timeline import build_slots
 from tensile.tracer import TrainingStep, trace_step
 from tensile.workload import Workload
 from test_hook_correctness import assert_identical, deterministic, fit, replayed_ops  # noqa: F401
-from test_hook_native_recompute import every_recompute, feature_recomputes, noisy
+from test_hook_native_recompute import assert_blocks_recomputed_natively, every_recompute, feature_recomputes, noisy
 from test_hook_native_swaps import STEPS, blocks
 
 aten = torch.ops.aten
@@ -183,8 +183,7 @@ def test_the_hook_keeps_no_recipe_of_cudnns_reserve(cudnn_on_cpu: int):
 def recomputed_natively(forecast: Workload, monkeypatch: pytest.MonkeyPatch) -> tuple[HookReport, list[str]]:
     """`blocks` trained plain and under the hook, its batch norms running cuDNN's ops, with the forecast's plan of
     `feature_recomputes` (the hook plans the same from its live iteration if that one does not match): bit-identical,
-    and conv1, bn1 (with its ReLU) and conv2 released and recomputed in every iteration from the one that aligns
-    them, natively from the next."""
+    its recomputes carried natively (`assert_blocks_recomputed_natively`); the report and the ops replayed."""
     with ops_as_on_cuda():
         plain = fit(blocks, 4, STEPS)
         replayed = replayed_ops(monkeypatch)
@@ -194,16 +193,9 @@ def recomputed_natively(forecast: Workload, monkeypatch: pytest.MonkeyPatch) -> 
             state = fit(blocks, 4, STEPS)
         finally:
             deactivate()
-    report = executor.report
     assert_identical(plain, state)
-    assert report.stood_down is None, report.stood_down
-    aligned = report.iterations[2]
-    assert aligned.events["release"] == 3 and aligned.recompute_bytes == 3 * 4 * 8 * 8 * 8 * 4, aligned
-    for it in report.iterations[3:]:
-        assert (it.path, it.mode) == ("native", "planned"), (it.path, it.mode, report.messages)
-        assert it.events == aligned.events and it.recompute_bytes == aligned.recompute_bytes, it
-        assert it.swap_out_bytes == 0, it
-    return report, replayed
+    assert_blocks_recomputed_natively(executor.report)
+    return executor.report, replayed
 
 
 def test_a_forecast_whose_batch_norm_runs_cudnns_ops_applies_and_recomputes_it(forecast: Workload, cudnn_on_cpu: int,

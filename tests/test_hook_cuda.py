@@ -83,16 +83,12 @@ def test_native_swaps_on_side_streams_train_bit_identically(micro_batches):
 def test_convolutions_and_cudnns_batch_norms_are_recomputed_natively_and_train_bit_identically():
     """conv1, bn1 (cuDNN's op, with its in-place ReLU) and conv2 released and recomputed in every iteration from the
     one that aligns them (`test_hook_native_recompute.py`'s plan), natively from the next."""
-    from test_hook_native_recompute import feature_recomputes
+    from test_hook_native_recompute import assert_blocks_recomputed_natively, feature_recomputes
 
     plain = fit(on_device(blocks, DEVICE), 4, STEPS)
     state, report = hooked(blocks, feature_recomputes, device=DEVICE)
     assert_identical(plain, state)
-    assert report.stood_down is None, report.stood_down
-    aligned = report.iterations[2]
-    assert aligned.events["release"] == 3 and aligned.recompute_bytes == 3 * 4 * 8 * 8 * 8 * 4, aligned
-    for it in report.iterations[3:]:
-        assert (it.path, it.mode) == ("native", "planned") and it.events == aligned.events and it.swap_out_bytes == 0
+    assert_blocks_recomputed_natively(report)
 
 
 def test_a_divergence_mid_iteration_restores_with_the_compute_stream_waiting_for_the_copies():

@@ -10,6 +10,7 @@ from torch import nn
 from tensile.plan import Event, Plan
 from tensile.runtime_hook.native_recipes import learn
 from tensile.runtime_hook.recipes import Recipe, Step
+from tensile.runtime_hook.report import HookReport
 from tensile.runtime_hook.settings import HookSettings
 from tensile.workload import Workload
 from test_hook_correctness import assert_identical, deterministic, fit  # noqa: F401
@@ -31,19 +32,26 @@ def feature_recomputes(workload: Workload, budget: int | None = None, swap_the_r
     return Plan("job", 1, workload.signature, events)
 
 
+def assert_blocks_recomputed_natively(report: HookReport) -> None:
+    """`blocks` under `feature_recomputes`, with no stand-down: conv1, bn1 (+ ReLU) and conv2 released in the iteration
+    that aligns them (on the dispatch path: every event exactly) and in each native one after it. conv2's recompute
+    reads bn1's output, which reads conv1's: those two come back as its inputs, checked before use, and only conv2's
+    counts as a planned recompute."""
+    assert report.stood_down is None, report.stood_down
+    aligned = report.iterations[2]
+    assert aligned.events["release"] == 3 and aligned.recompute_bytes == 3 * 4 * 8 * 8 * 8 * 4, aligned
+    for it in report.iterations[3:]:
+        assert (it.path, it.mode) == ("native", "planned"), (it.path, it.mode, report.messages)
+        assert it.events == aligned.events and it.recompute_bytes == aligned.recompute_bytes, it
+        assert it.swap_out_bytes == 0, it
+
+
 def test_recomputes_are_carried_natively_and_train_bit_identically():
     plain = fit(blocks, 4, STEPS)
     state, report = hooked(blocks, feature_recomputes)
     assert_identical(plain, state)
-    assert report.stood_down is None and not any("align" in m or "map" in m for m in report.messages), report.messages
-    aligned = report.iterations[2]  # on the dispatch path: every event exactly
-    # conv1, bn1 (+ ReLU) and conv2 released; conv2's recompute reads bn1's output, which reads conv1's: those two
-    # come back as its inputs, checked before use, and only conv2's counts as a planned recompute
-    assert aligned.events["release"] == 3 and aligned.recompute_bytes == 3 * 4 * 8 * 8 * 8 * 4, aligned
-    for it in report.iterations[3:]:
-        assert (it.path, it.mode) == ("native", "planned"), (it.path, it.mode)
-        assert it.events == aligned.events and it.recompute_bytes == aligned.recompute_bytes, it
-        assert it.swap_out_bytes == 0
+    assert not any("align" in m or "map" in m for m in report.messages), report.messages
+    assert_blocks_recomputed_natively(report)
 
 
 def test_recomputes_and_swaps_together_lower_the_measured_peak():
