@@ -1167,14 +1167,21 @@ class PlanExecutor(TorchDispatchMode):
             for swapped in own:
                 if swapped is not None and swapped.key in keys:
                     self._ensure_slot_resident(swapped)
-        result = _tensors(recipe.producer.replay(self.random))[recipe.position]
-        for step in recipe.then:
-            step.replay(self.random, slot.key, result)
-        storage.resize_(slot.nbytes)
-        storage.copy_(result.untyped_storage())
+        stats = self.stats
+        started = perf_counter()  # the replay's ops are the recompute's cost, not the hook's logic: timed apart, as copies are
+        try:
+            result = _tensors(recipe.producer.replay(self.random))[recipe.position]
+            for step in recipe.then:
+                step.replay(self.random, slot.key, result)
+            storage.resize_(slot.nbytes)
+            storage.copy_(result.untyped_storage())
+        finally:
+            spent = perf_counter() - started
+            stats.recompute_seconds += spent
+            stats.hook_seconds -= spent
         slot.recipe = None
         self.recipes.pop(slot.key)  # its inputs need not outlive this
-        self.stats.recompute_bytes += slot.nbytes
+        stats.recompute_bytes += slot.nbytes
 
     # -- budget guard -------------------------------------------------------------------------
     def _evict(self, need: int, protected: set[int]) -> None:

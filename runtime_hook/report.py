@@ -29,8 +29,9 @@ class IterationStats:
     recompute_bytes: int = 0
     passive_evictions: int = 0
     events: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVENT_KINDS, 0))
-    hook_seconds: float = 0.0  # the hook's own logic, without the mover's copies
+    hook_seconds: float = 0.0  # the hook's own logic, without the mover's copies or the recomputes' replays
     transfer_seconds: float = 0.0  # time in the mover's calls (enqueuing copies on CUDA; handing memory over, no copy, on the CPU device)
+    recompute_seconds: float = 0.0  # time replaying recipes into released storages (their ops' kernels on the CPU; enqueuing them on CUDA)
     ops: int = 0
     # what the iteration ran against (HookReport.add stamps them): the guard's budget (None: no budget, or a fraction
     # not yet made bytes), and the forecast scheduled peak of the plan in force. A run's plan and budget change (a
@@ -43,7 +44,7 @@ KEPT_ITERATIONS = 1000  # a long run's report lists its first and its last this 
 
 
 SUMMED = ("seconds", "stall_seconds", "swap_out_bytes", "swap_in_bytes", "recompute_bytes", "passive_evictions",
-          "hook_seconds", "transfer_seconds", "ops")  # IterationStats' figures that add up over iterations
+          "hook_seconds", "transfer_seconds", "recompute_seconds", "ops")  # IterationStats' figures that add up over iterations
 
 
 @dataclass

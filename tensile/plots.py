@@ -93,7 +93,8 @@ def plot_iterations(report: dict, path: str | Path, title: str) -> Path:
     memory.set_ylim(bottom=0)
     memory.legend(loc="lower left", fontsize=8)
     memory.set_title(title, fontsize="medium")
-    for field, label in (("seconds", "iteration"), ("stall_seconds", "stalls"), ("hook_seconds", "inside the hook")):
+    for field, label in (("seconds", "iteration"), ("stall_seconds", "stalls"), ("hook_seconds", "inside the hook"),
+                         ("recompute_seconds", "recomputing")):
         seconds.plot(xs, [it[field] * 1e3 for it in iterations], lw=1, marker=".", label=label)
     seconds.set_yscale("symlog", linthresh=0.01)  # log above 0.01 ms, linear to 0: most iterations stall for 0
     seconds.set_ylabel("ms per iteration")

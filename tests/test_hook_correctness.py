@@ -200,7 +200,8 @@ def test_tensile_run_trains_an_unmodified_script_bit_identically(tmp_path):
     assert [it["mode"] for it in data["iterations"] if it["mode"] not in ("recording", "planned")] == []
     for key in ("vanilla_peak_bytes", "scheduled_peak_bytes", "plan_version", "signature_match", "iterations"):
         assert key in data
-    for key in ("peak_bytes", "seconds", "stall_seconds", "swap_out_bytes", "swap_in_bytes", "recompute_bytes", "events", "hook_seconds"):
+    for key in ("peak_bytes", "seconds", "stall_seconds", "swap_out_bytes", "swap_in_bytes", "recompute_bytes", "events", "hook_seconds",
+                "transfer_seconds", "recompute_seconds"):
         assert key in data["iterations"][0]
 
 

@@ -4,6 +4,9 @@ training stays bit-identical and the measured peak falls."""
 
 from __future__ import annotations
 
+import sys
+import time
+
 import torch
 from torch import nn
 
@@ -52,6 +55,32 @@ def test_recomputes_are_carried_natively_and_train_bit_identically():
     assert_identical(plain, state)
     assert not any("align" in m or "map" in m for m in report.messages), report.messages
     assert_blocks_recomputed_natively(report)
+
+
+def test_the_replays_time_is_the_recomputes_not_the_hooks_own(monkeypatch):
+    """`recompute_seconds` holds the recomputes' replays (the forward's ops run again), apart from `hook_seconds`, the
+    hook's own logic, on both paths: each such replay made 0.2 s slower lands in the first, not in the second. (The
+    one check of a new recipe, a replay compared byte for byte where its op first runs under a plan, is the hook's.)"""
+    slow, replays = 0.2, []
+    replay = Step.replay
+
+    def slowed(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if sys._getframe(1).f_code.co_name == "_recompute":
+            replays.append(self.func)
+            time.sleep(slow)
+        return replay(self, *args, **kwargs)
+
+    monkeypatch.setattr(Step, "replay", slowed)
+    _, report = hooked(blocks, feature_recomputes)
+    assert_blocks_recomputed_natively(report)
+    iterations = report.iterations
+    assert [it.recompute_seconds for it in iterations[:2]] == [0.0, 0.0]  # recorded: nothing released
+    each = len(replays) / len(iterations[2:])  # conv1, bn1 and its ReLU, conv2: the same every iteration
+    assert each == 4, replays
+    for it in iterations[2:]:
+        assert it.recompute_bytes and it.recompute_seconds >= each * slow, (it.path, it.recompute_seconds)
+        # the aligning iteration's own logic took ~0.1 s here, a native one's < 1 ms; counted, the replays add 0.8 s
+        assert 0 <= it.hook_seconds < each * slow / 2, (it.path, it.hook_seconds)
 
 
 def test_recomputes_and_swaps_together_lower_the_measured_peak():

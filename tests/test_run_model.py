@@ -166,7 +166,8 @@ def test_the_iterations_plot_draws_each_iterations_figures(monkeypatch, tmp_path
     report = {"vanilla_peak_bytes": 8 * mib, "iterations": [
         {"iteration": i, "mode": mode, "peak_bytes": peak * mib, "scheduled_peak_bytes": None if plan is None else plan * mib,
          "memory_budget_bytes": None if budget is None else int(budget * mib), "seconds": 0.1 + i / 100,
-         "stall_seconds": 0.0, "hook_seconds": 0.002} for i, mode, peak, plan, budget in rows]}
+         "stall_seconds": 0.0, "hook_seconds": 0.002, "recompute_seconds": 0.004 if mode == "planned" else 0.0}
+        for i, mode, peak, plan, budget in rows]}
     drawn = []
     monkeypatch.setattr(plots, "save_figure", lambda fig, path: drawn.append(fig) or Path(path))
     plots.plot_iterations(report, tmp_path / "p.png", "test")
@@ -180,6 +181,7 @@ def test_the_iterations_plot_draws_each_iterations_figures(monkeypatch, tmp_path
     assert list(lines["vanilla peak"].get_ydata()) == [8, 8]
     times = {line.get_label(): list(line.get_ydata()) for line in seconds.get_lines()}
     assert times["iteration"] == pytest.approx([100, 110, 120, 130, 140]) and times["inside the hook"] == [2.0] * 5
+    assert times["recomputing"] == [0.0, 0.0, 4.0, 0.0, 4.0]
 
 
 def test_on_a_gpu_machine_the_forecast_is_cudas_with_the_gpus_preset(capsys, monkeypatch, tmp_path: Path) -> None:
