@@ -17,6 +17,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils.hooks import RemovableHandle
+
 from tensile.agent_client import AgentClient, AgentError
 from tensile.agent_contract import FAILED, MAX_OP_SAMPLES, ContractError, Measurements, PlanResponse
 from tensile.plan import Plan, rebind
@@ -60,6 +64,12 @@ class AgentLink:
         self._notes: list[str] = []  # for the report, written by the training thread
         self._reachable = True
         self._registrations = 0
+        # whether this process trains (a module call, an iteration): until then a registration waits. A script that
+        # starts the training as a process of its own runs the hook too and trains nothing; registered at its start,
+        # it held the job's name under a token the agent gave it, and the training's own registration was refused (403)
+        self._trains = False
+        self._first_call: RemovableHandle | None = None
+        self._registering = False  # a registration went out (or was tried), which the exit undoes
         self._matched: bool | None = None  # the forecast workload's signature against the live one, to report
         self._match_posted: bool | None = None  # the same, for the agent (sent with every post once known)
         self._source: str | None = None  # plan source to put in the report at the next listener call
@@ -80,16 +90,30 @@ class AgentLink:
         return cls(settings, client, fallback)
 
     def start(self, workload: Workload | None = None) -> AgentLink:
-        """Begin; with the forecast workload (TENSILE_WORKLOAD) the job registers now, so the agent
-        plans while the first iterations run. With only its signature (TENSILE_SIGNATURE: a pod the operator
+        """Begin; with the forecast workload (TENSILE_WORKLOAD) the job registers at its first module call, so the
+        agent plans while the first iterations run. With only its signature (TENSILE_SIGNATURE: a pod the operator
         placed, which registered the job with its forecast at admission) the first round fetches that
-        workload from the agent and registers with it. Otherwise it registers the live one after iteration 1."""
+        workload from the agent and registers with it, as soon. Otherwise it registers the live one after iteration 1."""
         if workload is not None:
             self._register_forecast(workload)
         else:
             self._fetch_forecast = self.settings.signature is not None
+        self._first_call = register_module_forward_pre_hook(self._first_module_call)
         self._thread.start()
         return self
+
+    def _first_module_call(self, module: torch.nn.Module, args: tuple) -> None:
+        self._set_training()
+
+    def _set_training(self) -> None:
+        """This process trains (a module's forward ran, or an iteration ended): a registration waiting for it goes out.
+        The one-shot global pre-hook goes at once: while any is there, every module call takes PyTorch's slow path."""
+        handle, self._first_call = self._first_call, None
+        if handle is not None:
+            handle.remove()
+        with self._lock:
+            self._trains = True
+            self._lock.notify_all()
 
     def _register_forecast(self, workload: Workload) -> None:
         budget = budget_bytes(self.settings.memory_budget, _vanilla_peak(workload)) if self.settings.memory_budget else None
@@ -150,6 +174,8 @@ class AgentLink:
             report.plan_source, self._source = self._source, None
         if self._matched is not None:
             report.signature_match, self._matched = self._matched, None
+        if not self._trains:  # a training of no module calls
+            self._set_training()
         with self._lock:
             self._pending.append(stats)
             if samples is not None and samples.signature == self._signature:
@@ -167,6 +193,9 @@ class AgentLink:
         """At exit: the last figures, then unregister, all within `agent_timeout` seconds (the background thread's call
         in flight, then one attempt each, no retry, on one deadline), saying what was not delivered. With retries and a
         join of its own, an agent that accepted connections and never answered held the exit 7.7 s."""
+        if self._first_call is not None:  # no module ran: the hook goes with the link (tests activate the hook again)
+            self._first_call.remove()
+            self._first_call = None
         if not self._thread.is_alive():
             return
         deadline = time.monotonic() + self.settings.agent_timeout
@@ -180,8 +209,9 @@ class AgentLink:
             return
         if self._thread.is_alive():  # its call holds the client until its own timeout: nothing more can go out
             undelivered = [what for what in (figures, "the unregistration") if what is not None]
-        else:
-            undelivered = [what for what, call in ((figures, self._flush), ("the unregistration", self.client.unregister))
+        else:  # a process that never sent a registration (it trained nothing: a starter) has nothing to unregister
+            unregistration = "the unregistration" if self._registering else None
+            undelivered = [what for what, call in ((figures, self._flush), (unregistration, self.client.unregister))
                            if what is not None and not self._once(call, what, deadline)]
             self.client.close()
         if undelivered:
@@ -267,7 +297,8 @@ class AgentLink:
             self._fetch_forecast = False
             self._take_forecast()
         with self._lock:
-            todo, self._todo = self._todo, None
+            todo, self._todo = (self._todo, None) if self._trains else (None, self._todo)
+            self._registering = self._registering or todo is not None
         if self._refused is not None:
             return
         if todo is not None:

@@ -40,6 +40,11 @@ def _wait(predicate, timeout: float, what: str) -> None:  # type: ignore[no-unty
         time.sleep(0.05)
 
 
+def trains() -> None:
+    """A module call: what tells a link that its process trains (a registration waits for one)."""
+    torch.nn.Identity()(torch.zeros(1))
+
+
 def _tensile_run(url: str, job: str, report: Path, *script_args: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "tensile.cli", "run", "--agent", url, "--job", job, "--report", str(report),
                "--", sys.executable, SCRIPT, *script_args]
@@ -87,6 +92,7 @@ def test_the_link_asks_the_agent_for_the_events_the_hook_would_plan(agent_server
     assert workload.device == "cuda"
     settings = HookSettings(job="ns/link", plan_events=plan_events, recompute=recompute)
     link = AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2)).start(workload)
+    trains()
     try:
         _wait(lambda: _job(agent.url, "link") is not None, 30, "the registration")
         job = _job(agent.url, "link")
@@ -95,12 +101,48 @@ def test_the_link_asks_the_agent_for_the_events_the_hook_would_plan(agent_server
         link.close()
 
 
+def test_a_process_that_trains_nothing_registers_nothing(agent_server, tiny_workload):
+    """A script that starts the training as a process of its own runs the hook too (`tensile run -- ./launch.py`,
+    `accelerate launch`): registered with the forecast at its start, it held the job's name under the token the
+    agent issued it, and the training's registration was refused. The registration waits for a module call, which a
+    one-shot global pre-hook catches and then removes (while there, every module call takes PyTorch's slow path);
+    a link that saw none leaves no hook behind and unregisters nothing at exit."""
+    from torch.nn.modules.module import _global_forward_pre_hooks
+
+    agent = agent_server()
+    hooks = dict(_global_forward_pre_hooks)
+    settings = HookSettings(job="ns/starter", agent_interval=0.05)
+
+    def link() -> AgentLink:
+        return AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2)).start(tiny_workload())
+
+    idle = link()
+    time.sleep(0.5)  # ten rounds of the link's thread
+    assert _job(agent.url, "starter") is None
+    idle.close()
+    assert dict(_global_forward_pre_hooks) == hooks
+    trainer = link()
+    trains()
+    assert dict(_global_forward_pre_hooks) == hooks  # gone at the first module call
+    try:
+        _wait(lambda: _job(agent.url, "starter") is not None, 30, "the trainer's registration")
+        starter = link()  # beside the training (in its own process, it would see none of the training's module calls)
+        time.sleep(0.5)
+        starter.close()  # unregisters nothing: the training's registration stays
+        assert (starter.client.registrations, starter._refused) == (0, None)
+        assert _job(agent.url, "starter") is not None and trainer.client.registrations == 1
+    finally:
+        trainer.close()
+    assert _job(agent.url, "starter") is None and dict(_global_forward_pre_hooks) == hooks
+
+
 def test_the_link_posts_what_tells_the_peak_under_plan_from_the_others(agent_server, tiny_workload):
     """Each iteration's mode and peak source reach the agent: the recorded iterations' vanilla peak and a native
     CPU iteration's forecast (peak_source planned) are no measurement under the plan."""
     agent = agent_server()
     settings = HookSettings(job="ns/link", agent_interval=0.1)
     link = AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2)).start(tiny_workload())
+    trains()
     report = HookReport("ns/link", "cpu")
     try:
         _wait(lambda: _job(agent.url, "link") is not None, 30, "the registration")
@@ -191,6 +233,7 @@ def test_a_plan_the_agent_made_while_the_job_recorded_is_taken_at_the_match(agen
     settings = _agent_settings(agent.url, "ns/early", agent_wait=30.0)
     link = AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2), local_planner(settings, device))
     link.start(_live_workload(tracing_models.views, 4))
+    trains()  # iteration 0's first module call
     _wait(lambda: link._plan_ready(), 30, "the agent's plan at the link")  # before iteration 0 ends
     hooked, report, seconds = _fit_linked(link, settings)
     assert seconds < 20  # not the 30 s agent_wait
@@ -217,7 +260,8 @@ def test_a_pod_the_operator_registered_takes_its_forecast_from_the_agent(agent_s
                             latency_sample_every=0)  # as _agent_settings
     client = AgentClient(agent.url, settings.job, token=token, max_backoff=0.2)
     link = AgentLink(settings, client, local_planner(settings, device)).start()
-    _wait(lambda: link._plan_ready(), 30, "the agent's plan at the link")  # before iteration 0 starts
+    trains()  # iteration 0's first module call
+    _wait(lambda: link._plan_ready(), 30, "the agent's plan at the link")  # before iteration 0 ends
     hooked, report, seconds = _fit_linked(link, settings)
     assert seconds < 20  # not the 30 s agent_wait
     assert_identical(plain, hooked)
@@ -264,6 +308,7 @@ def test_a_failed_round_after_an_upload_gives_no_plan_for_the_forecast_workload(
     settings = _agent_settings(agent.url, "ns/stale", agent_wait=30.0)
     link = AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2), local_planner(settings, torch.device("cpu")))
     link.start(_live_workload(tracing_models.views, 2))  # the forecast: another batch size, another signature
+    trains()
     _wait(lambda: link._response is not None, 30, "the forecast's plan at the link")
 
     def after_step(step: int) -> None:  # the agent hears of the mismatch while the job is registered

@@ -81,6 +81,7 @@ def test_an_agent_that_is_gone_costs_the_exit_nothing(caplog, tiny_workload):
     settings = HookSettings(job="ns/gone", agent_url=url, agent_timeout=1.0, agent_interval=0.05)
     link = AgentLink.from_env(settings, environ={"TENSILE_AGENT": url, "TENSILE_JOB": settings.job}).start(tiny_workload())
     link.listener(IterationStats(0, "recording"), HookReport("ns/gone", "cpu"))
+    time.sleep(0.2)  # the thread has tried its registration: the process trains
     with caplog.at_level(logging.WARNING, logger="tensile.hook"):
         started = time.monotonic()
         link.close()

@@ -20,6 +20,7 @@ from tensile.runtime_hook.latency_samples import OpSamples
 from tensile.runtime_hook.plan_source import local_planner
 from tensile.runtime_hook.report import HookReport, IterationStats
 from tensile.runtime_hook.settings import HookSettings
+from test_hook_agent import trains
 from test_hook_correctness import assert_identical, deterministic, state_of  # noqa: F401
 
 CPU = torch.device("cpu")
@@ -121,6 +122,7 @@ def test_the_link_posts_samples_only_for_the_workload_the_agent_plans_with(agent
     workload = tiny_workload()
     settings = HookSettings(job="ns/samples", agent_interval=0.05)
     link = AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2)).start(workload)
+    trains()
     report = HookReport("ns/samples", "cpu")
     try:
         _wait(lambda: "ns/samples" in agent.agent.state.jobs, 30, "the registration")

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# What docs/gpu-checklist.md asks of a lent GPU, as one prepared call of the device tool: a task that draws a machine
+# has 15 minutes of device time in all (the machine's start, a minute or two, included) and 10 minutes a call, so
+# every item runs under its own timeout and the whole ends inside 9 minutes, leaving time to rerun one item.
+#
+#   run(command="bash benchmarks/gpu_session.sh", timeout_s=600)
+#
+# Each item's output and files land in $OUT (at most 8 files come back): the CUDA tests' log, the five
+# models' real training (MSR from max_memory_allocated, EOR, bit-identity), `tensile run --model`'s report, the
+# hook's overhead (a log and, where there is one, a JSON file each), and this script's own log: the device, each
+# item's exit status, seconds and last lines. Commit the JSON files under
+# benchmarks/results/ (named by the device) and say in docs/ what ran.
+#
+# Settings (environment): PYTHON (python3), ITEMS (which items, in order: tests real_training run_model
+# hook_overhead), MODELS (real_training's, comma-separated; the paper's five by default), BATCH (16), and each item's
+# timeout in seconds: TESTS_S (150), REAL_S (240), RUN_S (60), OVERHEAD_S (75). On a machine without CUDA the same
+# script runs on the CPU device (the CUDA tests skip): `MODELS=resnet50 BATCH=2 OUT=/tmp/gs bash benchmarks/gpu_session.sh`.
+set -uo pipefail
+R=$(cd "$(dirname "$0")/.." && pwd)
+cd "$R"
+OUT=${OUT:?set OUT to a folder for the results}
+PYTHON=${PYTHON:-python3}
+ITEMS=${ITEMS:-tests real_training run_model hook_overhead}
+BATCH=${BATCH:-16}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+LOG="$OUT/session.log"
+STARTED=$(mktemp)  # results files newer than this one were written by this call
+
+say() { echo "gpu_session: $*" | tee -a "$LOG"; }
+
+# The device's python holds torch and this package's other needs, not the package: install it beside them, without
+# dependencies (its pins are for CI's CPU machines, not the device's image)
+if ! "$PYTHON" -c "import tensile.runtime_hook" 2>/dev/null; then
+    "$PYTHON" -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/tensile-site . >>"$LOG" 2>&1 \
+        || { say "installing the package failed (see session.log)"; exit 1; }
+    export PYTHONPATH=/tmp/tensile-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+say "$( (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "no nvidia-smi"
+         "$PYTHON" -c "import torch; print('torch', torch.__version__)") | tr '\n' ' ')"
+DEVICE=$("$PYTHON" -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
+
+item() {  # NAME SECONDS COMMAND...: one item under its timeout, its status and seconds in the log
+    local name=$1 limit=$2 started=$SECONDS status
+    shift 2
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    status=$?
+    say "$name: exit $status after $((SECONDS - started)) s (limit $limit s)$([ $status = 124 ] && echo ', timed out')"
+    tail -n 5 "$OUT/$name.log" | sed 's/^/    /' | tee -a "$LOG"
+}
+
+fresh() {  # the results file an item wrote in this call (the folder holds earlier devices' files too)
+    find benchmarks/results -name "$1*.json" -newer "$STARTED" -exec cp {} "$OUT/" \;
+}
+
+for name in $ITEMS; do
+    case $name in
+        tests)  # from outside the repository: its operator/ folder would shadow Python's own operator module
+            item cuda_tests "${TESTS_S:-150}" bash -c "cd /tmp && '$PYTHON' -m pytest -q -p no:cacheprovider \
+                '$R/tests/test_movers_cuda.py' '$R/tests/test_latency_cuda.py' '$R/tests/test_hook_cuda.py'" ;;
+        real_training)
+            item real_training "${REAL_S:-240}" "$PYTHON" benchmarks/real_training.py --batch-size "$BATCH" \
+                ${MODELS:+--models "$MODELS"}
+            fresh real_training ;;
+        run_model)  # the forecast traced for this device and planned with its preset; the plan applied if it matches
+            item run_model "${RUN_S:-60}" "$PYTHON" -m tensile.cli run --model resnet50 --batch-size "$BATCH" \
+                --memory-budget 0.6 --report "$OUT/run_model_report.json" -- "$PYTHON" examples/train_zoo.py resnet50 \
+                --batch-size "$BATCH" ;;
+        hook_overhead)
+            item hook_overhead "${OVERHEAD_S:-75}" "$PYTHON" benchmarks/hook_overhead.py --device "$DEVICE" \
+                --batch-size "$BATCH"
+            fresh hook_overhead ;;
+        *) say "unknown item '$name' (known: tests real_training run_model hook_overhead)" ;;
+    esac
+done
+say "done after $SECONDS s"
