@@ -19,27 +19,33 @@ set -uo pipefail
 R=$(cd "$(dirname "$0")/.." && pwd)
 cd "$R"
 OUT=${OUT:?set OUT to a folder for the results}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # the items that run from /tmp write there too
 PYTHON=${PYTHON:-python3}
+case $PYTHON in */*) PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")" ;; esac  # the tests run from /tmp
 ITEMS=${ITEMS:-tests real_training run_model hook_overhead}
 BATCH=${BATCH:-16}
-export PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-160}  # rich's tables, unfolded in the logs
 LOG="$OUT/session.log"
 STARTED=$(mktemp)  # results files newer than this one were written by this call
 
 say() { echo "gpu_session: $*" | tee -a "$LOG"; }
+# Python from outside the repository: from its root, its tensile/ and operator/ folders would shadow the laid-out
+# package and Python's own operator module (`-c` and `-m` put the current folder first on the path)
+python_c() { (cd /tmp && "$PYTHON" -c "$@"); }
 
-# The device's python holds torch and this package's other needs, not the package: install it beside them, without
-# dependencies (its pins are for CI's CPU machines, not the device's image)
-if ! "$PYTHON" -c "import tensile.runtime_hook" 2>/dev/null; then
-    "$PYTHON" -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/tensile-site . >>"$LOG" 2>&1 \
-        || { say "installing the package failed (see session.log)"; exit 1; }
-    export PYTHONPATH=/tmp/tensile-site${PYTHONPATH:+:$PYTHONPATH}
+# The device's python holds torch and this package's other needs, not the package: lay it out beside them as
+# pyproject.toml's package-dir maps it (no build: a pip build wants setuptools>=68, which an image may lack; no
+# dependencies: the pins are for CI's CPU machines, not the device's image)
+if ! python_c "import tensile.runtime_hook" 2>/dev/null; then
+    SITE=/tmp/tensile-site
+    rm -rf "$SITE" && mkdir -p "$SITE" && cp -r tensile "$SITE/" || { say "laying out the package failed"; exit 1; }
+    for part in runtime_hook operator node_agent; do cp -r "$part" "$SITE/tensile/$part"; done
+    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-say "$( (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "no nvidia-smi"
-         "$PYTHON" -c "import torch; print('torch', torch.__version__)") | tr '\n' ' ')"
-DEVICE=$("$PYTHON" -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
+say "$( (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+         python_c "import torch; print('torch', torch.__version__)") | tr '\n' ' ')"
+DEVICE=$(python_c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 
 item() {  # NAME SECONDS COMMAND...: one item under its timeout, its status and seconds in the log
     local name=$1 limit=$2 started=$SECONDS status
@@ -56,7 +62,7 @@ fresh() {  # the results file an item wrote in this call (the folder holds earli
 
 for name in $ITEMS; do
     case $name in
-        tests)  # from outside the repository: its operator/ folder would shadow Python's own operator module
+        tests)  # `-m`, from outside the repository
             item cuda_tests "${TESTS_S:-150}" bash -c "cd /tmp && '$PYTHON' -m pytest -q -p no:cacheprovider \
                 '$R/tests/test_movers_cuda.py' '$R/tests/test_latency_cuda.py' '$R/tests/test_hook_cuda.py'" ;;
         real_training)
@@ -64,9 +70,9 @@ for name in $ITEMS; do
                 ${MODELS:+--models "$MODELS"}
             fresh real_training ;;
         run_model)  # the forecast traced for this device and planned with its preset; the plan applied if it matches
-            item run_model "${RUN_S:-60}" "$PYTHON" -m tensile.cli run --model resnet50 --batch-size "$BATCH" \
-                --memory-budget 0.6 --report "$OUT/run_model_report.json" -- "$PYTHON" examples/train_zoo.py resnet50 \
-                --batch-size "$BATCH" ;;
+            item run_model "${RUN_S:-60}" bash -c "cd /tmp && '$PYTHON' -m tensile.cli run --model resnet50 \
+                --batch-size $BATCH --memory-budget 0.6 --report '$OUT/run_model_report.json' -- '$PYTHON' \
+                '$R/examples/train_zoo.py' resnet50 --batch-size $BATCH" ;;
         hook_overhead)
             item hook_overhead "${OVERHEAD_S:-75}" "$PYTHON" benchmarks/hook_overhead.py --device "$DEVICE" \
                 --batch-size "$BATCH"

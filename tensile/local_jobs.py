@@ -10,8 +10,6 @@ from __future__ import annotations
 import copy
 import functools
 import re
-import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import yaml
 
 from tensile.errors import TensileUserError
 from tensile.operator.model import SpecError, parse_spec, unknown_annotations_message
+from tensile.training_command import local_command
 
 CRD = Path(__file__).resolve().parents[1] / "crds" / "trainingjobs.tensile.dev.yaml"
 # Kubernetes' names: a custom resource's metadata.name is a DNS-1123 subdomain, a namespace a DNS-1123 label
@@ -196,23 +195,6 @@ def _job(doc: object, path: Path, at: str) -> LocalJob:
                     max_swap_rate=knobs.max_swap_rate, command=command, problem=problem, plan_events=knobs.plan_events,
                     recompute=knobs.recompute, memory_budget_field=knobs.budget_field, max_swap_rate_field=knobs.swap_rate_field,
                     unknown_annotations=unknown_annotations_message(knobs.unknown_annotations) if knobs.unknown_annotations else None)
-
-
-def local_command(command: list[str]) -> tuple[list[str], str | None]:
-    """The container command as it runs here (from the current directory): `python` is this Python
-    (the one with Tensile), and so is torchrun's (it starts its workers with its own Python); a program or script
-    that does not exist here is a problem, not a crash."""
-    program, *rest = command
-    if Path(program).name == "torchrun":
-        program, rest = "python", ["-m", "torch.distributed.run", *rest]
-    if Path(program).name in ("python", "python3"):
-        program = sys.executable
-        script = next((a for a in rest if not a.startswith("-")), None)
-        if script is not None and script.endswith(".py") and not Path(script).exists():
-            return [program, *rest], f"cannot run locally: {script} does not exist here (the command runs from {Path.cwd()})"
-    elif shutil.which(program) is None:
-        return command, f"cannot run locally: no program '{program}' here"
-    return [program, *rest], None
 
 
 def load_jobs(paths: list[str]) -> list[LocalJob]:

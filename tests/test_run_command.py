@@ -385,3 +385,34 @@ def test_tensile_run_refuses_a_bad_setting_from_the_environment_before_the_comma
     said = " ".join(capsys.readouterr().err.split())
     assert named.format(tmp=tmp_path) in said and "set in the environment: fix or unset it" in said, said
     assert not ran.exists() and not list(tmp_path.glob("tensile-*"))  # refused before anything was made
+
+
+# what the cluster's and the local runner's parts need; the GPU image docs/gpu-checklist.md runs on has none of them
+CLUSTER_PARTS = ("jsonschema", "fastapi", "uvicorn", "kopf", "kubernetes", "kubernetes_validate")
+
+
+def test_tensile_run_needs_none_of_the_cluster_parts(tmp_path: Path) -> None:
+    """`tensile run` runs in the training's environment, which may hold only what the hook needs: building the CLI's
+    parsers imported every command's module, `tensile local`'s reader of TrainingJob files among them, which imports
+    jsonschema (on a GPU image without it, `tensile run` died before the training started). A run of a training under
+    the hook, with those modules refused, goes through and asks for none of them."""
+    probe = (
+        "import sys\n"
+        f"PARTS = {CLUSTER_PARTS!r}\n"
+        "asked = []\n"
+        "class Refuse:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in PARTS:\n"
+        "            asked.append(name)\n"
+        "            raise ModuleNotFoundError(f'no module named {name!r} in this image')\n"
+        "sys.meta_path.insert(0, Refuse())\n"
+        "from tensile.cli import main\n"
+        f"code = main(['run', '--memory-budget', '0.6', '--report', {str(tmp_path / 'r.json')!r}, '--', sys.executable,"
+        f" {str(SCRIPT)!r}, '--steps', '3'])\n"
+        "print('asked for:', sorted(set(asked)))\n"
+        "sys.exit(code)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=os.environ | FAST)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "asked for: []", done.stdout
+    assert len(json.loads((tmp_path / "r.json").read_text())["iterations"]) == 3

@@ -14,7 +14,6 @@ from rich.live import Live
 
 from tensile.commands import output_file, output_folder
 from tensile.errors import TensileUserError
-from tensile.local_jobs import load_jobs
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -36,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tensile.commands.run import check_environment
     from tensile.local_agent import LocalAgent
+    from tensile.local_jobs import load_jobs  # here, not at the top: `tensile run` builds this parser too, in images without jsonschema
     from tensile.local_runner import POLL_SECONDS, LocalRunner
     from tensile.local_view import job_view, plot_peaks
     from tensile.node_agent.gpus import simulated_gpus

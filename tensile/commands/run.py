@@ -24,7 +24,7 @@ from tensile.commands import option_value, output_file
 from tensile.errors import TensileUserError
 from tensile.forecast import DEFAULT_BATCH_SIZE, DTYPES, OPTIMIZERS
 from tensile.knobs import parse_swap_rate
-from tensile.local_jobs import local_command
+from tensile.training_command import local_command
 from tensile.plan import PLAN_EVENTS, load_plan
 from tensile.runtime_hook.plan_source import load_plan_files
 from tensile.runtime_hook.report import PlanPeak, RunTotals, UnderPlan
