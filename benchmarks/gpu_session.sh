@@ -14,14 +14,16 @@
 # Settings (environment): PYTHON (python3), ITEMS (which items, in order: tests real_training run_model
 # hook_overhead), MODELS (real_training's, comma-separated; the paper's five by default), BATCH (16), and each item's
 # timeout in seconds: TESTS_S (150), REAL_S (240), RUN_S (60), OVERHEAD_S (75). On a machine without CUDA the same
-# script runs on the CPU device (the CUDA tests skip): `MODELS=resnet50 BATCH=2 OUT=/tmp/gs bash benchmarks/gpu_session.sh`.
+# script runs on the CPU device (the CUDA tests skip):
+#   MODELS=resnet50 BATCH=2 OUT=/tmp/gs PYTHON=.venv/bin/python bash benchmarks/gpu_session.sh
 set -uo pipefail
 R=$(cd "$(dirname "$0")/.." && pwd)
 cd "$R"
 OUT=${OUT:?set OUT to a folder for the results}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # the items that run from /tmp write there too
 PYTHON=${PYTHON:-python3}
-case $PYTHON in */*) PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")" ;; esac  # the tests run from /tmp
+# made absolute: the tests run from /tmp
+case $PYTHON in */*) PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")" ;; esac
 ITEMS=${ITEMS:-tests real_training run_model hook_overhead}
 BATCH=${BATCH:-16}
 export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-160}  # rich's tables, unfolded in the logs
@@ -43,7 +45,8 @@ if ! python_c "import tensile.runtime_hook" 2>/dev/null; then
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-say "$( (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+say "$( (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null \
+           || echo "no nvidia-smi"
          python_c "import torch; print('torch', torch.__version__)") | tr '\n' ' ')"
 DEVICE=$(python_c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 

@@ -92,8 +92,8 @@ class AgentLink:
     def start(self, workload: Workload | None = None) -> AgentLink:
         """Begin; with the forecast workload (TENSILE_WORKLOAD) the job registers at its first module call, so the
         agent plans while the first iterations run. With only its signature (TENSILE_SIGNATURE: a pod the operator
-        placed, which registered the job with its forecast at admission) the first round fetches that
-        workload from the agent and registers with it, as soon. Otherwise it registers the live one after iteration 1."""
+        placed, which registered the job with its forecast at admission) the first round fetches that workload
+        from the agent and registers with it, as soon. Otherwise it registers the live one after iteration 1."""
         if workload is not None:
             self._register_forecast(workload)
         else:
