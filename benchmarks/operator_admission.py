@@ -33,7 +33,7 @@ from operator_harness import cluster, fake_kubelet, simulated_gpu, start_operato
 
 from tensile.latency.measure import HostLoad  # noqa: E402
 from tensile.operator.forecasting import Forecaster  # noqa: E402
-from tensile.operator.model import parse_spec  # noqa: E402
+from tensile.trainingjob_spec import parse_spec  # noqa: E402
 
 MODELS = [("vgg16", 1), ("gpt2", 1), ("bert_base", 1)]
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from tensile.agent_contract import utc_timestamp
 from tensile.knobs import memory_text
-from tensile.operator import model
+from tensile import trainingjob_spec as model
 from tensile.operator.agent import FORWARDED, UNREGISTERED, AgentLink
 from tensile.operator.events import NORMAL, Recorder, Said, transitions
 from tensile.operator.forecasting import Forecaster, ForecastError, JobForecast

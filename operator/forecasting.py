@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tensile.lru import Lru
 from tensile.operator.heap import freeze_long_lived
-from tensile.operator.model import PlanScope, WorkloadSpec
+from tensile.trainingjob_spec import PlanScope, WorkloadSpec
 from tensile.workload import Workload
 
 log = logging.getLogger("tensile.operator.forecast")

@@ -11,7 +11,7 @@ import kopf
 from tensile.errors import TensileUserError
 from tensile.operator import GROUP, VERSION
 from tensile.operator.admission import Admission
-from tensile.operator.model import ANNOTATION_PREFIX, ANNOTATIONS
+from tensile.trainingjob_spec import ANNOTATION_PREFIX, ANNOTATIONS
 from tensile.operator.pods import JOB_LABEL
 from tensile.operator.validation import check, warnings as admission_warnings
 

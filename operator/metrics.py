@@ -17,7 +17,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tensile.errors import TensileUserError
-from tensile.operator.model import PHASES
+from tensile.trainingjob_spec import PHASES
 
 DEFAULT_PORT = 8080
 PORT_ENV = "TENSILE_OPERATOR_METRICS_PORT"

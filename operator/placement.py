@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from tensile.knobs import memory_text
 from tensile.lru import Lru
 from tensile.operator.forecasting import DEFAULT_BANDWIDTH, JobForecast
-from tensile.operator.model import GpuSelector
+from tensile.trainingjob_spec import GpuSelector
 
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 from tensile.errors import TensileUserError
 from tensile.knobs import unreachable_budget_text
-from tensile.operator import model
+from tensile import trainingjob_spec as model
 from tensile.operator.forecasting import Forecaster, ForecastError, JobForecast
 from tensile.operator.placement import Gpu
 from tensile.zoo import zoo_entry

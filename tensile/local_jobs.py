@@ -17,7 +17,7 @@ import jsonschema
 import yaml
 
 from tensile.errors import TensileUserError
-from tensile.operator.model import SpecError, parse_spec, unknown_annotations_message
+from tensile.trainingjob_spec import SpecError, parse_spec, unknown_annotations_message
 from tensile.training_command import local_command
 
 CRD = Path(__file__).resolve().parents[1] / "crds" / "trainingjobs.tensile.dev.yaml"

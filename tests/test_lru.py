@@ -8,7 +8,7 @@ import pytest
 
 from tensile.lru import Lru
 from tensile.operator.forecasting import Forecaster
-from tensile.operator.model import PlanScope, WorkloadSpec
+from tensile.trainingjob_spec import PlanScope, WorkloadSpec
 
 
 def test_lru_keeps_the_most_recently_used_entries():

@@ -19,7 +19,7 @@ from operator_harness import (GIB, cluster, fake_kubelet, gpu_held_by_big, jitte
                               serve_pods, simulated_gpu, start_operator, trainingjob)
 from tensile.errors import TensileUserError
 from tensile.operator.metrics import OperatorMetrics, metrics_port
-from tensile.operator.model import PlanScope, SpecError, parse_spec
+from tensile.trainingjob_spec import PlanScope, SpecError, parse_spec
 from tensile.operator.placement import Booking, JointPlanner, Ledger, gpus_from_tensilenode
 from tensile.operator.rbac import RULES
 from tensile.plan import PLAN_EVENTS
@@ -548,7 +548,7 @@ def test_a_finished_job_frees_its_room_only_once_its_end_is_written():
     end was in flight landed before it, and the statuses showed the GPU over-committed (the 60-job restart
     test's failure, seen after a restart's burst of ends and placements; here the end is held back)."""
     from tensile.operator.admission import Admission, Pending
-    from tensile.operator.model import parse_spec
+    from tensile.trainingjob_spec import parse_spec
     from tensile.operator.placement import Gpu
 
     app = Admission()
@@ -894,7 +894,7 @@ def test_a_job_deleted_while_the_joint_planner_places_it_gets_no_pod_and_no_room
     import threading
 
     import tensile.operator.admission as admission
-    from tensile.operator.model import parse_spec
+    from tensile.trainingjob_spec import parse_spec
     from tensile.operator.placement import Decision, Gpu
 
     planning, planned = threading.Event(), threading.Event()

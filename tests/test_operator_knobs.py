@@ -17,7 +17,7 @@ import yaml
 
 from operator_harness import GIB, cluster, gpu_held_by_big, phase, pod_env, simulated_gpu, start_operator, trainingjob
 from tensile.knobs import memory_text, parse_swap_rate, unreachable_budget_text
-from tensile.operator.model import SpecError, parse_spec, unknown_annotations
+from tensile.trainingjob_spec import SpecError, parse_spec, unknown_annotations
 from tensile.operator.placement import Booking, Candidate, Gpu, JointPlanner, Ledger, choose
 from tensile.operator.pods import HOOK_SECURITY_CONTEXT, build_pod
 from tensile.operator.validation import check, unreachable_budget

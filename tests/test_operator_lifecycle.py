@@ -14,7 +14,7 @@ from operator_harness import (GIB, cluster, gpu_held_by_big, phase, pod_env, sim
 from tensile.operator.admission import Admission, job_key
 from tensile.operator.forecasting import Forecaster
 from tensile.operator.kube import KubeError, NotFound
-from tensile.operator.model import parse_spec
+from tensile.trainingjob_spec import parse_spec
 from tensile.operator.placement import Booking, Gpu
 from tensile.operator.pods import build_pod
 

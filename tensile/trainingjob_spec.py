@@ -2,7 +2,8 @@
 
 Every problem is a `SpecProblem`: the field it is about and a message that says how to fix it. The
 webhook, the create handler and the CLI all use these functions, so a cluster without the webhook
-still reports the same messages (as a Failed phase with a condition).
+still reports the same messages (as a Failed phase with a condition). In the core, not in `operator/`: the local
+runner reads TrainingJob files with it too, and the core imports nothing of the operator (DESIGN section 2).
 """
 
 from __future__ import annotations
