@@ -35,20 +35,22 @@ say() { echo "gpu_session: $*" | tee -a "$LOG"; }
 # package and Python's own operator module (`-c` and `-m` put the current folder first on the path)
 python_c() { (cd /tmp && "$PYTHON" -c "$@"); }
 
-# The device's python holds torch and this package's other needs, not the package: lay it out beside them as
-# pyproject.toml's package-dir maps it (no build: a pip build wants setuptools>=68, which an image may lack; no
-# dependencies: the pins are for CI's CPU machines, not the device's image)
+# The device's python holds torch and this package's other needs, not the package: lay it out beside them by
+# pyproject.toml's package-dir (no build: a pip build wants setuptools>=68, which an image may lack; no dependencies:
+# the pins are for CI's CPU machines, not the device's image)
 if ! python_c "import tensile.runtime_hook" 2>/dev/null; then
     SITE=/tmp/tensile-site
-    rm -rf "$SITE" && mkdir -p "$SITE" && cp -r tensile "$SITE/" || { say "laying out the package failed"; exit 1; }
-    for part in runtime_hook operator node_agent; do cp -r "$part" "$SITE/tensile/$part"; done
+    rm -rf "$SITE"
+    python_c "import shutil, sys, tomllib
+for package, folder in tomllib.load(open(sys.argv[1], 'rb'))['tool']['setuptools']['package-dir'].items():
+    shutil.copytree(f'{sys.argv[2]}/{folder}', f'{sys.argv[3]}/' + package.replace('.', '/'), dirs_exist_ok=True)" \
+        "$R/pyproject.toml" "$R" "$SITE" || { say "laying out the package failed"; exit 1; }
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-say "$( (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null \
-           || echo "no nvidia-smi"
-         python_c "import torch; print('torch', torch.__version__)") | tr '\n' ' ')"
-DEVICE=$(python_c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
+read -r TORCH DEVICE < <(python_c "import torch; print(torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')")
+say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi");" \
+    "torch $TORCH on $DEVICE"
 
 item() {  # NAME SECONDS COMMAND...: one item under its timeout, its status and seconds in the log
     local name=$1 limit=$2 started=$SECONDS status

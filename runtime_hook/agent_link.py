@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -98,12 +97,9 @@ class AgentLink:
             self._register_forecast(workload)
         else:
             self._fetch_forecast = self.settings.signature is not None
-        self._first_call = register_module_forward_pre_hook(self._first_module_call)
+        self._first_call = register_module_forward_pre_hook(lambda module, args: self._set_training())
         self._thread.start()
         return self
-
-    def _first_module_call(self, module: torch.nn.Module, args: tuple) -> None:
-        self._set_training()
 
     def _set_training(self) -> None:
         """This process trains (a module's forward ran, or an iteration ended): a registration waiting for it goes out.
@@ -207,10 +203,11 @@ class AgentLink:
         if self._refused is not None:
             self.client.close()
             return
+        # a process that never sent a registration (it trained nothing: a starter) has nothing to unregister
+        unregistration = "the unregistration" if self._registering else None
         if self._thread.is_alive():  # its call holds the client until its own timeout: nothing more can go out
-            undelivered = [what for what in (figures, "the unregistration") if what is not None]
-        else:  # a process that never sent a registration (it trained nothing: a starter) has nothing to unregister
-            unregistration = "the unregistration" if self._registering else None
+            undelivered = [what for what in (figures, unregistration) if what is not None]
+        else:
             undelivered = [what for what, call in ((figures, self._flush), (unregistration, self.client.unregister))
                            if what is not None and not self._once(call, what, deadline)]
             self.client.close()

@@ -24,8 +24,8 @@ TRAIN = ROOT / "examples" / "train_mlp.py"
 MODEL = "examples/tiny_mlp.py:build"  # what examples/train_mlp.py trains
 BATCH, STEPS = 32, 4
 # the product's timeout of an agent call, not FAST's 0.5 s (made for exits from hung agents): a registration the agent
-# answers in 0.8 s (measured: a slowed one; seen in a loaded suite run) reads as an agent that is away, and a job of
-# iterations as short as these then plans locally
+# answers in 0.8 s (an agent slowed on purpose, measured) reads as an agent that is away, and a job of iterations as
+# short as these then plans locally (a loaded suite run once planned locally so; its cause was not confirmed)
 AGENT_CALLS = {"TENSILE_AGENT_TIMEOUT": "2"}
 
 
