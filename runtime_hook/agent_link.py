@@ -16,7 +16,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -63,9 +65,10 @@ class AgentLink:
         self._notes: list[str] = []  # for the report, written by the training thread
         self._reachable = True
         self._registrations = 0
-        # whether this process trains (a module call, an iteration): until then a registration waits. A script that
-        # starts the training as a process of its own runs the hook too and trains nothing; registered at its start,
-        # it held the job's name under a token the agent gave it, and the training's own registration was refused (403)
+        # whether this process trains (a module call with gradients on, an iteration): until then a registration waits.
+        # A script that starts the training as a process of its own runs the hook too and trains nothing (or checks the
+        # model under no_grad); registered, it held the job's name under a token the agent gave it, and the training's
+        # own registration was refused (403)
         self._trains = False
         self._first_call: RemovableHandle | None = None
         self._registering = False  # a registration went out (or was tried), which the exit undoes
@@ -97,13 +100,19 @@ class AgentLink:
             self._register_forecast(workload)
         else:
             self._fetch_forecast = self.settings.signature is not None
-        self._first_call = register_module_forward_pre_hook(lambda module, args: self._set_training())
+        self._first_call = register_module_forward_pre_hook(self._module_called)
         self._thread.start()
         return self
 
+    def _module_called(self, module: torch.nn.Module, args: Any) -> None:
+        """A module call with gradients on trains; one without (a launcher's summary or sanity check, an evaluation
+        before training) does not yet, and the pre-hook stays for the next call."""
+        if torch.is_grad_enabled():
+            self._set_training()
+
     def _set_training(self) -> None:
-        """This process trains (a module's forward ran, or an iteration ended): a registration waiting for it goes out.
-        The one-shot global pre-hook goes at once: while any is there, every module call takes PyTorch's slow path."""
+        """This process trains (a module's forward with gradients, or an iteration's end): a registration waiting for it
+        goes out. The global pre-hook goes at once: while any is there, every module call takes PyTorch's slow path."""
         handle, self._first_call = self._first_call, None
         if handle is not None:
             handle.remove()

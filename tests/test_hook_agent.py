@@ -104,9 +104,10 @@ def test_the_link_asks_the_agent_for_the_events_the_hook_would_plan(agent_server
 def test_a_process_that_trains_nothing_registers_nothing(agent_server, tiny_workload):
     """A script that starts the training as a process of its own runs the hook too (`tensile run -- ./launch.py`,
     `accelerate launch`): registered with the forecast at its start, it held the job's name under the token the
-    agent issued it, and the training's registration was refused. The registration waits for a module call, which a
-    one-shot global pre-hook catches and then removes (while there, every module call takes PyTorch's slow path);
-    a link that saw none leaves no hook behind and unregisters nothing at exit."""
+    agent issued it, and the training's registration was refused. The registration waits for a module call with
+    gradients on (a call under no_grad, a launcher's summary of the model, does not train), which a global pre-hook
+    catches and then removes (while there, every module call takes PyTorch's slow path); a link that saw none leaves
+    no hook behind and unregisters nothing at exit."""
     from torch.nn.modules.module import _global_forward_pre_hooks
 
     agent = agent_server()
@@ -117,6 +118,8 @@ def test_a_process_that_trains_nothing_registers_nothing(agent_server, tiny_work
         return AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2)).start(tiny_workload())
 
     idle = link()
+    with torch.no_grad():  # a launcher's model summary, an evaluation before training: not training yet
+        trains()
     time.sleep(0.5)  # ten rounds of the link's thread
     assert _job(agent.url, "starter") is None
     idle.close()

@@ -215,6 +215,9 @@ def test_on_a_gpu_machine_the_forecast_is_cudas_with_the_gpus_preset(capsys, mon
 LAUNCHERS = {"torchrun": (str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node=1"),
              "torch.distributed.run": ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"),
              "a script": ("-c", "import subprocess, sys; subprocess.run([sys.executable, *sys.argv[1:]], check=True)")}
+# a starter that runs the model once without gradients first (a summary, a sanity check) before it starts the training
+CHECKING_LAUNCHER = ("-c", "import subprocess, sys, torch\nwith torch.no_grad(): torch.nn.Linear(2, 2)(torch.zeros(1, 2))\n"
+                           "subprocess.run([sys.executable, *sys.argv[1:]], check=True)")
 
 
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
@@ -228,14 +231,16 @@ def test_the_process_that_trains_is_the_job_not_the_one_that_starts_it(launcher:
     assert "no optimizer step" not in said, said
 
 
-def test_with_an_agent_the_process_that_trains_registers_not_the_one_that_starts_it(agent_server, tmp_path: Path,
-                                                                                   plain: dict) -> None:
+@pytest.mark.parametrize("launcher", [LAUNCHERS["a script"], CHECKING_LAUNCHER], ids=["a script", "one that checks the model"])
+def test_with_an_agent_the_process_that_trains_registers_not_the_one_that_starts_it(launcher: tuple[str, ...], agent_server,
+                                                                                   tmp_path: Path, plain: dict) -> None:
     """A script that starts the training runs under the hook too. Registered at its start with the traced workload, it
     held the job's name under the token the agent gave it, and the training's own registration was refused (403): the
-    job planned locally. Only a process that trains registers; the starter trains nothing and leaves the agent alone."""
+    job planned locally. Only a process that trains registers; the starter trains nothing (a forward under no_grad, as
+    a model summary runs, is no training) and leaves the agent alone."""
     agent = agent_server()
     hooked, report, said = _train(tmp_path, "launched-agent", "--agent", agent.url, "--model", MODEL, "--batch-size",
-                                  str(BATCH), train=(*LAUNCHERS["a script"], str(TRAIN)), env=AGENT_CALLS)
+                                  str(BATCH), train=(*launcher, str(TRAIN)), env=AGENT_CALLS)
     _assert_identical(plain, hooked)
     assert "wrong_token" not in said and "registered already" not in said, said
     assert report is not None and report["plan_source"] == "agent" and report["signature_match"] is True, said
