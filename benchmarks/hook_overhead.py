@@ -36,7 +36,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tensile.latency.calibrate import local_device
+from tensile.latency.calibrate import local_device, torch_device
 from tensile.latency.measure import HostLoad, synchronize
 from tensile.plan import Plan
 from tensile.runtime_hook import activate, deactivate
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     device_type, device_key, device_name = local_device(args.device)
-    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    device = torch_device(device_type)
     console = Console()
     host_load = HostLoad()
     rows = []

@@ -38,7 +38,7 @@ from rich.table import Table
 from hook_overhead import empty_plan, timed_step
 from paper_tables import MODELS as PAPER_MODELS
 from paper_tables import PAPER_TABLE_III
-from tensile.latency.calibrate import local_device
+from tensile.latency.calibrate import local_device, torch_device
 from tensile.plan import PLAN_EVENTS
 from tensile.runtime_hook import activate, deactivate
 from tensile.runtime_hook.executor import Planner
@@ -154,7 +154,7 @@ def main() -> None:
     if args.steps <= FIRST_STEADY:
         parser.error(f"--steps must be more than {FIRST_STEADY}: the hook records and aligns first")
     device_type, device_key, device_name = local_device(args.device)
-    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    device = torch_device(device_type)
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
     console = Console()

@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hook_overhead import empty_plan, timed_iterations
-from tensile.latency.calibrate import local_device
+from tensile.latency.calibrate import local_device, torch_device
 from tensile.latency.measure import HostLoad
 from tensile.plan import Plan
 from tensile.runtime_hook.executor import Planner
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     device_type, device_key, device_name = local_device(args.device)
-    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    device = torch_device(device_type)
     console = Console(width=160)
     host_load = HostLoad()
     baseline = measure("empty plan", empty_plan, [], args.batch_size, args.steps, device)

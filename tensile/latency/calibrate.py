@@ -54,6 +54,12 @@ def local_device(device: str) -> tuple[str, str, str]:
     raise TensileUserError(f"--device must be cpu or cuda (was '{device}')")
 
 
+def torch_device(device_type: str) -> torch.device:
+    """The device of that type this process measures on: the first visible GPU (the one `local_device` names), or the
+    CPU (`torch.device("cpu", 0)` is no device tensors report)."""
+    return torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+
+
 def measure_probe(probe: Probe, device_type: str, timed: int = 5, plain: int = 2) -> Measured:
     """One probe's iteration measured op by op (torch.OutOfMemoryError if it does not fit the device)."""
     step = build_step(probe, device_type)
