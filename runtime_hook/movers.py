@@ -34,6 +34,11 @@ class PinnedBufferPool:
         self.free[buffer.nbytes()].append(buffer)
 
 
+# PyTorch 2.13 hands a storage's memory to another storage (`UntypedStorage._swap_data_ptr_`); earlier releases
+# (2.11, the GPU image's) have no such call, and a swap on the CPU device copies
+HANDS_MEMORY_OVER = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
 class CpuMover:
     """The CPU device's device memory and host memory are the same RAM: a swap-out hands the storage's memory to
     a host storage of its own without copying a byte (`_swap_data_ptr_`), and a swap-in hands it back. The
@@ -41,27 +46,38 @@ class CpuMover:
     move bytes within the same memory, evicting the caches on their way (50 MB a ResNet-50 activation at batch
     16: the hook's own steps after each ran 14 µs slower, 0.45 ms of `hook_seconds` an iteration). A storage
     that is not resizable (from numpy) is refused, as on CUDA. The empty host storages are kept for the next
-    swap-outs (`spare`): one made at each swap-out, right after the kernels, took it from 6 to 16 µs (stamped)."""
+    swap-outs (`spare`): one made at each swap-out, right after the kernels, took it from 6 to 16 µs (stamped).
+    A PyTorch without that call (`hands_over` False) copies out and in, as CUDA's mover does, synchronously."""
 
-    def __init__(self) -> None:
+    def __init__(self, hands_over: bool = HANDS_MEMORY_OVER) -> None:
+        self.hands_over = hands_over
         self.spare: list[torch.UntypedStorage] = []  # host storages of 0 bytes, given back by swap-ins
 
     def swap_out(self, slot: Slot, storage: torch.UntypedStorage) -> None:
         if not storage.resizable():
             raise RuntimeError("the storage is not resizable")
-        host = self.spare.pop() if self.spare else torch.UntypedStorage(0)
-        host._swap_data_ptr_(storage)  # type: ignore[attr-defined]  # PyTorch's own, without a stub
+        if self.hands_over:
+            host = self.spare.pop() if self.spare else torch.UntypedStorage(0)
+            host._swap_data_ptr_(storage)  # type: ignore[attr-defined]  # PyTorch's own, without a stub
+        else:
+            host = torch.UntypedStorage(storage.nbytes())
+            host.copy_(storage)
+            storage.resize_(0)
         slot.host = host
 
     def swap_in(self, slot: Slot, storage: torch.UntypedStorage) -> None:
         """The memory back to the storage: the tensor may change before its next swap-out. The host storage then
         holds what the storage held while away, no memory unless something resized it meanwhile: only an empty one
-        waits for the next swap-out, which must leave its storage empty."""
+        waits for the next swap-out, which must leave its storage empty. A copied one goes, with its memory."""
         host = slot.host
         assert host is not None
-        storage._swap_data_ptr_(host)  # type: ignore[attr-defined]
-        if not host.nbytes():
-            self.spare.append(host)
+        if self.hands_over:
+            storage._swap_data_ptr_(host)  # type: ignore[attr-defined]
+            if not host.nbytes():
+                self.spare.append(host)
+        else:
+            storage.resize_(host.nbytes())
+            storage.copy_(host)
         slot.host = None
 
     def wait(self, slot: Slot) -> None:

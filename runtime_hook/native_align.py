@@ -41,19 +41,33 @@ if TYPE_CHECKING:
 MAX_WALK = 4096  # autograd nodes visited from one root: a bound that a model keeping to the plan never reaches
 
 
-def nodes_behind(root: Any, low: int) -> Iterator[tuple[Any, tuple[int, ...]]]:
+def sequence_number(node: Any) -> int | None:
+    """The autograd node's sequence number; None for the node of a Python autograd Function (DDP's output, a custom
+    Function) whose graph a backward has freed: PyTorch 2.11 then refuses it every attribute (a RuntimeError that
+    calls it "a legacy access pattern"), where 2.13 still answers. Such a node ran: it reads nothing any more."""
+    try:
+        return node._sequence_nr()
+    except RuntimeError:
+        return None
+
+
+def nodes_behind(root: Any, low: int) -> Iterator[tuple[Any, int, tuple[int, ...]]]:
     """The autograd nodes behind `root` (through `next_functions`, the root first) whose sequence numbers
-    run from `low` up to the root's, each once with the index path that reaches it, at most MAX_WALK."""
-    sequence = root._sequence_nr()
-    stack: list[tuple[Any, tuple[int, ...]]] = [(root, ())]
+    run from `low` up to the root's, each once with its number and the index path that reaches it, at most
+    MAX_WALK; none from a root whose graph is gone (`sequence_number`)."""
+    sequence = sequence_number(root)
+    if sequence is None:
+        return
+    stack: list[tuple[Any, int, tuple[int, ...]]] = [(root, sequence, ())]
     seen = {sequence}
     while stack and len(seen) < MAX_WALK:
-        node, path = stack.pop()
-        yield node, path
+        node, number, path = stack.pop()
+        yield node, number, path
         for position, (following, _) in enumerate(node.next_functions):
-            if following is not None and low <= (number := following._sequence_nr()) <= sequence and number not in seen:
-                seen.add(number)
-                stack.append((following, (*path, position)))
+            if (following is not None and (behind := sequence_number(following)) is not None
+                    and low <= behind <= sequence and behind not in seen):
+                seen.add(behind)
+                stack.append((following, behind, (*path, position)))
 
 
 def user_forward_hooks(module: torch.nn.Module) -> int:
@@ -386,20 +400,20 @@ class SwapLearner:
         auxiliary loss some iterations add): in those iterations they read it, so they check it too. Their
         saved tensors are still there: backward frees only those of the nodes it runs."""
         ran = set(self.nodes.values())
-        roots = {b.root_node._sequence_nr(): b.root_node for b in self.boundaries if b.root_node is not None}
-        stack, seen = list(roots.values()), set(roots)
+        roots = {sequence: b.root_node for b in self.boundaries
+                 if b.root_node is not None and (sequence := sequence_number(b.root_node)) is not None}
+        stack, seen = list(roots.items()), set(roots)
         found: dict[int, set[int]] = defaultdict(set)
         while stack:
-            node = stack.pop()
-            sequence = node._sequence_nr()
+            sequence, node = stack.pop()
             if sequence not in ran:
                 for _, key in saved_storages(node):
                     if key in keys:
                         found[key].add(sequence)
             for following, _ in node.next_functions:
-                if following is not None and (number := following._sequence_nr()) not in seen:
+                if following is not None and (number := sequence_number(following)) is not None and number not in seen:
                     seen.add(number)
-                    stack.append(following)
+                    stack.append((number, following))
         return found
 
     def _top_level_exits(self) -> list[int]:
@@ -490,5 +504,5 @@ class SwapLearner:
         block's main path, seen from its shortcut's exit) is newer than some roots it is not behind."""
         if (index, sequence) not in self.reach:
             behind = nodes_behind(self.boundaries[index].root_node, sequence)
-            self.reach[index, sequence] = next((path for node, path in behind if node._sequence_nr() == sequence), None)
+            self.reach[index, sequence] = next((path for _, number, path in behind if number == sequence), None)
         return self.reach[index, sequence] is not None

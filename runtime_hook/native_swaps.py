@@ -435,8 +435,8 @@ class SwapCarrier:
         """One walk back from the root to all the wanted nodes (by sequence number relative to the
         root, built at learning time): the nodes, and the index paths that lead to them."""
         nodes, paths = [], []
-        for node, path in nodes_behind(root, sequence + low_delta):
-            hook = wanted.get(node._sequence_nr() - sequence)
+        for node, number, path in nodes_behind(root, sequence + low_delta):
+            hook = wanted.get(number - sequence)
             if hook is not None:
                 holder = self.callbacks.get(id(hook))
                 nodes.append((node, hook, holder))

@@ -627,3 +627,33 @@ def out_of_memory_in_a_native_backward(device: torch.device) -> HookReport:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
     return executor.report
+
+
+class _GoneNode:
+    """A Python autograd Function's node (DDP's output) as PyTorch 2.11 leaves it once a backward freed its graph and
+    its output died: every attribute refused. PyTorch 2.13 still answers, so the suite makes one."""
+
+    def __getattr__(self, name: str) -> None:
+        raise RuntimeError(f"Attribute '{name}' is invalid for this instance of _C._FunctionBase. Accessing this "
+                           "attribute directly on an instance of autograd.Function is a legacy access pattern")
+
+
+def test_a_learnt_root_whose_graph_is_gone_is_passed_over() -> None:
+    """On PyTorch 2.11 the learning iteration's walks after backward met DDP's output node so, and the hook stood down
+    (the DDP loop of test_hook_training_loops). The other roots are still walked: a node that saved a swapped tensor
+    and did not run (an auxiliary loss's) is found behind them."""
+    from types import SimpleNamespace
+
+    from tensile.runtime_hook.native_align import Boundary, SwapLearner, nodes_behind
+
+    weight, activation = torch.randn(4, requires_grad=True), torch.randn(4)
+    product = (weight * 2) * activation  # the second MulBackward0 saves the activation; no backward runs it
+    node, key = product.grad_fn, id(activation.untyped_storage())
+    learner = SwapLearner(SimpleNamespace(iteration=0))  # type: ignore[arg-type]
+    learner.remove()  # its global module hooks: only its walks are wanted here
+    learner.boundaries = [Boundary(False, 1, 0, [], [], [], (0, 10**6), _GoneNode()),
+                          Boundary(False, 2, 1, [], [], [], (0, node._sequence_nr()), node)]
+    assert learner._unexecuted_readers({key}) == {key: {node._sequence_nr()}}
+    assert list(nodes_behind(_GoneNode(), 0)) == []
+    walked = [(number, path) for _, number, path in nodes_behind(node, 0)]
+    assert walked == [(node._sequence_nr(), ()), (node.next_functions[0][0]._sequence_nr(), (0,))]
