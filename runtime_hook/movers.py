@@ -3,10 +3,10 @@
 The tensor objects keep their identity: a storage is emptied to zero bytes while its bytes are on
 the host, and filled again when they come back. On the CPU device, where both are the same RAM, its
 memory itself is handed to a host storage and back, without a copy (the same logic, for tests and
-GPU-less machines). On CUDA, a storage is copied out and resized to zero bytes, later resized back
-and copied in; copies run on one side stream per direction, ordered by
-events (never host sleeps), into pinned host buffers taken from a pool so that pinning does not
-serialise the copies. A swap-out never makes the compute stream wait: the freed block is marked as
+GPU-less machines; a PyTorch without the call for it, such as 2.11, copies). On CUDA, a storage is copied
+out and resized to zero bytes, later resized back and copied in; copies run on one side stream per
+direction, ordered by events (never host sleeps), into pinned host buffers taken from a pool so that
+pinning does not serialise the copies. A swap-out never makes the compute stream wait: the freed block is marked as
 used by the copy stream, so the allocator hands it out again only after the copy has read it.
 """
 
@@ -34,8 +34,8 @@ class PinnedBufferPool:
         self.free[buffer.nbytes()].append(buffer)
 
 
-# PyTorch 2.13 hands a storage's memory to another storage (`UntypedStorage._swap_data_ptr_`); earlier releases
-# (2.11, the GPU image's) have no such call, and a swap on the CPU device copies
+# PyTorch 2.13 hands a storage's memory to another storage (`UntypedStorage._swap_data_ptr_`); 2.11 (the GPU
+# image's) has no such call, and there a swap on the CPU device copies
 HANDS_MEMORY_OVER = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
