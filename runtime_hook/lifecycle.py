@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,9 @@ from tensile.runtime_hook.termination import default_sigterm, exit_on_sigterm
 from tensile.workload import Workload
 
 log = logging.getLogger("tensile.hook")
+# the oldest PyTorch the whole suite ran with (2.11.0, the GPU image's: session 36). Under 2.9.1 a training under a
+# budget crashed pickling a checkpoint (torch.save of the model object), and the native path never engaged
+OLDEST_TORCH = (2, 11)
 _active: PlanExecutor | None = None
 _undo: list[Callable[[], None]] = []
 
@@ -80,6 +84,7 @@ def activate_from_env() -> PlanExecutor:
     TENSILE_AGENT the node agent plans (the local planner is the fallback while it cannot)."""
     from tensile.runtime_hook.plan_source import agent_link, load_plan_files, local_planner
 
+    check_torch(str(torch.__version__))
     settings = HookSettings.from_env()
     plan, workload = load_plan_files(settings)
     device = _default_device()
@@ -100,6 +105,20 @@ def activate_from_env() -> PlanExecutor:
     if exit_on_sigterm():
         _undo.append(default_sigterm)
     return executor
+
+
+class UnsupportedPyTorch(RuntimeError):
+    """The training's PyTorch is older than any the hook was checked with: it stays off (sitecustomize says so)."""
+
+
+def check_torch(version: str) -> None:
+    """Refuse a PyTorch older than OLDEST_TORCH, by its release alone: a build of a release (`2.11.0+cu130`) or a
+    pre-release of it (`2.11.0a0+git...`, as NVIDIA's images number theirs) counts as that release."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) < OLDEST_TORCH:
+        oldest = ".".join(map(str, OLDEST_TORCH))
+        raise UnsupportedPyTorch(f"PyTorch {version} is older than {oldest}, the oldest the hook is checked with; "
+                                 f"train with PyTorch {oldest} or newer to have Tensile schedule its memory")
 
 
 def _default_device() -> torch.device:

@@ -52,10 +52,11 @@ def test_the_init_containers_installer_does_not_load_torch(tmp_path):
     assert (tmp_path / "hook" / "lib" / "tensile" / "runtime_hook" / "lifecycle.py").exists()
 
 
-def _sitecustomize() -> ModuleType:
-    """The hook's sitecustomize as a module of its own (TENSILE_JOB unset here: loading it starts nothing)."""
+def _sitecustomize(starts: bool = False) -> ModuleType:
+    """The hook's sitecustomize as a module of its own (TENSILE_JOB unset here: loading it starts nothing; `starts`:
+    set, loading it starts the hook as at a training's start)."""
     spec = importlib.util.spec_from_file_location("tensile_sitecustomize", SITE / "sitecustomize.py")
-    assert spec is not None and spec.loader is not None and "TENSILE_JOB" not in os.environ
+    assert spec is not None and spec.loader is not None and ("TENSILE_JOB" in os.environ) == starts
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -76,3 +77,38 @@ def test_torchruns_launcher_is_known_by_its_command_line(monkeypatch, argv: list
     replaced the training's at exit, and with an agent it would register as the job)."""
     monkeypatch.setattr(sys, "orig_argv", argv)
     assert _sitecustomize()._launcher() is launcher
+
+
+@pytest.mark.parametrize("version, refused", [("2.9.1+cu128", True), ("1.13.1", True), ("2.11.0+cu130", False),
+                                              ("2.11.0a0+gitabc123", False), ("2.13.0+cpu", False), ("3.0.0", False)])
+def test_a_pytorch_older_than_any_the_hook_was_checked_with_is_refused(version: str, refused: bool) -> None:
+    """By release: a build or pre-release of 2.11 (NVIDIA's images number theirs `2.11.0a0+...`) is 2.11."""
+    from tensile.runtime_hook.lifecycle import UnsupportedPyTorch, check_torch
+
+    if refused:
+        with pytest.raises(UnsupportedPyTorch, match=rf"PyTorch {version.replace('+', '[+]')} is older than 2\.11"):
+            check_torch(version)
+    else:
+        check_torch(version)
+
+
+def test_under_an_older_pytorch_the_training_runs_without_the_hook_and_says_why(monkeypatch, capsys,
+                                                                                  tmp_path: Path) -> None:
+    """Under PyTorch 2.9.1 (run by hand, session 36) a training under a budget crashed pickling a checkpoint, and the
+    native path never engaged: the sitecustomize that starts the hook says why it does not, and starts nothing."""
+    import torch
+    from torch.nn.modules.module import _global_forward_pre_hooks
+
+    from tensile.runtime_hook import lifecycle
+
+    hooks = dict(_global_forward_pre_hooks)
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")
+    monkeypatch.setenv("TENSILE_JOB", "old-torch")
+    monkeypatch.setenv("TENSILE_REPORT", str(tmp_path / "report.json"))
+    for variable in ("WORLD_SIZE", "TENSILE_AGENT"):
+        monkeypatch.delenv(variable, raising=False)
+    _sitecustomize(starts=True)
+    said = capsys.readouterr().err
+    assert said.startswith("tensile: hook not active (UnsupportedPyTorch: PyTorch 2.9.1+cu128 is older than 2.11"), said
+    assert said.rstrip().endswith("training runs without Tensile"), said
+    assert lifecycle._active is None and dict(_global_forward_pre_hooks) == hooks
