@@ -198,8 +198,9 @@ def test_on_a_gpu_machine_the_forecast_is_cudas_with_the_gpus_preset(capsys, mon
     presets = []
     make_forecast = forecast.make_forecast
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    # a CUDA build of PyTorch (the GPU image's) asks the driver from the optimizer's step, which the trace runs
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    # a CUDA build of PyTorch (the GPU image's) asks the driver from the optimizer's step, which the trace runs: whether
+    # a CUDA graph is being captured (2.11 through torch.cuda, 2.14 through torch.accelerator)
+    monkeypatch.setattr(torch.optim.Optimizer, "_accelerator_graph_capture_health_check", lambda self: None)
     monkeypatch.setattr(device, "gpu_name", lambda index=0: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(forecast, "make_forecast", lambda workload, preset, *rest: presets.append(preset)
                         or make_forecast(workload, preset, *rest))
