@@ -6,8 +6,8 @@ memory itself is handed to a host storage and back, without a copy (the same log
 GPU-less machines; a PyTorch without the call for it, such as 2.11, copies). On CUDA, a storage is copied
 out and resized to zero bytes, later resized back and copied in; copies run on one side stream per
 direction, ordered by events (never host sleeps), into pinned host buffers taken from a pool so that
-pinning does not serialise the copies. A swap-out never makes the compute stream wait: the freed block is marked as
-used by the copy stream, so the allocator hands it out again only after the copy has read it.
+pinning does not serialise the copies. A swap-out never makes the compute stream wait: the freed block
+is marked as used by the copy stream, so the allocator hands it out again only after the copy has read it.
 """
 
 from __future__ import annotations
