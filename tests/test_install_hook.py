@@ -79,14 +79,14 @@ def test_torchruns_launcher_is_known_by_its_command_line(monkeypatch, argv: list
     assert _sitecustomize()._launcher() is launcher
 
 
-@pytest.mark.parametrize("version, refused", [("2.9.1+cu128", True), ("1.13.1", True), ("2.11.0+cu130", False),
-                                              ("2.11.0a0+gitabc123", False), ("2.13.0+cpu", False), ("3.0.0", False)])
+@pytest.mark.parametrize("version, refused", [("2.9.1+cu128", True), ("1.13.1", True), ("2.10.0+cu128", False),
+                                              ("2.10.0a0+gitabc123", False), ("2.13.0+cpu", False), ("3.0.0", False)])
 def test_a_pytorch_older_than_any_the_hook_was_checked_with_is_refused(version: str, refused: bool) -> None:
-    """By release: a build or pre-release of 2.11 (NVIDIA's images number theirs `2.11.0a0+...`) is 2.11."""
+    """By release: a build or pre-release of 2.10 (NVIDIA's images number theirs `2.10.0a0+...`) is 2.10."""
     from tensile.runtime_hook.lifecycle import UnsupportedPyTorch, check_torch
 
     if refused:
-        with pytest.raises(UnsupportedPyTorch, match=rf"PyTorch {version.replace('+', '[+]')} is older than 2\.11"):
+        with pytest.raises(UnsupportedPyTorch, match=rf"PyTorch {version.replace('+', '[+]')} is older than 2\.10"):
             check_torch(version)
     else:
         check_torch(version)
@@ -109,6 +109,6 @@ def test_under_an_older_pytorch_the_training_runs_without_the_hook_and_says_why(
         monkeypatch.delenv(variable, raising=False)
     _sitecustomize(starts=True)
     said = capsys.readouterr().err
-    assert said.startswith("tensile: hook not active (UnsupportedPyTorch: PyTorch 2.9.1+cu128 is older than 2.11"), said
+    assert said.startswith("tensile: hook not active (UnsupportedPyTorch: PyTorch 2.9.1+cu128 is older than 2.10"), said
     assert said.rstrip().endswith("training runs without Tensile"), said
     assert lifecycle._active is None and dict(_global_forward_pre_hooks) == hooks

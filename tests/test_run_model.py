@@ -199,8 +199,9 @@ def test_on_a_gpu_machine_the_forecast_is_cudas_with_the_gpus_preset(capsys, mon
     make_forecast = forecast.make_forecast
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     # a CUDA build of PyTorch (the GPU image's) asks the driver from the optimizer's step, which the trace runs: whether
-    # a CUDA graph is being captured (2.11 through torch.cuda, 2.14 through torch.accelerator)
-    monkeypatch.setattr(torch.optim.Optimizer, "_accelerator_graph_capture_health_check", lambda self: None)
+    # a CUDA graph is being captured (a check named as 2.11 names it, and as 2.10 did; 2.14 asks through torch.accelerator)
+    for check in ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check"):
+        monkeypatch.setattr(torch.optim.Optimizer, check, lambda self: None, raising=False)
     monkeypatch.setattr(device, "gpu_name", lambda index=0: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(forecast, "make_forecast", lambda workload, preset, *rest: presets.append(preset)
                         or make_forecast(workload, preset, *rest))
