@@ -29,6 +29,7 @@ BATCH=${BATCH:-16}
 export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-160}  # rich's tables, unfolded in the logs
 LOG="$OUT/session.log"
 STARTED=$(mktemp)  # results files newer than this one were written by this call
+trap 'rm -f "$STARTED"' EXIT
 
 say() { echo "gpu_session: $*" | tee -a "$LOG"; }
 # Python from outside the repository: from its root, its tensile/ and operator/ folders would shadow the laid-out

@@ -107,8 +107,12 @@ def test_under_an_older_pytorch_the_training_runs_without_the_hook_and_says_why(
     monkeypatch.setenv("TENSILE_REPORT", str(tmp_path / "report.json"))
     for variable in ("WORLD_SIZE", "TENSILE_AGENT"):
         monkeypatch.delenv(variable, raising=False)
-    _sitecustomize(starts=True)
-    said = capsys.readouterr().err
-    assert said.startswith("tensile: hook not active (UnsupportedPyTorch: PyTorch 2.9.1+cu128 is older than 2.10"), said
-    assert said.rstrip().endswith("training runs without Tensile"), said
-    assert lifecycle._active is None and dict(_global_forward_pre_hooks) == hooks
+    try:
+        _sitecustomize(starts=True)
+        said = capsys.readouterr().err
+        assert said.startswith("tensile: hook not active (UnsupportedPyTorch: PyTorch 2.9.1+cu128 is older than 2.10"), \
+            said
+        assert said.rstrip().endswith("training runs without Tensile"), said
+        assert lifecycle._active is None and dict(_global_forward_pre_hooks) == hooks
+    finally:
+        lifecycle.deactivate()  # a hook that did start would otherwise stay on for the worker's later tests
