@@ -1,5 +1,5 @@
 # One image for the operator (`tensile operator`), the node agent (`tensile agent`) and the hook's init
-# container in training pods (`python -m tensile.runtime_hook.install /tensile`).
+# container in training pods (`python -m tensile_hook.install /tensile`).
 # Build: docker build -t ghcr.io/tensile/tensile:0.1.0 .
 # tests/test_dockerfile.py checks the copied paths, the entrypoints and that the pins below match
 # pyproject.toml and constraints.txt.
@@ -29,7 +29,7 @@ COPY runtime_hook ./runtime_hook
 # A regular (not editable) install: the runtime stage needs only /opt/venv, not /src.
 RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu -c constraints.txt ".[zoo,operator,agent]" \
     && pip check \
-    && python -c "import tensile.operator.main, tensile.node_agent.server, tensile.runtime_hook.install"
+    && python -c "import tensile_operator.main, tensile_agent.server, tensile_hook.install"
 
 # ---- runtime: the interpreter, the venv and a non-root user; no compilers, no pip cache ----------
 FROM ${PYTHON_IMAGE} AS runtime

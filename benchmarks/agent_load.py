@@ -3,7 +3,7 @@ clients, idle and while the agent re-plans 8 ResNet-50 (batch 16) jobs on one GP
 
     python benchmarks/agent_load.py [--seconds 8] [--clients 64]
 
-The agent runs as its own process (`python -m tensile.node_agent`, two simulated GPUs); the clients are
+The agent runs as its own process (`python -m tensile_agent`, two simulated GPUs); the clients are
 threads of this process using tensile.agent_client, so a latency includes the client's own Python
 time. Each client polls its plan the way a hook does at an iteration boundary (conditional GET: 304
 while unchanged) and posts measurements. GPU 0 holds 8 ResNet-50 jobs under budgets of 60% of their
@@ -55,7 +55,7 @@ def get_json(url: str) -> dict:
 
 
 def start_agent(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "tensile.node_agent", "--port", str(port), "--log-level", "warning",
+    proc = subprocess.Popen([sys.executable, "-m", "tensile_agent", "--port", str(port), "--log-level", "warning",
                              "--simulate-gpu", "a6000:48GiB", "--simulate-gpu", "h100:80GiB"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60

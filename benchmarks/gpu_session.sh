@@ -32,21 +32,16 @@ STARTED=$(mktemp)  # results files newer than this one were written by this call
 trap 'rm -f "$STARTED"' EXIT
 
 say() { echo "gpu_session: $*" | tee -a "$LOG"; }
-# Python from outside the repository: from its root, its tensile/ and operator/ folders would shadow the laid-out
-# package and Python's own operator module (`-c` and `-m` put the current folder first on the path)
-python_c() { (cd /tmp && "$PYTHON" -c "$@"); }
+python_c() { "$PYTHON" -c "$@"; }
 
-# The device's python holds torch and this package's other needs, not the package: lay it out beside them by
-# pyproject.toml's package-dir (no build: a pip build wants setuptools>=68, which an image may lack; no dependencies:
-# the pins are for CI's CPU machines, not the device's image)
-if ! python_c "import tensile.runtime_hook" 2>/dev/null; then
-    SITE=/tmp/tensile-site
-    rm -rf "$SITE"
-    python_c "import shutil, sys, tomllib
-for package, folder in tomllib.load(open(sys.argv[1], 'rb'))['tool']['setuptools']['package-dir'].items():
-    shutil.copytree(f'{sys.argv[2]}/{folder}', f'{sys.argv[3]}/' + package.replace('.', '/'), dirs_exist_ok=True)" \
-        "$R/pyproject.toml" "$R" "$SITE" || { say "laying out the package failed"; exit 1; }
-    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+# The device's python holds torch and this package's other needs, not the package: put the package's folders on
+# the path as its editable install does (pyproject.toml's dev-mode-dirs; no build, no dependencies: the pins are for
+# CI's CPU machines, not the device's image)
+if ! python_c "import tensile_hook" 2>/dev/null; then
+    FOLDERS=$(python_c "import sys, tomllib
+dirs = tomllib.load(open(sys.argv[1], 'rb'))['tool']['hatch']['build']['targets']['wheel']['dev-mode-dirs']
+print(':'.join(f'{sys.argv[2]}/{d}' for d in dirs))" "$R/pyproject.toml" "$R") || { say "reading the package's folders failed"; exit 1; }
+    export PYTHONPATH=$FOLDERS${PYTHONPATH:+:$PYTHONPATH}
 fi
 
 read -r TORCH DEVICE < <(python_c "import torch; print(torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')")

@@ -39,9 +39,9 @@ from rich.table import Table
 from tensile.latency.calibrate import local_device, torch_device
 from tensile.latency.measure import HostLoad, synchronize
 from tensile.plan import Plan
-from tensile.runtime_hook import activate, deactivate
-from tensile.runtime_hook.report import HookReport
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook import activate, deactivate
+from tensile_hook.report import HookReport
+from tensile_hook.settings import HookSettings
 from tensile.workload import Workload
 from tensile.zoo import build_zoo_parts
 
@@ -66,7 +66,7 @@ def empty_plan(workload: Workload, budget: int | None) -> Plan:
 
 def full_plan(device: torch.device):  # type: ignore[no-untyped-def]
     """The in-process planner's plan for the device, as the hook makes it by default."""
-    from tensile.runtime_hook.plan_source import local_planner
+    from tensile_hook.plan_source import local_planner
 
     return local_planner(HookSettings(job="bench"), device)
 

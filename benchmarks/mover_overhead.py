@@ -37,8 +37,8 @@ from rich.table import Table
 
 from tensile.latency.calibrate import local_device
 from tensile.latency.measure import HostLoad
-from tensile.runtime_hook.movers import CudaMover
-from tensile.runtime_hook.storages import Slot
+from tensile_hook.movers import CudaMover
+from tensile_hook.storages import Slot
 
 RESULTS = Path(__file__).parent / "results"
 WARMUP_ROUNDS = 2

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from operator_harness import cluster, fake_kubelet, simulated_gpu, start_operator, trainingjob  # noqa: E402
 
 from tensile.latency.measure import HostLoad  # noqa: E402
-from tensile.operator.forecasting import Forecaster  # noqa: E402
+from tensile_operator.forecasting import Forecaster  # noqa: E402
 from tensile.trainingjob_spec import parse_spec  # noqa: E402
 
 MODELS = [("vgg16", 1), ("gpt2", 1), ("bert_base", 1)]

@@ -40,11 +40,11 @@ from paper_tables import MODELS as PAPER_MODELS
 from paper_tables import PAPER_TABLE_III
 from tensile.latency.calibrate import local_device, torch_device
 from tensile.plan import PLAN_EVENTS
-from tensile.runtime_hook import activate, deactivate
-from tensile.runtime_hook.executor import Planner
-from tensile.runtime_hook.plan_source import host_link_bandwidth, local_planner
-from tensile.runtime_hook.report import HookReport
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook import activate, deactivate
+from tensile_hook.executor import Planner
+from tensile_hook.plan_source import host_link_bandwidth, local_planner
+from tensile_hook.report import HookReport
+from tensile_hook.settings import HookSettings
 from tensile.zoo import build_zoo_parts
 
 TARGET_EOR = 1.15

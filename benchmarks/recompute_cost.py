@@ -35,9 +35,9 @@ from hook_overhead import empty_plan, timed_iterations
 from tensile.latency.calibrate import local_device, torch_device
 from tensile.latency.measure import HostLoad
 from tensile.plan import Plan
-from tensile.runtime_hook.executor import Planner
-from tensile.runtime_hook.plan_source import local_planner
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook.executor import Planner
+from tensile_hook.plan_source import local_planner
+from tensile_hook.settings import HookSettings
 from tensile.workload import Workload
 from tensile.zoo import build_zoo_parts
 

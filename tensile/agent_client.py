@@ -276,7 +276,7 @@ class AgentClient:
         self.last_error = None
         return result
 
-    # A refusal and the agent going away are logged at INFO: the hook's AgentLink (runtime_hook/agent_link.py) says
+    # A refusal and the agent going away are logged at INFO: the hook's AgentLink (runtime_hook/tensile_hook/agent_link.py) says
     # each as a warning and in the report (`reachable`, `last_error`); logged here too, `tensile run` printed each twice.
     def _refused(self, exc: AgentError) -> None:
         if self.last_error != str(exc):

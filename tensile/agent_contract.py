@@ -1,6 +1,6 @@
 """The node agent's HTTP contract (DESIGN §7), in one place for both sides.
 
-The agent (`tensile.node_agent`, FastAPI) mirrors these shapes in pydantic models; the runtime hook's
+The agent (`tensile_agent`, FastAPI) mirrors these shapes in pydantic models; the runtime hook's
 client (`tensile.agent_client`, standard library only) and the operator build and read them from
 here. Plain dataclasses and JSON helpers: importing this module imports neither FastAPI nor pydantic,
 so the hook can use it inside a user's training image.

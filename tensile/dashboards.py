@@ -4,7 +4,7 @@
 model); the chart ships those files as ConfigMaps labelled `grafana_dashboard: "1"`. The files are
 generated, never edited by hand: a test compares them with what this module builds now.
 
-Queries follow the agent's metrics (node_agent/metrics.py): labels `gpu`, `namespace`, `job`, so
+Queries follow the agent's metrics (node_agent/tensile_agent/metrics.py): labels `gpu`, `namespace`, `job`, so
 Prometheus must scrape the agent with `honor_labels: true` (the chart's ServiceMonitor does). The data
 source is the `${datasource}` template variable, so the dashboards work in any Grafana whatever its
 Prometheus data source is called. docs/dashboards.md says what each panel answers.

@@ -1,6 +1,6 @@
 """A job's knobs as every entry point reads them, and amounts of memory as messages show them.
 
-One rule per knob: the hook (TENSILE_* variables, runtime_hook/settings.py), the CLI (`tensile run
+One rule per knob: the hook (TENSILE_* variables, runtime_hook/tensile_hook/settings.py), the CLI (`tensile run
 --max-swap-rate`), a TrainingJob's spec and its `tensile.dev/*` annotations (tensile/trainingjob_spec.py, which
 `tensile local` and the webhook use too) all call these. With a rule of their own each, a TrainingJob's
 annotation `tensile.dev/max-swap-rate: 2` was admitted and placed, and its pod's hook then refused the

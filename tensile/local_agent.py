@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tensile.node_agent.gpus import GpuInfo
+    from tensile_agent.gpus import GpuInfo
 
 DEFAULT_SIMULATED = "a6000:48GiB"
 
@@ -21,8 +21,8 @@ class LocalAgent:
     def __init__(self, host: str, port: int, simulate: list[str]) -> None:
         import uvicorn
 
-        from tensile.node_agent.gpus import Inventory
-        from tensile.node_agent.server import Agent, AgentConfig
+        from tensile_agent.gpus import Inventory
+        from tensile_agent.server import Agent, AgentConfig
 
         self.note: str | None = None
         inventory = None if simulate else Inventory.discover()
@@ -35,7 +35,7 @@ class LocalAgent:
         self.port = port or _free_port(host)
         self.agent = Agent(AgentConfig(host=host, port=self.port, simulate=simulate, context_bytes=context, planning="thread"),
                            inventory=inventory)
-        self.agent.state.queued_jobs = 0  # exported as tensile_queued_jobs (node_agent/metrics.py)
+        self.agent.state.queued_jobs = 0  # exported as tensile_queued_jobs (node_agent/tensile_agent/metrics.py)
         self.server = uvicorn.Server(uvicorn.Config(self.agent.app(), host=host, port=self.port, log_level="warning",
                                                     access_log=False))
         self.thread = threading.Thread(target=self.server.run, name="tensile-local-agent", daemon=True)

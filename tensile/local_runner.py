@@ -206,7 +206,7 @@ class LocalRunner:
         if code != 0:
             run.message = f"exit code {code}; see {run.log}"
         if run.report and run.report.exists():
-            from tensile.runtime_hook.report import RunTotals
+            from tensile_hook.report import RunTotals
 
             data = json.loads(run.report.read_text())
             totals = RunTotals.of(data)

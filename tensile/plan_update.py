@@ -4,7 +4,7 @@ Measured op latencies of each job are folded into an exponentially weighted movi
 (`tensile.latency.LatencyEWMA`). When a job's average latency rate of change |s' - s| / s (s' the sum of its
 corrected op latencies, s the sum its current plan was made with) passes the threshold, every job of its GPU
 is planned again with the corrected latencies: the node agent does that off its request path
-(node_agent/planning.py), and the new plans take effect at each job's next iteration boundary.
+(node_agent/tensile_agent/planning.py), and the new plans take effect at each job's next iteration boundary.
 """
 
 from __future__ import annotations

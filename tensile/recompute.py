@@ -32,7 +32,7 @@ class Recompute:
 
 
 # the ops whose outputs the runtime hook's native path regenerates: their inputs are saved by their autograd nodes or are
-# parameters (runtime_hook/native_recipes.py); the same aten ops the dispatch path replays (runtime_hook/recipes.py).
+# parameters (runtime_hook/tensile_hook/native_recipes.py); the same aten ops the dispatch path replays (runtime_hook/tensile_hook/recipes.py).
 # On CUDA a batch norm runs cuDNN's op, recorded and planned as this native one (tensile.cuda_ops) and replayed as
 # itself; a replay that does not give its output byte for byte leaves it swapped instead (recipes.RecipeBook.keep).
 NATIVE_CREATORS = frozenset({"aten.convolution.default", "aten.native_batch_norm.default"})

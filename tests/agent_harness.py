@@ -15,7 +15,7 @@ from pathlib import Path
 
 import uvicorn
 
-from tensile.node_agent.server import Agent, AgentConfig
+from tensile_agent.server import Agent, AgentConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,7 +88,7 @@ class ThreadedAgent:
 
 
 class AgentProcess:
-    """`python -m tensile.node_agent` as a subprocess, killable with SIGKILL and restartable on its port."""
+    """`python -m tensile_agent` as a subprocess, killable with SIGKILL and restartable on its port."""
 
     def __init__(self, port: int | None = None, simulate: tuple[str, ...] = ("a6000:48GiB",), node: str = "test-node") -> None:
         self.port = port or free_port()
@@ -98,7 +98,7 @@ class AgentProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60) -> AgentProcess:
-        args = [sys.executable, "-m", "tensile.node_agent", "--port", str(self.port), "--node-name", self.node,
+        args = [sys.executable, "-m", "tensile_agent", "--port", str(self.port), "--node-name", self.node,
                 "--log-level", "warning"]
         for gpu in self.simulate:
             args += ["--simulate-gpu", gpu]

@@ -18,7 +18,7 @@ def _cached_trace(model: str, batch_size: int, device: str, optimizer: str, live
 @pytest.fixture(scope="module")
 def forecaster():  # type: ignore[no-untyped-def]
     """The operator's forecast cache, one per test module: each model is traced once however many jobs use it."""
-    from tensile.operator.forecasting import Forecaster
+    from tensile_operator.forecasting import Forecaster
 
     f = Forecaster()
     yield f

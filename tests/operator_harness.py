@@ -16,9 +16,9 @@ import kmock
 import kopf
 import yaml
 
-from tensile.operator.admission import Admission
-from tensile.operator.forecasting import Forecaster
-from tensile.operator.main import operator
+from tensile_operator.admission import Admission
+from tensile_operator.forecasting import Forecaster
+from tensile_operator.main import operator
 from kube_emulator import KubeEmulator
 
 TJ = "tensile.dev/v1alpha1/trainingjobs"

@@ -13,8 +13,8 @@ from agent_harness import ThreadedAgent, call, get
 
 from tensile.agent_client import AgentClient
 from tensile.agent_contract import Measurements, PlanResponse
-from tensile.node_agent.gpus import Inventory
-from tensile.node_agent.server import Agent, AgentConfig, add_arguments, config_from_args
+from tensile_agent.gpus import Inventory
+from tensile_agent.server import Agent, AgentConfig, add_arguments, config_from_args
 
 MIB = 2**20
 TOKEN = "o" * 32  # an operator's token: the job is not external
@@ -148,7 +148,7 @@ def test_a_silent_job_of_the_operators_is_kept_shown_and_said_once(agent_server,
     server = agent_server(expire_silent=0.3)
     placed = client_of(server.url, "placed", workload=tiny_workload(), token=TOKEN)
     planned(server, placed)
-    with caplog.at_level(logging.WARNING, logger="tensile.node_agent.service"):
+    with caplog.at_level(logging.WARNING, logger="tensile_agent.service"):
         time.sleep(1.2)  # four expiry checks
     jobs = {j["job"]: j for j in get(server.url, "/v1/jobs")[1]["jobs"]}
     assert jobs["placed"]["external"] is False and jobs["placed"]["silent_seconds"] > 0.9
@@ -164,7 +164,7 @@ def test_an_agent_without_gpus_says_how_to_simulate_one(caplog):
     """`tensile local` simulates a GPU by itself; a plain `tensile agent` refused every job with NVML's reason alone."""
     reason = "NVML library not found: no NVIDIA driver on this node, so no GPUs"
     agent = Agent(AgentConfig(planning="thread"), inventory=Inventory([], reason))
-    with caplog.at_level(logging.WARNING, logger="tensile.node_agent"):
+    with caplog.at_level(logging.WARNING, logger="tensile_agent"):
         agent.start()
         agent.stop()
     (warning,) = [r.getMessage() for r in caplog.records if "--simulate-gpu" in r.getMessage()]

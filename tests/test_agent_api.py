@@ -14,8 +14,8 @@ from agent_harness import call, get
 from tensile import agent_client
 from tensile.agent_client import AgentClient
 from tensile.agent_contract import MAX_SMALL_BYTES, REPLAN_REASONS, ContractError, Measurements
-from tensile.node_agent.gpus import Inventory
-from tensile.node_agent.server import Agent, AgentConfig
+from tensile_agent.gpus import Inventory
+from tensile_agent.server import Agent, AgentConfig
 from tensile.peak import analyze_vanilla
 from tensile.workload_io import workload_to_dict
 
@@ -384,7 +384,7 @@ def test_cluster_publisher_writes_tensilenode_and_observed(tiny_workload):
     assert node["status"]["agentAddress"] == "http://10.0.0.5:8470" and gpu["simulated"] is True
     assert gpu["jobs"][0]["job"] == "ns/j" and gpu["committed"]["scheduledPeakBytes"] > 0
     assert api.calls[0][:3] == ("ns", "trainingjobs", "j") and api.calls[0][3]["status"]["observed"]["peakBytes"] == 99
-    from tensile.operator.placement import gpus_from_tensilenode
+    from tensile_operator.placement import gpus_from_tensilenode
 
     (seen,) = gpus_from_tensilenode(node)
     assert seen.uuid == gpu["uuid"] and seen.agent == "http://10.0.0.5:8470" and seen.capacity_bytes == gpu["capacityBytes"]
@@ -392,7 +392,7 @@ def test_cluster_publisher_writes_tensilenode_and_observed(tiny_workload):
 
 def test_cli_parses_agent_options():
     from tensile.cli import build_parser
-    from tensile.node_agent.server import config_from_args
+    from tensile_agent.server import config_from_args
 
     args = build_parser().parse_args(["agent", "--port", "0", "--simulate-gpu", "a6000:48GiB", "--simulate-gpu", "x:1GB"])
     config = config_from_args(args)
@@ -481,7 +481,7 @@ def test_unknown_request_fields_are_ignored_with_a_warning_as_kubernetes_does(ag
     server = agent_server()
     url = server.url
     body = {"job": "a", "namespace": "ns", "workload": workload_to_dict(tiny_workload()), "token": TOKEN}
-    with caplog.at_level(logging.WARNING, logger="tensile.node_agent"):
+    with caplog.at_level(logging.WARNING, logger="tensile_agent"):
         status, warnings, answer = _raw(url, "POST", "/v1/jobs", body | {"priority_class": "high", "zz": 1})
         assert status == 201, answer
         assert warnings == ['299 - "unknown field \\"priority_class\\""', '299 - "unknown field \\"zz\\""']
@@ -578,7 +578,7 @@ def test_the_agent_stops_cleanly(tiny_workload, how):
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
-    proc = subprocess.Popen([sys.executable, "-m", "tensile.node_agent", "--port", str(port), "--simulate-gpu", "a6000:48GiB",
+    proc = subprocess.Popen([sys.executable, "-m", "tensile_agent", "--port", str(port), "--simulate-gpu", "a6000:48GiB",
                              "--log-level", "warning"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -609,7 +609,7 @@ def test_stopping_the_planner_ends_a_round_in_progress_instead_of_waiting_for_it
     """The stop waits for the planning child (so its semaphores are released), but not for a round's seconds."""
     from concurrent.futures.process import BrokenProcessPool
 
-    from tensile.node_agent.planning import ProcessPlanner
+    from tensile_agent.planning import ProcessPlanner
 
     planner = ProcessPlanner()
     planner.start()

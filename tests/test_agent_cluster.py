@@ -1,4 +1,4 @@
-"""The node agent's cluster publishing (node_agent/cluster.py) against the kube emulator: a real agent on
+"""The node agent's cluster publishing (node_agent/tensile_agent/cluster.py) against the kube emulator: a real agent on
 127.0.0.1 whose kubernetes client points at the emulator writes its TensileNode and the TrainingJobs'
 observed figures; outside a cluster publishing is off and the agent serves as usual."""
 
@@ -17,8 +17,8 @@ from operator_harness import cluster, trainingjob
 from tensile.agent_client import AgentClient
 from tensile.agent_contract import Measurements
 from tensile.local_jobs import strict_schema
-from tensile.node_agent.cluster import in_cluster, observed_status, tensilenode_status
-from tensile.operator.placement import gpus_from_tensilenode
+from tensile_agent.cluster import in_cluster, observed_status, tensilenode_status
+from tensile_operator.placement import gpus_from_tensilenode
 
 
 def test_agent_publishes_its_node_and_the_jobs_observations(tmp_path, tiny_workload):

@@ -24,7 +24,7 @@ def test_hook_side_imports_no_web_or_kubernetes():
     ("MeasurementsIn", c.Measurements), ("MeasurementsOut", c.MeasurementsResponse), ("KnobsIn", c.Knobs),
 ])
 def test_pydantic_models_mirror_the_contract(model, contract):
-    from tensile.node_agent import app
+    from tensile_agent import app
 
     assert set(getattr(app, model).model_fields) == {f.name for f in dataclasses.fields(contract)}
 

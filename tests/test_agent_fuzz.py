@@ -14,7 +14,7 @@ from agent_harness import ThreadedAgent
 from hypothesis import HealthCheck, settings
 
 from tensile.agent_client import AgentClient
-from tensile.node_agent.server import Agent, AgentConfig
+from tensile_agent.server import Agent, AgentConfig
 
 schema = schemathesis.openapi.from_dict(Agent(AgentConfig(simulate=["a6000:48GiB"])).app().openapi())
 _turn = itertools.count()

@@ -154,8 +154,8 @@ def granted(role: dict) -> set[tuple[str, str, str]]:
 
 
 def test_rbac_is_exactly_the_call_lists(chart: Chart) -> None:
-    from tensile.node_agent.cluster import RBAC
-    from tensile.operator.rbac import RULES
+    from tensile_agent.cluster import RBAC
+    from tensile_operator.rbac import RULES
 
     objs = case(chart, "defaults")
     operator_role, agent_role = one(objs, "ClusterRole", "operator"), one(objs, "ClusterRole", "agent")
@@ -177,8 +177,8 @@ def test_rbac_is_exactly_the_call_lists(chart: Chart) -> None:
 @pytest.mark.parametrize("values", ["defaults", "custom-placement"])
 def test_operator_runs_the_cli_it_is_given(chart: Chart, monkeypatch: pytest.MonkeyPatch, values: str) -> None:
     from tensile.cli import build_parser
-    from tensile.operator.handlers import PEERING
-    from tensile.operator.metrics import metrics_port
+    from tensile_operator.handlers import PEERING
+    from tensile_operator.metrics import metrics_port
 
     objs = case(chart, values)
     deployment = one(objs, "Deployment", "operator")
@@ -234,7 +234,7 @@ def test_own_token_secret_and_image_tag(chart: Chart) -> None:
 
 @pytest.mark.parametrize("name", ["defaults", "pod-network", "simulated-gpus"])
 def test_agent_daemonset(chart: Chart, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tensile.node_agent.server import add_arguments, config_from_args
+    from tensile_agent.server import add_arguments, config_from_args
     import argparse
 
     values = chart.merge_values(CASES[name][0])["agent"]
@@ -346,8 +346,8 @@ def webhook_parts(objs: list[dict]) -> tuple[dict, dict, dict]:
 def test_webhook_routes_to_kopfs_handler(chart: Chart) -> None:
     import kopf
 
-    from tensile.operator.admission import Admission
-    from tensile.operator.handlers import build_registry
+    from tensile_operator.admission import Admission
+    from tensile_operator.handlers import build_registry
 
     objs = case(chart, "defaults")
     _, hook, service = webhook_parts(objs)
@@ -481,7 +481,7 @@ def test_schema_accepts_every_case_and_is_valid_json_schema(chart: Chart) -> Non
 
 
 def test_byte_amounts_the_schema_accepts_parse_in_the_agent() -> None:
-    from tensile.node_agent.gpus import parse_bytes
+    from tensile_agent.gpus import parse_bytes
 
     schema = json.loads((CHART_DIR / "values.schema.json").read_text())
     pattern = schema["properties"]["agent"]["properties"]["contextBytes"]["pattern"]

@@ -21,10 +21,10 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tensile.cuda_ops import ops_as_on_cuda
-from tensile.runtime_hook import activate, deactivate
-from tensile.runtime_hook.recipes import DeviceRandom, RecipeBook
-from tensile.runtime_hook.report import HookReport
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook import activate, deactivate
+from tensile_hook.recipes import DeviceRandom, RecipeBook
+from tensile_hook.report import HookReport
+from tensile_hook.settings import HookSettings
 from tensile.timeline import build_slots
 from tensile.tracer import TrainingStep, trace_step
 from tensile.workload import Workload

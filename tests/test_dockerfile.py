@@ -101,7 +101,7 @@ def test_copied_paths_exist_and_are_in_the_build_context() -> None:
                     f"COPY {path}: excluded by .dockerignore"
                 copied.append(path.rstrip("/"))
     # The wheel is built from these: pyproject's package folders must all be copied.
-    package_dirs = set(pyproject()["tool"]["setuptools"]["package-dir"].values())
+    package_dirs = {path.split("/")[0] for path in pyproject()["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]}
     assert package_dirs <= set(copied), package_dirs - set(copied)
     assert {"pyproject.toml", pyproject()["project"]["readme"]} <= set(copied)
 
@@ -146,7 +146,7 @@ def test_entrypoints_exist() -> None:
 
 
 def test_the_operators_init_container_command_exists() -> None:
-    from tensile.operator.pods import build_pod
+    from tensile_operator.pods import build_pod
 
     body = {"metadata": {"namespace": "ns", "name": "j"}, "spec": {"template": {"spec": {"containers": [{"name": "t"}]}}}}
     (installer,) = [c for c in build_pod(body, "n", "GPU-1", None, "t", None, None, None)["spec"]["initContainers"]]

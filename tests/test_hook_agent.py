@@ -1,4 +1,4 @@
-"""The hook's agent path (runtime_hook/agent_link.py) against a real agent on 127.0.0.1: the job registers,
+"""The hook's agent path (runtime_hook/tensile_hook/agent_link.py) against a real agent on 127.0.0.1: the job registers,
 gets its plan, reports what it measured; an agent that dies mid-run costs no correctness, and the hook
 registers again when it is back."""
 
@@ -20,11 +20,11 @@ import tracing_models
 from tensile.agent_client import AgentClient, update_knobs
 from tensile.forecast import trace_workload
 from tensile.peak import analyze_vanilla
-from tensile.runtime_hook import activate, deactivate
-from tensile.runtime_hook.agent_link import AgentLink
-from tensile.runtime_hook.plan_source import local_planner
-from tensile.runtime_hook.report import HookReport, IterationStats
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook import activate, deactivate
+from tensile_hook.agent_link import AgentLink
+from tensile_hook.plan_source import local_planner
+from tensile_hook.report import HookReport, IterationStats
+from tensile_hook.settings import HookSettings
 from tensile.workload import Workload
 from test_hook_correctness import (  # noqa: F401
     STEPS, _import_example, assert_identical, deterministic, fit, fit_model, state_of, train)

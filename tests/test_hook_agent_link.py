@@ -13,11 +13,11 @@ import torch
 import tracing_models
 from agent_harness import free_port
 from tensile.agent_client import AgentClient
-from tensile.runtime_hook import activate, deactivate
-from tensile.runtime_hook.agent_link import AgentLink
-from tensile.runtime_hook.plan_source import local_planner
-from tensile.runtime_hook.report import HookReport, IterationStats
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook import activate, deactivate
+from tensile_hook.agent_link import AgentLink
+from tensile_hook.plan_source import local_planner
+from tensile_hook.report import HookReport, IterationStats
+from tensile_hook.settings import HookSettings
 from test_hook_correctness import STEPS, assert_identical, deterministic, fit_model, state_of  # noqa: F401
 
 CPU = torch.device("cpu")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tensile.runtime_hook import activate, deactivate
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook import activate, deactivate
+from tensile_hook.settings import HookSettings
 from test_hook_correctness import assert_identical, deterministic, fit, state_of  # noqa: F401
 from test_hook_native_swaps import blocks, feature_swaps
 

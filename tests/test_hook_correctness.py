@@ -11,9 +11,9 @@ import torch
 
 import tracing_models
 from tensile.plan import Event, Plan
-from tensile.runtime_hook import activate, deactivate
-from tensile.runtime_hook.report import HookReport
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook import activate, deactivate
+from tensile_hook.report import HookReport
+from tensile_hook.settings import HookSettings
 from tensile.workload import Workload
 
 STEPS = 5  # iterations 0-1 are recorded and matched, 2-4 run under the plan
@@ -231,7 +231,7 @@ def test_zoo_models_train_bit_identically_under_an_aggressive_plan(model):
 
 def replayed_ops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the ops the hook replays from now on, as they replay."""
-    from tensile.runtime_hook import recipes
+    from tensile_hook import recipes
 
     replayed: list[str] = []
     original = recipes.Step.replay

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from tensile.runtime_hook import activate, deactivate
-from tensile.runtime_hook.plan_source import local_planner
-from tensile.runtime_hook.report import HookReport
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook import activate, deactivate
+from tensile_hook.plan_source import local_planner
+from tensile_hook.report import HookReport
+from tensile_hook.settings import HookSettings
 from tensile.zoo import build_zoo_parts
 from test_hook_correctness import assert_identical, fit, state_of
 from test_hook_native_swaps import blocks, feature_swaps, hooked, on_device, out_of_memory_in_a_native_backward
@@ -103,7 +103,7 @@ def test_a_divergence_mid_iteration_restores_with_the_compute_stream_waiting_for
 
 
 def test_a_hook_failure_in_a_native_backward_brings_every_swapped_tensor_back(monkeypatch):
-    from tensile.runtime_hook.executor import PlanExecutor
+    from tensile_hook.executor import PlanExecutor
 
     fetch = PlanExecutor._fetch
 
@@ -166,7 +166,7 @@ def test_a_training_batch_norm_runs_cudnns_op_and_the_hooks_replay_gives_its_out
     ResNet-50 0.456 -> 0.471 (Table III 0.514, 0.436, 0.426)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from tensile.runtime_hook.recipes import DeviceRandom, RecipeBook
+    from tensile_hook.recipes import DeviceRandom, RecipeBook
 
     seen: list[tuple] = []
 

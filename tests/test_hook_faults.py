@@ -14,7 +14,7 @@ import torch
 
 import tracing_models
 from tensile.plan import EVENT_KINDS, Event, Plan
-from tensile.runtime_hook.settings import HookSettings, native_plans
+from tensile_hook.settings import HookSettings, native_plans
 from tensile.workload import Workload
 from test_hook_correctness import EXAMPLES, aggressive_plan, assert_identical, deterministic, fit, train  # noqa: F401
 
@@ -61,8 +61,8 @@ def test_a_planners_plan_for_another_workload_is_refused():
 
 def test_a_stale_plan_is_replaced_by_one_from_the_live_iteration():
     from tensile.forecast import trace_workload
-    from tensile.runtime_hook import activate, deactivate
-    from tensile.runtime_hook.settings import HookSettings
+    from tensile_hook import activate, deactivate
+    from tensile_hook.settings import HookSettings
 
     stale_workload = trace_workload("examples/tiny_mlp.py:build", 16, optimizer=None, device="cpu", live=True)
     stale = aggressive_plan(stale_workload)
@@ -153,7 +153,7 @@ def test_a_budget_is_a_fraction_whole_bytes_or_a_quantity_as_tensile_forecast_ta
 def test_the_in_process_planner_keeps_to_the_jobs_max_swap_rate(monkeypatch, tiny_workload):
     """Without --agent, --max-swap-rate reached the hook's settings but not the planner."""
     import tensile.planner
-    from tensile.runtime_hook.plan_source import local_planner
+    from tensile_hook.plan_source import local_planner
 
     rates = []
     plan_job = tensile.planner.plan_job
@@ -191,7 +191,7 @@ def test_a_plan_file_that_cannot_belong_to_its_workload_is_refused_naming_the_ev
     import json
 
     from tensile.planner import plan_job
-    from tensile.runtime_hook.plan_source import load_plan_files
+    from tensile_hook.plan_source import load_plan_files
     from tensile.workload_io import save_workload
 
     workload = tiny_workload()
@@ -255,7 +255,7 @@ def test_the_report_file_is_spaced_out_during_the_run_and_complete_at_exit(tmp_p
     interval has passed (the first time at once) and always at exit."""
     import json
 
-    from tensile.runtime_hook import activate, deactivate
+    from tensile_hook import activate, deactivate
 
     path = tmp_path / "report.json"
     settings = HookSettings(job="job", report_path=str(path), report_interval=3600)
@@ -278,7 +278,7 @@ def test_the_report_file_is_spaced_out_during_the_run_and_complete_at_exit(tmp_p
 
 
 def test_report_writes_stay_a_small_share_of_the_run(tmp_path):
-    from tensile.runtime_hook.report import HookReport, ReportWriter
+    from tensile_hook.report import HookReport, ReportWriter
 
     writer = ReportWriter(tmp_path / "report.json", interval=10)
     assert writer.due()
@@ -296,7 +296,7 @@ def test_a_long_runs_report_lists_its_first_and_last_iterations_and_totals_the_r
     """The hook's memory and the report file stay bounded however long the job trains."""
     import json
 
-    from tensile.runtime_hook.report import KEPT_ITERATIONS, HookReport, IterationStats, ReportWriter
+    from tensile_hook.report import KEPT_ITERATIONS, HookReport, IterationStats, ReportWriter
 
     report, writer = HookReport("job", "cpu"), ReportWriter(tmp_path / "report.json", interval=10)
     total = 2 * KEPT_ITERATIONS + 500
@@ -316,7 +316,7 @@ def test_a_long_runs_report_lists_its_first_and_last_iterations_and_totals_the_r
 def test_a_reports_run_totals_count_the_omitted_iterations_too():
     """`tensile run`'s summary and `tensile local`'s table read the report file: a long run's totals include
     the iterations it no longer lists."""
-    from tensile.runtime_hook.report import KEPT_ITERATIONS, HookReport, IterationStats, RunTotals
+    from tensile_hook.report import KEPT_ITERATIONS, HookReport, IterationStats, RunTotals
 
     report = HookReport("job", "cpu")
     total = 2 * KEPT_ITERATIONS + 10
@@ -349,7 +349,7 @@ def test_the_summary_says_where_the_peak_under_plan_went_over_the_budget(tmp_pat
 @pytest.fixture
 def planless():  # type: ignore[no-untyped-def]
     """The hook on the CPU device with no plan to apply: its registry, mover and guard driven by hand."""
-    from tensile.runtime_hook import activate, deactivate
+    from tensile_hook import activate, deactivate
 
     yield activate(HookSettings(job="job"), planner=lambda workload, budget: None, device=torch.device("cpu"))
     deactivate()
@@ -369,7 +369,7 @@ def swapped_out(executor, tensor: torch.Tensor):  # type: ignore[no-untyped-def]
 def test_an_op_retried_after_out_of_memory_keeps_its_own_inputs(planless):
     """On CUDA an out-of-memory error evicts passively and retries the op: the eviction must take other
     tensors, never the op's inputs, which the retry reads (a storage resized to 0 bytes, read by a kernel)."""
-    from tensile.runtime_hook import deactivate
+    from tensile_hook import deactivate
 
     older = [torch.ones(2**18) for _ in range(2)]  # 1 MB each, least recently used
     own = torch.arange(2**20, dtype=torch.float32)  # 4 MB: the op's input, more than half the bytes
@@ -397,7 +397,7 @@ def test_no_room_to_bring_an_input_back_evicts_others_and_retries(planless):
     the hook stood down and the op ran on a storage still at 0 bytes."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from tensile.runtime_hook import deactivate
+    from tensile_hook import deactivate
 
     other = torch.ones(2**18)  # 1 MB, least recently used
     other_slot = planless.registry.watch(other.untyped_storage())
@@ -425,7 +425,7 @@ def test_an_input_the_hook_cannot_bring_back_raises_instead_of_running_on_a_free
     """When even the stand-down cannot bring an input back (out of memory, nothing else to evict), the op
     must not run on a storage at 0 bytes (on CUDA an illegal memory access that kills the process): the
     user's code gets the out-of-memory error, as it would without Tensile, and the tensor comes back later."""
-    from tensile.runtime_hook import deactivate
+    from tensile_hook import deactivate
 
     own = torch.arange(2**20, dtype=torch.float32)
     swapped_out(planless, own)

@@ -7,8 +7,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tensile.runtime_hook import executor
-from tensile.runtime_hook.held import held_storages
+from tensile_hook import executor
+from tensile_hook.held import held_storages
 
 
 def graph() -> tuple[torch.Tensor, torch.Tensor]:

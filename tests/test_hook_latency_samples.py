@@ -1,4 +1,4 @@
-"""Op latencies for the node agent's drift rule (TENSILE IV-E; runtime_hook/latency_samples.py): with an agent, the
+"""Op latencies for the node agent's drift rule (TENSILE IV-E; runtime_hook/tensile_hook/latency_samples.py): with an agent, the
 first iteration under the plan and then one in every `latency_sample_every` run on the dispatch path with their ops
 timed, and the link posts the [op index, seconds] pairs with its measurements. Before, the hook posted none: the
 agent's EWMA never moved and its drift re-plan never happened, whatever the threshold."""
@@ -13,13 +13,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from tensile.agent_client import AgentClient
-from tensile.node_agent.state import Job
-from tensile.runtime_hook import activate, deactivate
-from tensile.runtime_hook.agent_link import AgentLink
-from tensile.runtime_hook.latency_samples import OpSamples
-from tensile.runtime_hook.plan_source import local_planner
-from tensile.runtime_hook.report import HookReport, IterationStats
-from tensile.runtime_hook.settings import HookSettings
+from tensile_agent.state import Job
+from tensile_hook import activate, deactivate
+from tensile_hook.agent_link import AgentLink
+from tensile_hook.latency_samples import OpSamples
+from tensile_hook.plan_source import local_planner
+from tensile_hook.report import HookReport, IterationStats
+from tensile_hook.settings import HookSettings
 from test_hook_agent import trains
 from test_hook_correctness import assert_identical, deterministic, state_of  # noqa: F401
 

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tensile.runtime_hook import activate, deactivate
-from tensile.runtime_hook.executor import reads_only
-from tensile.runtime_hook.plan_source import local_planner
-from tensile.runtime_hook.report import HookReport
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook import activate, deactivate
+from tensile_hook.executor import reads_only
+from tensile_hook.plan_source import local_planner
+from tensile_hook.report import HookReport
+from tensile_hook.settings import HookSettings
 from test_hook_correctness import assert_identical, deterministic, state_of  # noqa: F401
 
 STEPS = 8

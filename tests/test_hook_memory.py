@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tensile.commands.forecast import make_forecast
-from tensile.runtime_hook import activate, deactivate
-from tensile.runtime_hook.plan_source import local_planner
-from tensile.runtime_hook.report import HookReport, IterationStats
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook import activate, deactivate
+from tensile_hook.plan_source import local_planner
+from tensile_hook.report import HookReport, IterationStats
+from tensile_hook.settings import HookSettings
 from tensile.zoo import build_zoo_parts
 from test_hook_correctness import _import_example, assert_identical, deterministic, fit, train  # noqa: F401
 

@@ -8,9 +8,9 @@ import torch
 
 import tracing_models
 from tensile.plan import Event, Plan
-from tensile.runtime_hook import activate, deactivate
-from tensile.runtime_hook.executor import PlanExecutor
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook import activate, deactivate
+from tensile_hook.executor import PlanExecutor
+from tensile_hook.settings import HookSettings
 from tensile.workload import Workload
 from test_hook_correctness import (  # noqa: F401
     STEPS, aggressive_plan, assert_identical, deterministic, fit, fit_model, state_of, train)
@@ -103,7 +103,7 @@ def test_a_budget_the_plan_does_not_keep_stays_guarded_on_the_dispatch_path():
 
 
 def test_an_event_that_maps_is_a_release_pytorch_makes_itself():
-    from tensile.runtime_hook.native_map import map_plan
+    from tensile_hook.native_map import map_plan
 
     workload = tracing_models_workload()
     temp = next(t for t in workload.tensors.values() if t.created_by >= 0 and t.freed_after is not None)

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from tensile.plan import Event, Plan
-from tensile.runtime_hook import executor, native_swaps
-from tensile.runtime_hook.native_recipes import learn
-from tensile.runtime_hook.recipes import Recipe, Step
-from tensile.runtime_hook.report import HookReport
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook import executor, native_swaps
+from tensile_hook.native_recipes import learn
+from tensile_hook.recipes import Recipe, Step
+from tensile_hook.report import HookReport
+from tensile_hook.settings import HookSettings
 from tensile.workload import Workload
 from test_hook_correctness import assert_identical, deterministic, fit  # noqa: F401
 from test_hook_native_swaps import STEPS, blocks, feature_activations, hooked, image_classifier

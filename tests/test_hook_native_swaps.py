@@ -14,9 +14,9 @@ import tracing_models
 from tensile.devices import PRESETS
 from tensile.peak import analyze_plan, analyze_vanilla
 from tensile.plan import Event, Forecast, Plan
-from tensile.runtime_hook import activate, deactivate
-from tensile.runtime_hook.report import HookReport
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook import activate, deactivate
+from tensile_hook.report import HookReport
+from tensile_hook.settings import HookSettings
 from tensile.workload import TensorInfo, Workload
 from test_hook_correctness import assert_identical, deterministic, first_uses, fit  # noqa: F401
 
@@ -403,7 +403,7 @@ def test_a_tensor_still_absent_when_its_node_runs_is_fetched_there():
 def test_a_storage_the_mover_refuses_on_the_native_path_stays_on_the_device(monkeypatch):
     """A storage that cannot be resized (from numpy) is refused by the mover: on the native path the carrier calls
     the mover itself, and such a tensor stays where it is, without standing the hook down or counting a swap."""
-    from tensile.runtime_hook.movers import CpuMover
+    from tensile_hook.movers import CpuMover
 
     def refusing(self, slot, storage):  # type: ignore[no-untyped-def]
         raise RuntimeError("the storage is not resizable")
@@ -423,8 +423,8 @@ def test_a_hook_failure_in_a_native_backward_brings_every_swapped_tensor_back(mo
     """The native swaps' slots live outside the storage registry: when the hook stands down in
     the middle of a native backward (here its first node pre-hook of iteration 4 fails), the
     tensors that iteration swapped out must still come back before autograd reads them."""
-    from tensile.runtime_hook.executor import PlanExecutor
-    from tensile.runtime_hook.movers import CpuMover
+    from tensile_hook.executor import PlanExecutor
+    from tensile_hook.movers import CpuMover
 
     executors: list[PlanExecutor] = []
     init, swap_in = PlanExecutor.__init__, CpuMover.swap_in
@@ -452,7 +452,7 @@ def test_a_hook_failure_in_a_native_backward_brings_every_swapped_tensor_back(mo
 
 def carriers_of(monkeypatch) -> list:  # type: ignore[no-untyped-def]
     """Every SwapCarrier made while the test runs (one per aligned plan)."""
-    from tensile.runtime_hook.native_swaps import SwapCarrier
+    from tensile_hook.native_swaps import SwapCarrier
 
     made = []
     init = SwapCarrier.__init__
@@ -472,7 +472,7 @@ def test_node_hooks_wait_for_the_top_level_call_to_return_and_anchor_on_acting_b
     forward), found from the roots of boundaries that act anyway, so no boundary acts only to
     anchor them. Only a node whose saved tensor is taken from it (max pooling's indices) is hooked
     at once, before its tensor goes out."""
-    from tensile.runtime_hook.native_swaps import SwapCarrier
+    from tensile_hook.native_swaps import SwapCarrier
 
     made = carriers_of(monkeypatch)
     hooked_at = []
@@ -507,7 +507,7 @@ def test_native_iterations_find_their_node_hooks_along_the_learnt_paths_and_walk
     """The learning iteration's walks give each node hook its index path from its root: native iterations follow
     it (a few steps) from the first on, with no walk of their own. A path that leads elsewhere (here spoiled on
     purpose, as another graph would) is walked again once, and that walk's path is followed from then on."""
-    from tensile.runtime_hook.native_swaps import SwapCarrier
+    from tensile_hook.native_swaps import SwapCarrier
 
     walks = []
     walk, init = SwapCarrier._walk, SwapCarrier.__init__
@@ -572,7 +572,7 @@ def test_a_backward_inside_the_top_level_call_hooks_the_nodes_where_they_are_fou
 def test_tensor_paths_find_what_tensors_in_finds_and_lead_back_to_it():
     """The learner records index paths (`tensor_paths`) and the executor collects tensors (`tensors_in`, on
     the per-op path, without paths): the two walks must agree on the tensors and their order."""
-    from tensile.runtime_hook.storages import tensor_paths, tensors_in
+    from tensile_hook.storages import tensor_paths, tensors_in
 
     a, b, c, d = (torch.zeros(i + 1) for i in range(4))
     values = ((a, [b, 3, {"x": c, "y": None}]), {"out": (d,)}, "text")
@@ -644,7 +644,7 @@ def test_a_learnt_root_whose_graph_is_gone_is_passed_over() -> None:
     and did not run (an auxiliary loss's) is found behind them."""
     from types import SimpleNamespace
 
-    from tensile.runtime_hook.native_align import Boundary, SwapLearner, nodes_behind
+    from tensile_hook.native_align import Boundary, SwapLearner, nodes_behind
 
     weight, activation = torch.randn(4, requires_grad=True), torch.randn(4)
     product = (weight * 2) * activation  # the second MulBackward0 saves the activation; no backward runs it

@@ -12,9 +12,9 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tensile.plan import Event, Plan
-from tensile.runtime_hook import recipes
-from tensile.runtime_hook.plan_source import local_planner
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook import recipes
+from tensile_hook.plan_source import local_planner
+from tensile_hook.settings import HookSettings
 from tensile.timeline import build_slots
 from tensile.tracer import TrainingStep, trace_step
 from tensile.workload import Workload

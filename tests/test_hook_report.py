@@ -1,11 +1,11 @@
-"""The hook's report (runtime_hook/report.py): the peak of the iterations measured under a plan is kept apart
+"""The hook's report (runtime_hook/tensile_hook/report.py): the peak of the iterations measured under a plan is kept apart
 from the peak of every iteration. The first iterations run unplanned (recording, matching) at the vanilla
 peak, and a native CPU iteration nothing observed reports the forecast as its peak: neither compares with
 the forecast scheduled peak."""
 
 from __future__ import annotations
 
-from tensile.runtime_hook.report import KEPT_ITERATIONS, HookReport, IterationStats, RunTotals
+from tensile_hook.report import KEPT_ITERATIONS, HookReport, IterationStats, RunTotals
 
 MIB = 2**20
 

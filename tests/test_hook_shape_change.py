@@ -16,12 +16,12 @@ from torch.nn import functional as F
 
 from tensile.agent_client import AgentClient
 from tensile.plan import Plan
-from tensile.runtime_hook import activate, deactivate
-from tensile.runtime_hook.agent_link import AgentLink
-from tensile.runtime_hook.executor import IterationListener, Planner
-from tensile.runtime_hook.plan_source import local_planner
-from tensile.runtime_hook.report import HookReport
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook import activate, deactivate
+from tensile_hook.agent_link import AgentLink
+from tensile_hook.executor import IterationListener, Planner
+from tensile_hook.plan_source import local_planner
+from tensile_hook.report import HookReport
+from tensile_hook.settings import HookSettings
 from tensile.workload import Workload
 from test_hook_agent import _agent_settings, _job
 from test_hook_training_loops import (  # noqa: F401

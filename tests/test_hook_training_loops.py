@@ -26,10 +26,10 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.checkpoint import checkpoint
 
 from tensile.plan import Event, Plan
-from tensile.runtime_hook import activate, deactivate
-from tensile.runtime_hook.plan_source import local_planner
-from tensile.runtime_hook.report import HookReport, IterationStats
-from tensile.runtime_hook.settings import HookSettings
+from tensile_hook import activate, deactivate
+from tensile_hook.plan_source import local_planner
+from tensile_hook.report import HookReport, IterationStats
+from tensile_hook.settings import HookSettings
 from tensile.workload import Workload
 from test_hook_correctness import aggressive_plan, deterministic, first_uses, state_of  # noqa: F401
 

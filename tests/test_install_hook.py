@@ -12,11 +12,11 @@ from types import ModuleType
 
 import pytest
 
-import tensile.runtime_hook
+import tensile_hook
 from tensile.cli import main
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
-SITE = Path(tensile.runtime_hook.__file__).parent / "site"
+SITE = Path(tensile_hook.__file__).parent / "site"
 
 
 def test_installed_hook_runs_a_training_script(tmp_path):
@@ -24,12 +24,12 @@ def test_installed_hook_runs_a_training_script(tmp_path):
     assert main(["install-hook", str(hook_dir)]) == 0
     assert (hook_dir / "site" / "sitecustomize.py").exists()
     lib = hook_dir / "lib" / "tensile"
-    assert (lib / "runtime_hook" / "executor.py").exists()
-    assert not (lib / "operator").exists() and not (lib / "commands").exists()
+    assert (hook_dir / "lib" / "tensile_hook" / "executor.py").exists()
+    assert not (hook_dir / "lib" / "tensile_operator").exists() and not (lib / "commands").exists()
     report = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=f"{hook_dir}/site:{hook_dir}/lib", TENSILE_JOB="from-volume", TENSILE_REPORT=str(report))
-    probe = "import tensile.runtime_hook as h, sys; print(h.__file__)"
+    probe = "import tensile_hook as h, sys; print(h.__file__)"
     where = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert where.stdout.startswith(str(hook_dir)), where.stderr
     subprocess.run([sys.executable, str(EXAMPLES / "train_mlp.py"), "--steps", "4"], env=env, check=True, timeout=300)
@@ -38,18 +38,18 @@ def test_installed_hook_runs_a_training_script(tmp_path):
 
 
 def test_the_init_containers_installer_does_not_load_torch(tmp_path):
-    """The operator's init container runs `python -m tensile.runtime_hook.install` under a 128Mi limit
-    (operator/pods.py): importing torch alone took 152 MB there, and the kernel killed it, so no training pod
+    """The operator's init container runs `python -m tensile_hook.install` under a 128Mi limit
+    (operator/tensile_operator/pods.py): importing torch alone took 152 MB there, and the kernel killed it, so no training pod
     started. It copies files; the modules it imports must leave torch out."""
     probe = ("import runpy, sys\n"
              f"sys.argv = ['install', {str(tmp_path / 'hook')!r}]\n"
-             "try:\n    runpy.run_module('tensile.runtime_hook.install', run_name='__main__')\n"
+             "try:\n    runpy.run_module('tensile_hook.install', run_name='__main__')\n"
              "except SystemExit as exit:\n    assert not exit.code, exit.code\n"
              "print('torch loaded:', 'torch' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "torch loaded: False", done.stdout
-    assert (tmp_path / "hook" / "lib" / "tensile" / "runtime_hook" / "lifecycle.py").exists()
+    assert (tmp_path / "hook" / "lib" / "tensile_hook" / "lifecycle.py").exists()
 
 
 def _sitecustomize(starts: bool = False) -> ModuleType:
@@ -83,7 +83,7 @@ def test_torchruns_launcher_is_known_by_its_command_line(monkeypatch, argv: list
                                               ("2.10.0a0+gitabc123", False), ("2.13.0+cpu", False), ("3.0.0", False)])
 def test_a_pytorch_older_than_any_the_hook_was_checked_with_is_refused(version: str, refused: bool) -> None:
     """By release: a build or pre-release of 2.10 (NVIDIA's images number theirs `2.10.0a0+...`) is 2.10."""
-    from tensile.runtime_hook.lifecycle import UnsupportedPyTorch, check_torch
+    from tensile_hook.lifecycle import UnsupportedPyTorch, check_torch
 
     if refused:
         with pytest.raises(UnsupportedPyTorch, match=rf"PyTorch {version.replace('+', '[+]')} is older than 2\.10"):
@@ -99,7 +99,7 @@ def test_under_an_older_pytorch_the_training_runs_without_the_hook_and_says_why(
     import torch
     from torch.nn.modules.module import _global_forward_pre_hooks
 
-    from tensile.runtime_hook import lifecycle
+    from tensile_hook import lifecycle
 
     hooks = dict(_global_forward_pre_hooks)
     monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")

@@ -150,7 +150,7 @@ def test_the_view_shows_the_peak_under_plan_beside_the_peak_of_every_iteration(t
 
     from tensile.agent_client import AgentClient
     from tensile.agent_contract import Measurements
-    from tensile.runtime_hook.report import HookReport, IterationStats, ReportWriter
+    from tensile_hook.report import HookReport, IterationStats, ReportWriter
 
     agent = LocalAgent("127.0.0.1", 0, ["small:1GiB"]).start()
     runner = LocalRunner([load_job(_write(tmp_path, "live")), load_job(_write(tmp_path, "done"))], agent, tmp_path, "cpu", "cpu")

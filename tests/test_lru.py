@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from tensile.lru import Lru
-from tensile.operator.forecasting import Forecaster
+from tensile_operator.forecasting import Forecaster
 from tensile.trainingjob_spec import PlanScope, WorkloadSpec
 
 
@@ -49,7 +49,7 @@ def test_stored_profiles_keep_the_recent_ones_in_memory_and_the_rest_on_disk(tmp
     """With a directory the files are the store: memory holds the most recently used, an evicted profile
     is read back from its file. Without one, memory is the only copy and keeps every profile."""
     import tracing_models
-    from tensile.operator.forecasting import CACHED_WORKLOADS, ProfileStore
+    from tensile_operator.forecasting import CACHED_WORKLOADS, ProfileStore
     from tensile.tracer import TrainingStep, trace_step
 
     model, batch, loss_fn, make_optimizer = tracing_models.views(2)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tensile.runtime_hook.movers import HANDS_MEMORY_OVER, CpuMover
-from tensile.runtime_hook.storages import Slot
+from tensile_hook.movers import HANDS_MEMORY_OVER, CpuMover
+from tensile_hook.storages import Slot
 
 
 def _slot(storage: torch.UntypedStorage) -> Slot:

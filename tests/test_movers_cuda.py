@@ -8,8 +8,8 @@ import weakref
 import pytest
 import torch
 
-from tensile.runtime_hook.movers import CudaMover
-from tensile.runtime_hook.storages import Slot
+from tensile_hook.movers import CudaMover
+from tensile_hook.storages import Slot
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

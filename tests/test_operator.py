@@ -18,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from operator_harness import (GIB, cluster, fake_kubelet, gpu_held_by_big, jitter, phase, pod_env, process_kubelet,
                               serve_pods, simulated_gpu, start_operator, trainingjob)
 from tensile.errors import TensileUserError
-from tensile.operator.metrics import OperatorMetrics, metrics_port
+from tensile_operator.metrics import OperatorMetrics, metrics_port
 from tensile.trainingjob_spec import PlanScope, SpecError, parse_spec
-from tensile.operator.placement import Booking, JointPlanner, Ledger, gpus_from_tensilenode
-from tensile.operator.rbac import RULES
+from tensile_operator.placement import Booking, JointPlanner, Ledger, gpus_from_tensilenode
+from tensile_operator.rbac import RULES
 from tensile.plan import PLAN_EVENTS
 from tensile.planner import plan_job
 
@@ -59,7 +59,7 @@ def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster)
                 assert env["TENSILE_RECOMPUTE"] == "false"  # its hook registers so: the agent plans no recompute
                 assert status["forecast"]["activationsOnly"] is True
                 assert env["PYTHONPATH"].startswith("/tensile/site")
-                assert pod["spec"]["initContainers"][0]["command"][:3] == ["python", "-m", "tensile.runtime_hook.install"]
+                assert pod["spec"]["initContainers"][0]["command"][:3] == ["python", "-m", "tensile_hook.install"]
                 # the knob annotations of a placed job go to its agent
                 await c.annotate("one", {"tensile.dev/max-swap-rate": "0.25"})
                 await c.wait(lambda: op.app.agent.sent, 10, "knobs forwarded")
@@ -152,8 +152,8 @@ def test_an_amount_of_memory_reads_alike_in_a_trainingjob_a_flag_and_the_hook():
     """6Gi (Kubernetes' spelling) and 6GiB (the CLI's) are one amount wherever a budget is written: the hook's
     TENSILE_MEMORY_BUDGET, `--memory-budget` and the agent's `--context-bytes` refused 6Gi, and annotations 6GiB."""
     from tensile.devices import parse_bytes
-    from tensile.node_agent.server import add_arguments, config_from_args
-    from tensile.runtime_hook.settings import budget_bytes, parse_budget
+    from tensile_agent.server import add_arguments, config_from_args
+    from tensile_hook.settings import budget_bytes, parse_budget
 
     for text, expected in (("6Gi", 6 * GIB), ("6GiB", 6 * GIB), ("512Mi", 512 * 2**20), ("2e9", 2 * 10**9), ("80GB", 80 * 10**9)):
         spec = parse_spec(trainingjob("x", "vgg16", 1)["spec"], {"tensile.dev/memory-budget": text})
@@ -492,7 +492,7 @@ if __name__ == "__main__":
 def test_a_placement_written_after_the_statuses_were_read_is_booked():
     """A predecessor's placement that lands after this operator's start-up LIST is booked when its event
     arrives (else the next pass would give its room away); a released job's stale event books nothing."""
-    from tensile.operator.admission import Admission
+    from tensile_operator.admission import Admission
 
     app = Admission()
     app.ready.set()
@@ -511,7 +511,7 @@ def test_a_placement_written_after_the_statuses_were_read_is_booked():
 def test_a_placement_seen_while_the_start_up_list_is_in_flight_is_booked():
     """An event that arrives during the start-up LIST can show a placement the LIST (read earlier)
     does not: it is booked once the ledger exists, unless the LIST shows the job finished."""
-    from tensile.operator.admission import Admission
+    from tensile_operator.admission import Admission
 
     def job(name: str, phase: str) -> dict:
         return {"metadata": {"namespace": "default", "name": name}, "spec": {"memoryBudget": "1Gi"},
@@ -547,9 +547,9 @@ def test_a_finished_job_frees_its_room_only_once_its_end_is_written():
     """The end of a job is written before its room is given away. Released first, a placement made while the
     end was in flight landed before it, and the statuses showed the GPU over-committed (the 60-job restart
     test's failure, seen after a restart's burst of ends and placements; here the end is held back)."""
-    from tensile.operator.admission import Admission, Pending
+    from tensile_operator.admission import Admission, Pending
     from tensile.trainingjob_spec import parse_spec
-    from tensile.operator.placement import Gpu
+    from tensile_operator.placement import Gpu
 
     app = Admission()
     app.ready.set()
@@ -678,8 +678,8 @@ def test_a_rebuild_books_jobs_with_the_knobs_their_annotations_set():
     """After an operator restart a placed job keeps the budget, swap rate and recompute it runs with: its annotations
     override its spec, as at admission and on knob changes; a spec edited since into something invalid keeps
     the knobs last forwarded to its agent."""
-    from tensile.operator.admission import Admission
-    from tensile.operator.placement import Gpu
+    from tensile_operator.admission import Admission
+    from tensile_operator.placement import Gpu
 
     placed = {"phase": "Running", "placement": {"gpu": "GPU-a0", "node": "node-a"},
               "forecast": {"source": "budget", "reservedBytes": GIB}}
@@ -718,9 +718,9 @@ def test_a_rebuild_books_a_deleted_job_only_while_its_pod_holds_the_gpu():
     """A deleted job (kept by its finalizer) is booked by a rebuild while its pod is there and not ended;
     a pod that is gone or has ended holds nothing, and a later event of that job books nothing either. A job not being deleted stays booked without a pod
     (its pod may not be created yet)."""
-    from tensile.operator.admission import Admission
-    from tensile.operator.placement import Gpu
-    from tensile.operator.pods import JOB_LABEL
+    from tensile_operator.admission import Admission
+    from tensile_operator.placement import Gpu
+    from tensile_operator.pods import JOB_LABEL
 
     def job(name: str, deleting: bool) -> dict:
         meta = {"namespace": "default", "name": name} | ({"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {})
@@ -775,7 +775,7 @@ def test_jobs_whose_long_names_share_a_start_get_pods_of_their_own(tmp_path, for
     deleting it deleted the first's. Pod names and label values are valid (a cut may end in '-'; labels <= 63)."""
     import re
 
-    from tensile.operator.pods import JOB_LABEL
+    from tensile_operator.pods import JOB_LABEL
 
     a, b = "x" * 39 + "-" + "y" * 20 + "-alpha", "x" * 39 + "-" + "y" * 20 + "-beta"
 
@@ -820,7 +820,7 @@ class _Calls:
         return {"metadata": {"namespace": namespace, "name": name}, "status": {"phase": self.job_phase}}
 
     async def create_pod(self, namespace: str, pod: dict) -> dict:
-        from tensile.operator.kube import Conflict
+        from tensile_operator.kube import Conflict
 
         if self.existing is not None:
             raise Conflict(409, "already exists")
@@ -837,8 +837,8 @@ class _Calls:
 def test_a_pod_of_its_name_that_another_job_owns_is_not_taken_for_the_jobs_own():
     """A 409 was read as "created before a restart": a pod of another owner was followed as the job's, and
     deleting the job deleted that pod by name."""
-    from tensile.operator.admission import Admission
-    from tensile.operator.pods import build_pod
+    from tensile_operator.admission import Admission
+    from tensile_operator.pods import build_pod
 
     body = trainingjob("same", None, profile="p", memoryBudget="1Gi")
     body["metadata"] |= {"namespace": "default", "uid": "u-new"}
@@ -860,7 +860,7 @@ def test_a_pod_of_its_name_that_another_job_owns_is_not_taken_for_the_jobs_own()
 def test_a_pod_the_api_server_refuses_fails_its_job_and_frees_the_gpu(tmp_path, forecaster):
     """A refused pod (invalid, PodSecurity, ResourceQuota) was only logged: the job stayed Admitted holding its
     GPU, and the queue behind it never moved."""
-    from tensile.operator.kube import KubeError
+    from tensile_operator.kube import KubeError
 
     async def scenario() -> None:
         async with cluster(tmp_path) as c:
@@ -893,9 +893,9 @@ def test_a_job_deleted_while_the_joint_planner_places_it_gets_no_pod_and_no_room
     """The joint planner runs on a thread; a job deleted meanwhile was booked and given a pod when it returned."""
     import threading
 
-    import tensile.operator.admission as admission
+    import tensile_operator.admission as admission
     from tensile.trainingjob_spec import parse_spec
-    from tensile.operator.placement import Decision, Gpu
+    from tensile_operator.placement import Decision, Gpu
 
     planning, planned = threading.Event(), threading.Event()
 
@@ -931,8 +931,8 @@ def test_a_job_deleted_while_the_joint_planner_places_it_gets_no_pod_and_no_room
 def test_an_ended_pod_seen_again_does_not_rewrite_its_jobs_end():
     """An operator restart lists every kept pod (and a finished pod's deletion is an event too): each ended one
     finished its job again, rewriting `finishedAt` and the message of jobs long over."""
-    from tensile.operator.admission import Admission
-    from tensile.operator.pods import build_pod
+    from tensile_operator.admission import Admission
+    from tensile_operator.pods import build_pod
 
     def ended_pod(name: str) -> dict:
         body = trainingjob(name, None, profile="p", memoryBudget="1Gi")

@@ -13,8 +13,8 @@ from agent_harness import ThreadedAgent, get
 from operator_harness import cluster, phase, pod_env, start_operator, trainingjob
 
 from tensile.agent_client import AgentClient
-from tensile.operator.forecasting import Forecaster
-from tensile.operator.pods import pod_name
+from tensile_operator.forecasting import Forecaster
+from tensile_operator.pods import pod_name
 from tensile.plan import native_plan_events
 
 MIB = 2**20

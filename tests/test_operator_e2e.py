@@ -15,8 +15,8 @@ from agent_harness import ThreadedAgent
 from operator_harness import cluster, phase, pod_env, process_kubelet, start_operator, trainingjob
 from test_operator_agent import agent_jobs
 
-from tensile.operator.forecasting import Forecaster
-from tensile.operator.pods import pod_name
+from tensile_operator.forecasting import Forecaster
+from tensile_operator.pods import pod_name
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20

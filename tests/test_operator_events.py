@@ -13,10 +13,10 @@ import pytest
 from operator_harness import (TN, Cluster, RunningOperator, cluster, phase, simulated_gpu, start_operator,
                               trainingjob)
 from tensile.knobs import memory_text
-from tensile.operator.admission import condition
-from tensile.operator.events import COMPONENT, MAX_MESSAGE, Recorder, Said, event_body, transitions
-from tensile.operator.forecasting import Forecaster
-from tensile.operator.kube import Kube
+from tensile_operator.admission import condition
+from tensile_operator.events import COMPONENT, MAX_MESSAGE, Recorder, Said, event_body, transitions
+from tensile_operator.forecasting import Forecaster
+from tensile_operator.kube import Kube
 
 TJP = "/apis/tensile.dev/v1alpha1/namespaces/default/trainingjobs/"
 QUALIFIED = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")

@@ -18,11 +18,11 @@ import yaml
 from operator_harness import GIB, cluster, gpu_held_by_big, phase, pod_env, simulated_gpu, start_operator, trainingjob
 from tensile.knobs import memory_text, parse_swap_rate, unreachable_budget_text
 from tensile.trainingjob_spec import SpecError, parse_spec, unknown_annotations
-from tensile.operator.placement import Booking, Candidate, Gpu, JointPlanner, Ledger, choose
-from tensile.operator.pods import HOOK_SECURITY_CONTEXT, build_pod
-from tensile.operator.validation import check, unreachable_budget
-from tensile.operator.validation import warnings as admission_warnings
-from tensile.runtime_hook.settings import HookSettings
+from tensile_operator.placement import Booking, Candidate, Gpu, JointPlanner, Ledger, choose
+from tensile_operator.pods import HOOK_SECURITY_CONTEXT, build_pod
+from tensile_operator.validation import check, unreachable_budget
+from tensile_operator.validation import warnings as admission_warnings
+from tensile_hook.settings import HookSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -62,7 +62,7 @@ def test_a_swap_rate_in_0_1_is_taken_alike_by_the_spec_the_annotation_and_the_ho
 
 def test_the_swap_rate_rule_lives_in_core_only():
     """No second copy: the hook's settings (and through them `tensile run`) use core's function."""
-    import tensile.runtime_hook.settings as settings
+    import tensile_hook.settings as settings
 
     assert settings.parse_swap_rate is parse_swap_rate
     assert math.isclose(parse_swap_rate("0.25", "x"), 0.25)
@@ -268,14 +268,14 @@ def test_the_operator_without_credentials_prints_one_line_naming_the_fix(tmp_pat
     assert len(lines) == 1 and "no Kubernetes credentials" in lines[0] and "set KUBECONFIG" in lines[0], done.stderr
     bad = tmp_path / "kubeconfig"
     bad.write_text("clusters: [")
-    done = _cli(["-m", "tensile.operator.main", "--metrics-port", "0"], tmp_path, {"KUBECONFIG": str(bad)})
+    done = _cli(["-m", "tensile_operator.main", "--metrics-port", "0"], tmp_path, {"KUBECONFIG": str(bad)})
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1 and "fix $KUBECONFIG" in lines[0], done
 
 
 def test_python_m_tensile_operator_main_takes_the_options_and_help(tmp_path):
     """The form docs/operator.md gives ignored --help and started the operator."""
-    done = _cli(["-m", "tensile.operator.main", "--help"], tmp_path)
+    done = _cli(["-m", "tensile_operator.main", "--help"], tmp_path)
     assert done.returncode == 0 and "--metrics-port" in done.stdout and "--standalone" in done.stdout, done
 
 

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-import tensile.operator.admission as admission
+import tensile_operator.admission as admission
 from operator_harness import (GIB, cluster, gpu_held_by_big, phase, pod_env, simulated_gpu, start_operator,
                               trainingjob)
-from tensile.operator.admission import Admission, job_key
-from tensile.operator.forecasting import Forecaster
-from tensile.operator.kube import KubeError, NotFound
+from tensile_operator.admission import Admission, job_key
+from tensile_operator.forecasting import Forecaster
+from tensile_operator.kube import KubeError, NotFound
 from tensile.trainingjob_spec import parse_spec
-from tensile.operator.placement import Booking, Gpu
-from tensile.operator.pods import build_pod
+from tensile_operator.placement import Booking, Gpu
+from tensile_operator.pods import build_pod
 
 TJP = "/apis/tensile.dev/v1alpha1/namespaces/default/trainingjobs/"
 

@@ -18,10 +18,10 @@ from helm_python import Chart, HelmValuesError
 from chart_render import CHART_DIR, objects, one, render
 from operator_harness import Cluster, gpu_held_by_big, phase, trainingjob
 from tensile.errors import TensileUserError
-from tensile.operator.admission import Admission
-from tensile.operator.events import COMPONENT
-from tensile.operator.forecasting import Forecaster
-from tensile.operator.queueing import BEST_EFFORT, DURATION, HOLD_ENV, STRATEGY_ENV, STRICT, QueueConfig
+from tensile_operator.admission import Admission
+from tensile_operator.events import COMPONENT
+from tensile_operator.forecasting import Forecaster
+from tensile_operator.queueing import BEST_EFFORT, DURATION, HOLD_ENV, STRATEGY_ENV, STRICT, QueueConfig
 
 
 def job(name: str, budget: str, priority_class: str | None = None) -> dict:

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-import tensile.operator.admission as admission
+import tensile_operator.admission as admission
 from operator_harness import (GIB, TN, Cluster, RunningOperator, cluster, phase, pod_env, simulated_gpu, start_operator,
                               trainingjob)
 from test_operator_events import conditions, events_of, reasons, restarted, running
-from tensile.operator.admission import Admission
-from tensile.operator.forecasting import Forecaster
-from tensile.operator.kube import Conflict, KubeError
-from tensile.operator.placement import Booking, Gpu
-from tensile.operator.pods import build_pod
+from tensile_operator.admission import Admission
+from tensile_operator.forecasting import Forecaster
+from tensile_operator.kube import Conflict, KubeError
+from tensile_operator.placement import Booking, Gpu
+from tensile_operator.pods import build_pod
 
 # a container the kubelet is still creating (its image pulled, say): the pod has not started
 CREATING = {"phase": "Pending", "containerStatuses": [{"name": "train", "state": {"waiting": {"reason": "ContainerCreating"}}}]}

@@ -13,7 +13,7 @@ from tensile.peak import absent_ranges, analyze_plan, analyze_vanilla, plan_time
 from tensile.plan import Plan
 from tensile.commands import option_value
 from tensile.planner import GpuPlan, JobSpec, co_run_slowdown, plan_gpu, plan_job
-from tensile.runtime_hook.settings import budget_bytes, parse_budget
+from tensile_hook.settings import budget_bytes, parse_budget
 from tensile.recompute import NATIVE_CREATORS, chain_inputs
 from tensile.simulator import SimJob, simulate
 from tensile.errors import TensileUserError

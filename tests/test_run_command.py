@@ -29,9 +29,9 @@ from tensile.agent_contract import NAME_PATTERN
 from tensile.cli import main
 from tensile.commands.run import _over_budget, _unique_job, _under_plan
 from tensile.peak import analyze_vanilla
-from tensile.runtime_hook.agent_link import AgentLink
-from tensile.runtime_hook.plan_source import local_planner
-from tensile.runtime_hook.report import KEPT_ITERATIONS, HookReport, IterationStats, RunTotals
+from tensile_hook.agent_link import AgentLink
+from tensile_hook.plan_source import local_planner
+from tensile_hook.report import KEPT_ITERATIONS, HookReport, IterationStats, RunTotals
 
 MIB = 2**20
 

@@ -13,7 +13,7 @@ T = TypeVar("T")
 
 
 def option_value(parse: Callable[[str, str], T], text: str, option: str) -> T:
-    """A hook setting's parser (runtime_hook/settings.py raises ValueError, the hook's way) checking a CLI
+    """A hook setting's parser (runtime_hook/tensile_hook/settings.py raises ValueError, the hook's way) checking a CLI
     option, so that the command and the hook it starts accept exactly the same values."""
     try:
         return parse(text, option)

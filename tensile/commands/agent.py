@@ -7,14 +7,14 @@ import argparse
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("agent", help="run the node agent (FastAPI) for this node's GPUs", description=__doc__)
-    from tensile.node_agent.server import add_arguments
+    from tensile_agent.server import add_arguments
 
     add_arguments(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from tensile.node_agent.server import config_from_args, serve
+    from tensile_agent.server import config_from_args, serve
 
     serve(config_from_args(args), args.log_level)
     return 0

@@ -18,7 +18,7 @@ from tensile.latency import QuickCalibrationWarning, UncalibratedWarning, assign
 from tensile.peak import PeakResult, analyze_plan, analyze_vanilla
 from tensile.plan import PLAN_EVENTS, Plan, native_plan_events
 from tensile.planner import GpuPlan, plan_job
-from tensile.runtime_hook.settings import budget_bytes, parse_budget
+from tensile_hook.settings import budget_bytes, parse_budget
 from tensile.workload import ROLES, Workload
 from tensile.workload_io import load_workload, save_workload
 

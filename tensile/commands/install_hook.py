@@ -6,7 +6,7 @@ import argparse
 
 from rich.console import Console
 
-from tensile.runtime_hook.install import install
+from tensile_hook.install import install
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from tensile.local_jobs import load_jobs  # here, not at the top: `tensile run` builds this parser too, in images without jsonschema
     from tensile.local_runner import POLL_SECONDS, LocalRunner
     from tensile.local_view import job_view, plot_peaks
-    from tensile.node_agent.gpus import simulated_gpus
+    from tensile_agent.gpus import simulated_gpus
 
     if not 0 <= args.port < 65536:
         raise TensileUserError(f"--port must be 0-65535 (was {args.port})")

@@ -23,8 +23,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tensile.operator.main import require_credentials, run as run_operator
-    from tensile.operator.metrics import metrics_port
+    from tensile_operator.main import require_credentials, run as run_operator
+    from tensile_operator.metrics import metrics_port
 
     port = metrics_port(args.metrics_port)  # a bad port is bad input (exit 2, as every command's)
     try:

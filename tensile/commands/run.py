@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-import tensile.runtime_hook
+import tensile_hook
 from tensile.agent_client import Http
 from tensile.agent_contract import GPU_PATTERN
 from tensile.child_process import ends_with_this_process
@@ -26,12 +26,12 @@ from tensile.forecast import DEFAULT_BATCH_SIZE, DTYPES, OPTIMIZERS
 from tensile.knobs import parse_swap_rate
 from tensile.training_command import local_command
 from tensile.plan import PLAN_EVENTS, load_plan
-from tensile.runtime_hook.plan_source import load_plan_files
-from tensile.runtime_hook.report import PlanPeak, RunTotals, UnderPlan
-from tensile.runtime_hook.settings import HookSettings, parse_budget
+from tensile_hook.plan_source import load_plan_files
+from tensile_hook.report import PlanPeak, RunTotals, UnderPlan
+from tensile_hook.settings import HookSettings, parse_budget
 from tensile.workload_io import load_workload, save_workload
 
-SITE_DIR = Path(tensile.runtime_hook.__file__).parent / "site"
+SITE_DIR = Path(tensile_hook.__file__).parent / "site"
 # passed on to the command when sent to `tensile run` alone; siginfo's si_code of one the kernel sent to the whole
 # foreground process group (a terminal's Ctrl-C, its hangup), which the command, in that group, got too
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -341,7 +341,7 @@ def _over_budget(under_plan: UnderPlan, slack: int | None, workspace: int | None
     if over <= slack:
         return f"{said}: within the guard's slack of {slack / MIB:,.1f} MiB (what one op needs on the device at once)"
     # the slack is the largest op of the iterations recorded: shapes grown since go unseen where the model takes
-    # keyword arguments only (runtime_hook/shapes.py compares the first module call's positional tensors)
+    # keyword arguments only (runtime_hook/tensile_hook/shapes.py compares the first module call's positional tensors)
     return (f"{said}: more than the guard's slack of {slack / MIB:,.1f} MiB (what one op of a recorded iteration needs); "
             "the report's messages may say why; a model called with keyword arguments only (model(**batch)) is not "
             "checked for a batch grown mid-run")

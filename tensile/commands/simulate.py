@@ -17,7 +17,7 @@ from tensile.errors import TensileUserError
 from tensile.forecast import trace_workload
 from tensile.latency import assign_latencies
 from tensile.planner import JobSpec
-from tensile.runtime_hook.settings import budget_bytes, parse_budget
+from tensile_hook.settings import budget_bytes, parse_budget
 from tensile.user_model import is_user_model
 from tensile.workload import Workload
 

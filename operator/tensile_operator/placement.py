@@ -1,0 +1,277 @@
+"""Where a job fits: GPUs from TensileNodes, the jobs committed to each, and the joint-plan fit test.
+
+A GPU's committed memory is the sum of its jobs' scheduled peaks (the paper's MP = sum MP_j) plus a
+CUDA context per job. A candidate fits when the TENSILE planner, planning the GPU's jobs together with
+the candidate under the GPU's capacity, reaches a sum within it. Two shortcuts avoid planning: if
+the vanilla peaks already fit, no job needs a plan change; if even each job's lowest reachable peak
+alone does not fit, no joint plan can (co-located jobs share the copy channels, they never swap
+more than alone). Each job is planned with the events its hook will use (its forecast's
+`scope`: native events only, recompute) and within its own budget. Joint plans are cached by the
+multiset of (workload signature, scope, max swap rate, own budget) and the GPU's budget.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from tensile.knobs import memory_text
+from tensile.lru import Lru
+from tensile_operator.forecasting import DEFAULT_BANDWIDTH, JobForecast
+from tensile.trainingjob_spec import GpuSelector
+
+
+
+@dataclass(frozen=True)
+class Gpu:
+    node: str
+    uuid: str
+    name: str
+    memory_bytes: int
+    capacity_bytes: int
+    context_bytes: int = 0  # per job (CUDA context + library workspaces)
+    simulated: bool = False
+    bandwidth: float = DEFAULT_BANDWIDTH
+    agent: str | None = None  # the node agent's URL
+    hosted: tuple[tuple[str, int], ...] = ()  # (job, scheduled peak) of every job the agent hosts on it
+
+
+def gpus_from_tensilenode(body: dict) -> list[Gpu]:
+    """The GPUs a TensileNode publishes (status written by the node agent)."""
+    name = body["metadata"]["name"]
+    status = body.get("status") or {}
+    agent = status.get("agentAddress")
+    result = []
+    for gpu in status.get("gpus") or []:
+        memory = int(gpu.get("memoryBytes") or 0)
+        hosted = tuple((str(j.get("job", "")), int(j.get("scheduledPeakBytes") or 0)) for j in gpu.get("jobs") or [])
+        result.append(Gpu(
+            node=name,
+            uuid=gpu["uuid"],
+            name=gpu.get("name", ""),
+            memory_bytes=memory,
+            capacity_bytes=int(gpu.get("capacityBytes") or memory),
+            context_bytes=int(gpu.get("contextBytesPerJob") or 0),
+            simulated=bool(gpu.get("simulated", False)),
+            bandwidth=float(gpu.get("hostLinkBandwidth") or DEFAULT_BANDWIDTH),
+            agent=agent,
+            hosted=hosted,
+        ))
+    return result
+
+
+@dataclass
+class Booking:
+    """One job committed to a GPU: by its forecast (planned) or by its declared budget (fixed)."""
+
+    job: str  # namespace/name
+    gpu: str  # uuid
+    node: str
+    reserved_bytes: int  # the scheduled peak it is admitted with (or its budget)
+    forecast: JobForecast | None = None
+    budget_bytes: int | None = None
+    max_swap_rate: float | None = None
+    profile: str | None = None  # admitted by budget: the profile its live workload is stored under
+    plan_events: str = "auto"  # the job's spec.scheduling.planEvents at admission: its pod's TENSILE_PLAN_EVENTS
+    recompute: bool = True  # spec.scheduling.recompute (or its annotation): its pod's TENSILE_RECOMPUTE
+
+
+@dataclass
+class Decision:
+    gpu: Gpu | None
+    peaks: dict[str, int] = field(default_factory=dict)  # job -> scheduled peak on that GPU (incl. the new one)
+    reason: str = ""
+    shortfall_bytes: int = 0
+    planned: bool = False  # whether the joint planner ran (rather than a shortcut)
+    too_large: bool = False  # the job fits no matching GPU even alone: only a larger GPU joining can place it
+
+
+@dataclass(frozen=True)
+class Candidate:
+    job: str
+    forecast: JobForecast | None
+    budget_bytes: int | None
+    selector: GpuSelector
+    max_swap_rate: float | None = None
+
+    @property
+    def fixed_bytes(self) -> int | None:
+        """Reservation of a job admitted by its declared budget (no forecastable workload)."""
+        return self.budget_bytes if self.forecast is None else None
+
+
+class JointPlanner:
+    """plan the jobs of one GPU together (tensile.planner.plan_gpu), with an LRU cache."""
+
+    def __init__(self, size: int = 512):
+        self._cache: Lru[tuple, tuple[bool, tuple[int, ...]]] = Lru(size)
+        self._lock = threading.Lock()
+        self.runs = 0
+
+    def plan(self, entries: list[tuple[str, JobForecast, float | None, int | None]], budget: int,
+             bandwidth: float) -> tuple[bool, dict[str, int]]:
+        """Entries: (job, forecast, max swap rate, its own budget): each job is planned to stay within its
+        budget, as the agent plans it, so the room it leaves goes to its neighbours."""
+        order = sorted(range(len(entries)), key=lambda i: (*_planned_as(entries[i]), entries[i][0]))
+        key = (tuple(_planned_as(entries[i]) for i in order), budget, bandwidth)
+        with self._lock:
+            hit = self._cache.get(key)
+        if hit is None:
+            from tensile.planner import JobSpec, plan_gpu
+
+            specs = []
+            for k, i in enumerate(order):
+                _, forecast, rate, job_budget = entries[i]
+                specs.append(JobSpec(f"j{k}", forecast.workload, min(1.0, rate or 1.0), forecast.scope.recompute, job_budget,
+                                     forecast.scope.activations_only))
+            result = plan_gpu(specs, bandwidth, budget_bytes=max(budget, 0))
+            hit = (result.fits, tuple(result.forecast_of(f"j{k}").scheduled_peak_bytes for k in range(len(order))))
+            self.runs += 1
+            with self._lock:
+                self._cache.put(key, hit)
+        fits, peaks = hit
+        return fits, {entries[i][0]: peaks[k] for k, i in enumerate(order)}
+
+
+def _planned_as(entry: tuple[str, JobForecast, float | None, int | None]) -> tuple[str, bool, bool, float, int]:
+    """What a job's plan depends on besides its neighbours: jobs equal in it share cached joint plans."""
+    _, forecast, rate, budget = entry
+    return forecast.signature, forecast.scope.activations_only, forecast.scope.recompute, rate or 1.0, budget or 0
+
+
+class Ledger:
+    """Which job holds which GPU, and with how much. Only the scheduler adds; anyone may release."""
+
+    def __init__(self) -> None:
+        self.bookings: dict[str, Booking] = {}
+
+    def on_gpu(self, uuid: str) -> list[Booking]:
+        return [b for b in self.bookings.values() if b.gpu == uuid]
+
+    def committed(self, gpu: Gpu) -> int:
+        jobs = self.on_gpu(gpu.uuid)
+        return sum(b.reserved_bytes for b in jobs) + gpu.context_bytes * len(jobs) + self.external(gpu)
+
+    def external(self, gpu: Gpu) -> int:
+        """What the jobs the GPU's agent hosts and no booking holds commit (e.g. `tensile run --agent`).
+        By job name, not the agent's `external` flag: the hook registers every job as external, and a
+        job placed here is already counted by its booking."""
+        return sum(peak for job, peak in gpu.hosted if job not in self.bookings)
+
+    def book(self, booking: Booking) -> None:
+        if booking.job in self.bookings and self.bookings[booking.job].gpu != booking.gpu:
+            raise RuntimeError(f"{booking.job} is already placed on {self.bookings[booking.job].gpu}")
+        self.bookings[booking.job] = booking
+
+    def release(self, job: str) -> Booking | None:
+        return self.bookings.pop(job, None)
+
+
+def _reserve(peak: int, budget: int | None) -> int:
+    """The hook's budget guard keeps a job under its budget, so that is all it can take."""
+    return min(peak, budget) if budget is not None else peak
+
+
+def evaluate(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
+    """Does `new` fit on `gpu` with the jobs already there, planned together? With which peaks?"""
+    jobs = ledger.on_gpu(gpu.uuid)
+    available = gpu.capacity_bytes - gpu.context_bytes * (len(jobs) + 1) - ledger.external(gpu)
+    fixed = sum(b.reserved_bytes for b in jobs if b.forecast is None)
+    planned = [(b.job, b.forecast, b.max_swap_rate, b.budget_bytes) for b in jobs if b.forecast is not None]
+    if new.forecast is None:
+        fixed += new.fixed_bytes or 0
+    else:
+        planned.append((new.job, new.forecast, new.max_swap_rate, new.budget_bytes))
+    budget = available - fixed
+    vanilla = sum(_reserve(f.vanilla_peak_bytes, b) for _, f, _, b in planned)
+    if vanilla <= budget:
+        return Decision(gpu, {j: _reserve(f.vanilla_peak_bytes, b) for j, f, _, b in planned} | _fixed(jobs, new))
+    lowest = sum(_reserve(f.min_peak_bytes, b) for _, f, _, b in planned)
+    if lowest > budget:
+        short = lowest - budget
+        return Decision(None, reason=f"{gpu.node}/{gpu.uuid}: {memory_text(short)} short even at every job's lowest reachable peak",
+                        shortfall_bytes=short)
+    fits, peaks = planner.plan(planned, budget, gpu.bandwidth)
+    budgets = {j: b for j, _, _, b in planned}
+    peaks = {j: _reserve(p, budgets[j]) for j, p in peaks.items()}
+    total = sum(peaks.values())
+    if not fits and total > budget:
+        short = total - budget
+        return Decision(None, reason=f"{gpu.node}/{gpu.uuid}: planned together, the jobs' peaks are {memory_text(short)} over capacity",
+                        shortfall_bytes=short, planned=True)
+    return Decision(gpu, peaks | _fixed(jobs, new), planned=True)
+
+
+def _fixed(jobs: list[Booking], new: Candidate) -> dict[str, int]:
+    fixed = {b.job: b.reserved_bytes for b in jobs if b.forecast is None}
+    if new.forecast is None:
+        fixed[new.job] = new.fixed_bytes or 0
+    return fixed
+
+
+def matching(gpus: list[Gpu], new: Candidate) -> list[Gpu]:
+    return [g for g in gpus if new.selector.matches(g.node, g.uuid, g.name, g.memory_bytes, g.simulated)]
+
+
+def fit_unchanged(gpus: list[Gpu], ledger: Ledger, new: Candidate) -> Decision | None:
+    """Best fit among the GPUs where `new` fits at its vanilla peak with every committed peak unchanged:
+    nobody pays swap time and the planner need not run (microseconds: the scheduler calls it inline)."""
+    need = new.fixed_bytes if new.forecast is None else _reserve(new.forecast.vanilla_peak_bytes, new.budget_bytes)
+    easy: list[Decision] = []
+    for gpu in gpus:
+        jobs = ledger.on_gpu(gpu.uuid)
+        available = gpu.capacity_bytes - gpu.context_bytes * (len(jobs) + 1) - ledger.external(gpu)
+        if sum(b.reserved_bytes for b in jobs) + (need or 0) <= available:
+            easy.append(Decision(gpu, {b.job: b.reserved_bytes for b in jobs} | {new.job: need or 0}))
+    return min(easy, key=lambda d: _left(d, ledger)) if easy else None
+
+
+def choose(gpus: list[Gpu], ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
+    """Best fit: among GPUs where the job fits, the one left with the least free memory.
+
+    GPUs where the job fits without changing anyone's plan (vanilla peaks fit) are preferred: they
+    cost no job any swapping time. The joint planner runs only when no such GPU exists."""
+    candidates = matching(gpus, new)
+    if not candidates:
+        return Decision(None, reason="no GPU matches spec.gpuSelector", shortfall_bytes=0)
+    easy = fit_unchanged(candidates, ledger, new)
+    if easy is not None:
+        return easy
+    fitting: list[Decision] = []
+    refusals: list[Decision] = []
+    for gpu in candidates:
+        decision = evaluate(gpu, ledger, new, planner)
+        (fitting if decision.gpu is not None else refusals).append(decision)
+    if fitting:
+        return min(fitting, key=lambda d: _left(d, ledger))
+    alone = too_large(candidates, new)
+    if alone is not None:
+        return alone
+    smallest = min(refusals, key=lambda d: d.shortfall_bytes)
+    return Decision(None, reason=f"no GPU has room: the closest is {smallest.reason}", shortfall_bytes=smallest.shortfall_bytes)
+
+
+def too_large(gpus: list[Gpu], new: Candidate) -> Decision | None:
+    """The refusal of a job that fits none of `gpus` even alone (no other job, nothing the agent hosts): the least it
+    can take (its lowest reachable peak, or its budget) is above the largest GPU's room for one job. Said so, rather
+    than as a shortfall that counts the jobs running now (which suggested their end would make room). None when
+    it fits alone somewhere."""
+    if not gpus:
+        return None
+    if new.forecast is None:
+        need, what = new.fixed_bytes or 0, "its memory budget"
+    else:
+        need, what = _reserve(new.forecast.min_peak_bytes, new.budget_bytes), "even at its lowest reachable peak"
+    largest = max(gpus, key=lambda g: g.capacity_bytes - g.context_bytes)
+    room = largest.capacity_bytes - largest.context_bytes
+    if need <= room:
+        return None
+    return Decision(None, reason=f"does not fit even alone on the largest GPU ({largest.node}/{largest.uuid}: {memory_text(room)} "
+                                 f"free of {memory_text(largest.memory_bytes)} with no other job; it needs {memory_text(need)}, "
+                                 f"{what}): waits for a larger GPU", shortfall_bytes=need - room, too_large=True)
+
+
+def _left(decision: Decision, ledger: Ledger) -> int:
+    gpu = decision.gpu
+    assert gpu is not None
+    return gpu.capacity_bytes - gpu.context_bytes * len(decision.peaks) - ledger.external(gpu) - sum(decision.peaks.values())

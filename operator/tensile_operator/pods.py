@@ -1,0 +1,151 @@
+"""The training pod of an admitted TrainingJob: the user's template, pinned to its node and GPU, hooked.
+
+The hook reaches the user's image without changing it: an init container from the Tensile image
+copies the hook (and the core it needs) into a shared emptyDir, and every container gets that
+folder on PYTHONPATH (its sitecustomize switches the hook on) plus the TENSILE_* settings.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import hmac
+import os
+
+from tensile_operator import API_VERSION
+
+HOOK_VOLUME = "tensile-hook"
+HOOK_MOUNT = "/tensile"
+DEFAULT_IMAGE = "ghcr.io/tensile/tensile:0.1.0"
+JOB_LABEL = "tensile.dev/job"
+# The init container passes PodSecurity "restricted" (and baseline): no privilege escalation, no capabilities, a
+# non-root user (the image's USER is the numeric 10001, which the kubelet can check; no runAsUser is set, so
+# platforms that assign user ids, such as OpenShift, still can), the runtime's default seccomp profile, and a
+# read-only root filesystem (it writes only to the shared emptyDir). Without it, no training pod was admitted in a
+# namespace that enforces "restricted", and build_pod replaces any init container the user names tensile-hook.
+HOOK_SECURITY_CONTEXT = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "runAsNonRoot": True,
+    "readOnlyRootFilesystem": True,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+SHORT_NAME = 40  # job names up to this long name their pod and label as they are
+
+
+def _fit(namespace: str, name: str, uid: str, limit: int) -> str:
+    """`name` if at most `limit` characters, else its first 40 (no trailing '.'/'-', which would end an invalid
+    name) and 8 hex of a hash of namespace/name/uid: cut alone, two long names sharing their start shared a pod."""
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(f"{namespace}/{name}/{uid}".encode()).hexdigest()[:8]
+    return f"{name[:SHORT_NAME].rstrip('.-')}-{digest}"
+
+
+def pod_name(namespace: str, name: str, uid: str) -> str:
+    """The job's pod: deterministic per job (a restarted operator finds it), unique, a valid name. A short name
+    keeps the `<name>-tensile` of earlier versions, so their running pods are still found after an upgrade."""
+    return f"{_fit(namespace, name, uid, SHORT_NAME)}-tensile"
+
+
+def job_label(namespace: str, name: str, uid: str) -> str:
+    """The pod's JOB_LABEL value: the job's name when it fits a label value (63 characters), else cut and hashed.
+    Only selected on by presence; the pod's job is its controller owner reference (`owner_of`)."""
+    return _fit(namespace, name, uid, 63)
+
+
+def owner_of(pod: dict) -> tuple[str, str] | None:
+    """(name, uid) of the TrainingJob a training pod belongs to: its controller owner reference, and only when the
+    pod has the name that job's pod gets (so a pod of another job, or someone else's, is never taken for it)."""
+    meta = pod["metadata"]
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("kind") == "TrainingJob" and ref.get("controller"):
+            name, uid = ref.get("name", ""), ref.get("uid", "")
+            return (name, uid) if name and meta.get("name") == pod_name(meta.get("namespace", ""), name, uid) else None
+    return None
+
+
+def job_token(key: bytes, namespace: str, name: str, uid: str) -> str:
+    """The job's token for its node agent: derived, so a restarted operator gives the same one."""
+    return hmac.new(key, f"{namespace}/{name}/{uid}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def hook_env(job: str, gpu_uuid: str, agent: str | None, token: str, budget: int | None,
+             max_swap_rate: float | None, signature: str | None, existing_path: str | None, plan_events: str,
+             recompute: bool) -> list[dict]:
+    env = {
+        "TENSILE_JOB": job,
+        "TENSILE_GPU": gpu_uuid,
+        "NVIDIA_VISIBLE_DEVICES": gpu_uuid,
+        "CUDA_VISIBLE_DEVICES": gpu_uuid,
+        "TENSILE_TOKEN": token,
+        # the events admission planned with: the hook's own plans and its agent's keep to the same
+        "TENSILE_PLAN_EVENTS": plan_events,
+        # spec.scheduling.recompute: the hook registers with it, so the agent plans without recomputes from the start
+        "TENSILE_RECOMPUTE": "true" if recompute else "false",
+        "PYTHONPATH": os.pathsep.join(p for p in (f"{HOOK_MOUNT}/site", f"{HOOK_MOUNT}/lib", existing_path) if p),
+    }
+    if agent:
+        env["TENSILE_AGENT"] = agent
+    if budget is not None:
+        env["TENSILE_MEMORY_BUDGET"] = str(budget)
+    if max_swap_rate is not None:
+        env["TENSILE_MAX_SWAP_RATE"] = str(max_swap_rate)
+    if signature:
+        env["TENSILE_SIGNATURE"] = signature
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, token: str, budget: int | None,
+              max_swap_rate: float | None, signature: str | None, image: str = DEFAULT_IMAGE, plan_events: str = "auto",
+              recompute: bool = True) -> dict:
+    """The pod manifest for the TrainingJob `body` placed on (node, gpu_uuid)."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    template = copy.deepcopy(body["spec"].get("template") or {})
+    pod_meta = template.get("metadata") or {}
+    spec = template.get("spec") or {}
+    labels = dict(pod_meta.get("labels") or {})
+    labels[JOB_LABEL] = job_label(namespace, name, meta.get("uid", ""))
+    spec["nodeName"] = node
+    spec.setdefault("restartPolicy", "Never")
+    volumes = [v for v in spec.get("volumes") or [] if v.get("name") != HOOK_VOLUME]
+    spec["volumes"] = volumes + [{"name": HOOK_VOLUME, "emptyDir": {}}]
+    mount = {"name": HOOK_VOLUME, "mountPath": HOOK_MOUNT, "readOnly": True}
+    job = f"{namespace}/{name}"
+    for container in spec.get("containers") or []:
+        existing = next((e.get("value") for e in container.get("env") or [] if e.get("name") == "PYTHONPATH"), None)
+        ours = hook_env(job, gpu_uuid, agent, token, budget, max_swap_rate, signature, existing, plan_events, recompute)
+        names = {e["name"] for e in ours}
+        container["env"] = [e for e in container.get("env") or [] if e.get("name") not in names] + ours
+        container["volumeMounts"] = [m for m in container.get("volumeMounts") or [] if m.get("name") != HOOK_VOLUME] + [mount]
+    installer = {
+        "name": "tensile-hook",
+        "image": image,
+        "command": ["python", "-m", "tensile_hook.install", HOOK_MOUNT],
+        "volumeMounts": [{"name": HOOK_VOLUME, "mountPath": HOOK_MOUNT}],
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+        "securityContext": copy.deepcopy(HOOK_SECURITY_CONTEXT),
+    }
+    spec["initContainers"] = [installer] + [c for c in spec.get("initContainers") or [] if c.get("name") != "tensile-hook"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name(namespace, name, meta.get("uid", "")),
+            "namespace": namespace,
+            "labels": labels,
+            "annotations": dict(pod_meta.get("annotations") or {}) | {"tensile.dev/gpu": gpu_uuid},
+            "ownerReferences": [{
+                "apiVersion": API_VERSION,
+                "kind": "TrainingJob",
+                "name": name,
+                "uid": meta.get("uid", ""),
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }],
+        },
+        "spec": spec,
+    }

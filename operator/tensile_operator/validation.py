@@ -1,0 +1,67 @@
+"""The checks of the validating webhook: what a CRD schema cannot say. Each problem names its field and fix."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tensile.errors import TensileUserError
+from tensile.knobs import unreachable_budget_text
+from tensile import trainingjob_spec as model
+from tensile_operator.forecasting import Forecaster, ForecastError, JobForecast
+from tensile_operator.placement import Gpu
+from tensile.zoo import zoo_entry
+
+FORECAST_WAIT_SECONDS = 5.0  # a webhook must answer fast; a slower forecast is checked by the operator
+
+
+async def check(spec: dict, annotations: dict | None, gpus: list[Gpu], forecaster: Forecaster,
+                wait: float = FORECAST_WAIT_SECONDS) -> list[model.SpecProblem]:
+    try:
+        job = model.parse_spec(spec, annotations)
+    except model.SpecError as exc:
+        return exc.problems
+    problems: list[model.SpecProblem] = []
+    workload = job.workload
+    if workload.model is not None:
+        if ".py:" in workload.model:
+            problems.append(model.SpecProblem("spec.workload.model", f"'{workload.model}' is a file the operator cannot read; "
+                                              "use a zoo model, or spec.workload.profile with spec.memoryBudget"))
+        else:
+            try:
+                zoo_entry(workload.model)
+            except TensileUserError as exc:
+                problems.append(model.SpecProblem("spec.workload.model", f"{exc}; or use spec.workload.profile with spec.memoryBudget"))
+    elif workload.profile is not None and forecaster.profiles.get(workload.profile) is None and job.memory_budget is None:
+        problems.append(model.SpecProblem("spec.memoryBudget", f"required: profile '{workload.profile}' is not stored yet, "
+                                          "so the job is admitted by its budget (e.g. memoryBudget: 8Gi)"))
+    if gpus and not job.selector.empty and not any(
+            job.selector.matches(g.node, g.uuid, g.name, g.memory_bytes, g.simulated) for g in gpus):
+        known = ", ".join(sorted({f"{g.node}/{g.name or g.uuid}" for g in gpus}))
+        problems.append(model.SpecProblem("spec.gpuSelector", f"matches no GPU of any TensileNode; the cluster has: {known}"))
+    if problems or job.memory_budget is None or workload.model is None:
+        return problems
+    forecast = forecaster.cached(workload, job.scope)
+    if forecast is None:
+        try:
+            forecast = await asyncio.wait_for(asyncio.shield(forecaster.forecast(workload, job.scope)), wait)
+        except (TimeoutError, ForecastError):
+            return problems  # the operator checks again once the forecast is done
+    unreachable = unreachable_budget(job, forecast)
+    if unreachable is not None:
+        problems.append(unreachable)
+    return problems
+
+
+def unreachable_budget(job: model.JobSpec, forecast: JobForecast | None) -> model.SpecProblem | None:
+    """The job's budget below the lowest peak any plan reaches for its workload, named where it was set (the spec
+    or its annotation); None when it is reachable or there is no budget or forecast. The webhook, admission and
+    a queued job's budget annotation all check by this. Its forecast planned at full swap rate: no rate is named."""
+    if forecast is None or job.memory_budget is None or job.memory_budget >= forecast.min_peak_bytes:
+        return None
+    return model.SpecProblem(job.budget_field, unreachable_budget_text(job.memory_budget, forecast.min_peak_bytes))
+
+
+def warnings(annotations: dict | None) -> list[str]:
+    """What the webhook warns about (`kubectl` prints each) without refusing the job: misspelt tensile.dev/* annotations."""
+    unknown = model.unknown_annotations(annotations)
+    return [f"metadata.annotations: {model.unknown_annotations_message(unknown)}"] if unknown else []

@@ -1,0 +1,67 @@
+"""Put on PYTHONPATH by `tensile run` and the operator: switches the Tensile hook on when TENSILE_JOB is set.
+
+It must never stop the user's program from starting: any failure is reported and training runs
+without Tensile.
+"""
+
+import os
+import sys
+
+# torchrun's launcher, by the module that is it (`python -m torch.distributed.run`) or by its script's name
+LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+LAUNCHER_SCRIPTS = ("torchrun",)
+OPTIONS_WITH_A_VALUE = ("-W", "-X")  # Python's own options that take the next argument
+
+
+def _started_by_multiprocessing() -> bool:
+    """A process that multiprocessing spawns (a DataLoader's workers under spawn or forkserver, its resource
+    tracker, a forkserver) runs a piece of its parent's program, not a training of its own: with the hook it
+    wrote over the job's report and would register with the node agent as the job."""
+    argv = getattr(sys, "orig_argv", [])
+    return "--multiprocessing-fork" in argv or any(arg.startswith("from multiprocessing.") for arg in argv)
+
+
+def _launcher() -> bool:
+    """torchrun starts the training's processes and trains nothing itself: with the hook, its report ("no optimizer
+    step was seen") replaced the training's at exit, and with an agent it would register as the job beside it."""
+    argv = getattr(sys, "orig_argv", [])[1:]
+    skip = False
+    for index, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg == "-m":
+            return index + 1 < len(argv) and argv[index + 1] in LAUNCHER_MODULES
+        elif arg.startswith("-m"):
+            return arg[2:] in LAUNCHER_MODULES
+        elif arg == "-c":
+            return False
+        elif arg in OPTIONS_WITH_A_VALUE:
+            skip = True
+        elif not arg.startswith("-"):  # the script
+            return os.path.basename(arg) in LAUNCHER_SCRIPTS
+    return False
+
+
+def _processes() -> int:
+    """The job's processes as torchrun (or a launcher like it) numbers them: 1 where none does."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+if os.environ.get("TENSILE_JOB") and not _started_by_multiprocessing() and not _launcher():
+    processes = _processes()
+    if processes > 1:
+        # each process has its GPU's memory to plan, and they would share the job's report and agent registration
+        if os.environ.get("RANK", "0") == "0":
+            print(f"tensile: hook not active: a job of {processes} processes (WORLD_SIZE) is not carried; Tensile "
+                  "plans a job of one process on one GPU, so training runs without Tensile", file=sys.stderr)
+    else:
+        try:
+            from tensile_hook import activate_from_env
+
+            activate_from_env()
+        except Exception as exc:  # noqa: BLE001 - the user's training must start regardless
+            print(f"tensile: hook not active ({type(exc).__name__}: {exc}); training runs without Tensile",
+                  file=sys.stderr)
