@@ -25,6 +25,7 @@ import logging
 import os
 import random
 import re
+import secrets
 import threading
 import time
 import urllib.parse
@@ -216,7 +217,10 @@ class AgentClient:
                  max_backoff: float = 30.0) -> None:
         self.ref = JobRef.parse(job, namespace)
         self.http = Http(url, timeout, retries, backoff)
-        self.token = token
+        # A job without a token of its own chooses one before its first registration, so that a registration sent
+        # again after a timeout (the agent registered the first, its answer came too late) is the same one, not a
+        # second job of the same name under the agent's token.
+        self.token = token or secrets.token_urlsafe(24)
         self.gpu = gpu
         self.max_backoff = max_backoff
         self.backoff = backoff

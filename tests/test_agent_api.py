@@ -312,6 +312,32 @@ def test_knobs_replan_and_reregister_is_idempotent(agent_server, tiny_workload):
     assert status == 422
 
 
+def test_a_registration_the_client_retried_after_its_timeout_is_the_same_registration(agent_server, tiny_workload,
+                                                                                      monkeypatch):
+    """On a loaded machine the agent answered a registration after the client's timeout; the client sent it again, and
+    the agent, which had registered the first under a token of its own, refused the retry (403 "registered already,
+    under another token"): the job planned without its agent. A retried registration carries the same credential."""
+    server = agent_server()
+    service = server.agent.service
+    answer = service.register
+    calls: list[float] = []
+
+    def slow_at_first(request):  # type: ignore[no-untyped-def]
+        calls.append(time.monotonic())
+        done = answer(request)
+        if len(calls) == 1:
+            time.sleep(0.6)  # past the client's 0.3 s: the first answer is lost, the job registered all the same
+        return done
+
+    monkeypatch.setattr(service, "register", slow_at_first)
+    client = AgentClient(server.url, "ns/slow", timeout=0.3, retries=2, max_backoff=0.2)
+    registered = client.register(workload=tiny_workload())
+    assert registered is not None and len(calls) >= 2
+    assert client.wait_for_plan(30) is not None and client.last_error is None
+    (job,) = get(server.url, "/v1/jobs")[1]["jobs"]  # type: ignore[index]
+    assert (job["namespace"], job["job"]) == ("ns", "slow")  # one job, however often its registration was sent
+
+
 @pytest.mark.parametrize("planning", ["thread", "process"])
 def test_a_job_registered_activations_only_gets_activation_swaps_only(agent_server, tiny_workload, planning):
     """What a hook on CUDA asks for (TENSILE_PLAN_EVENTS auto): no event on parameters, optimizer state or the
