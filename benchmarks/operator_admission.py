@@ -86,8 +86,8 @@ async def measure(jobs: int, interval: float, gpu_gib: float) -> dict:
                 created[f"default/{name}"] = loop.time()
                 await c.apply(trainingjob(name, *MODELS[i % len(MODELS)]))
                 await asyncio.sleep(interval)
-            await c.wait(lambda: len(op.app.admitted_at) >= jobs, 120, "all admitted")
-            latencies = [op.app.admitted_at[k] - created[k] for k in created]
+            await c.wait(lambda: len(op.app.scheduler.admitted_at) >= jobs, 120, "all admitted")
+            latencies = [op.app.scheduler.admitted_at[k] - created[k] for k in created]
             planner_runs = op.app.planner.runs
         finally:
             gc.callbacks.remove(pauses)

@@ -16,7 +16,7 @@ import kmock
 import kopf
 import yaml
 
-from tensile_operator.admission import Admission
+from tensile_operator.app import OperatorApp
 from tensile_operator.forecasting import Forecaster
 from tensile_operator.main import operator
 from kube_emulator import KubeEmulator
@@ -149,7 +149,7 @@ class RunningOperator:
     handler tasks: their kept-alive connections stayed open with no reader, and the next requests the
     test kubelet sent on them were never answered (the stall of the restart test)."""
 
-    def __init__(self, app: Admission, webhook: kopf.WebhookServer | None = None, metrics_port: int = 0):
+    def __init__(self, app: OperatorApp, webhook: kopf.WebhookServer | None = None, metrics_port: int = 0):
         self.app = app
         self.metrics_port = metrics_port
         self.stop_flag = threading.Event()
@@ -171,7 +171,7 @@ class RunningOperator:
     async def started(self, timeout: float = 30.0) -> None:
         self._thread.start()
         deadline = time.monotonic() + timeout
-        while not self.app.ready.is_set():
+        while not self.app.capacity.ready.is_set():
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise AssertionError(f"the operator did not start: {self.error!r}")
             await asyncio.sleep(0.02)
@@ -186,7 +186,7 @@ class RunningOperator:
 
 
 async def start_operator(forecaster: Forecaster, webhook=None, metrics_port: int = 0, **kwargs) -> RunningOperator:  # type: ignore[no-untyped-def]
-    op = RunningOperator(Admission(forecaster, token_key=b"test-key", **kwargs), webhook, metrics_port)
+    op = RunningOperator(OperatorApp(forecaster, token_key=b"test-key", **kwargs), webhook, metrics_port)
     await op.started()
     return op
 
@@ -299,8 +299,8 @@ def jitter(low: float, high: float) -> Callable[[dict], float]:
 
 @contextlib.asynccontextmanager
 async def gpu_held_by_big(tmp_path: Path, forecaster: Forecaster,
-                          prepare: Callable[[Cluster], Awaitable[None]] | None = None) -> AsyncIterator[tuple[Cluster, Admission]]:
-    """One 4 GiB GPU, the operator running (its Admission), and job "big" admitted with 3 GiB of it; `prepare` runs on
+                          prepare: Callable[[Cluster], Awaitable[None]] | None = None) -> AsyncIterator[tuple[Cluster, OperatorApp]]:
+    """One 4 GiB GPU, the operator running (its OperatorApp), and job "big" admitted with 3 GiB of it; `prepare` runs on
     the cluster before the operator starts (e.g. objects it lists at start-up)."""
     async with cluster(tmp_path) as c:
         await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4)])

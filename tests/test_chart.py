@@ -346,12 +346,12 @@ def webhook_parts(objs: list[dict]) -> tuple[dict, dict, dict]:
 def test_webhook_routes_to_kopfs_handler(chart: Chart) -> None:
     import kopf
 
-    from tensile_operator.admission import Admission
+    from tensile_operator.app import OperatorApp
     from tensile_operator.handlers import build_registry
 
     objs = case(chart, "defaults")
     _, hook, service = webhook_parts(objs)
-    registry = build_registry(Admission(), kopf.WebhookServer(port=1))
+    registry = build_registry(OperatorApp(), kopf.WebhookServer(port=1))
     ids = [h.id for h in registry._webhooks.get_all_handlers()]
     assert hook["clientConfig"]["service"]["path"] in {"/" + i for i in ids}
     assert hook["rules"][0]["resources"] == ["trainingjobs"] and hook["rules"][0]["apiGroups"] == ["tensile.dev"]

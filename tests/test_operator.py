@@ -62,9 +62,9 @@ def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster)
                 assert pod["spec"]["initContainers"][0]["command"][:3] == ["python", "-m", "tensile_hook.install"]
                 # the knob annotations of a placed job go to its agent
                 await c.annotate("one", {"tensile.dev/max-swap-rate": "0.25"})
-                await c.wait(lambda: op.app.agent.sent, 10, "knobs forwarded")
-                assert op.app.agent.sent[-1][:2] == ("http://127.0.0.1:9", "default/one")
-                assert op.app.agent.sent[-1][2]["maxSwapRate"] == 0.25
+                await c.wait(lambda: op.app.agents.sent, 10, "knobs forwarded")
+                assert op.app.agents.sent[-1][:2] == ("http://127.0.0.1:9", "default/one")
+                assert op.app.agents.sent[-1][2]["maxSwapRate"] == 0.25
                 # the events its plans use are fixed with its pod: a change says so rather than going unnoticed
                 await c.annotate("one", {"tensile.dev/plan-events": "all"})
                 await c.wait(lambda: any(x["type"] == "PlanEventsApplied" for x in c.job("one")["status"].get("conditions", [])),
@@ -76,7 +76,8 @@ def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster)
                 await c.set_pod_status(pod, {"phase": "Succeeded", "containerStatuses": [
                     {"name": "train", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}]})
                 await c.wait(lambda: phase(c.job("one")) == "Succeeded", 10, "succeeded")
-                await c.wait(lambda: not op.app.ledger.bookings, 10, "the GPU released")  # after the end is written
+                # after the end is written
+                await c.wait(lambda: not op.app.capacity.ledger.bookings, 10, "the GPU released")
                 await c.delete("one")
                 await c.wait(lambda: c.job("one") is None and not c.pods(), 10, "job and pod gone")
                 # every call the operator made is in the RBAC list it ships
@@ -101,12 +102,12 @@ def test_a_knob_annotation_removed_goes_back_to_its_default_where_the_spec_has_n
                 await c.wait(lambda: phase(c.job("free")) == "Admitted" and c.pods(), 60, "admitted with a pod")
                 annotations = {"tensile.dev/max-swap-rate": "0.1", "tensile.dev/memory-budget": "1Gi"}
                 await c.annotate("free", annotations)
-                await c.wait(lambda: op.app.agent.sent and op.app.agent.sent[-1][2].get("maxSwapRate") == 0.1, 10, "knobs sent")
+                await c.wait(lambda: op.app.agents.sent and op.app.agents.sent[-1][2].get("maxSwapRate") == 0.1, 10, "knobs sent")
                 await c.wait(lambda: (c.job("free")["status"].get("knobs") or {}).get("maxSwapRate") == 0.1, 10, "knobs recorded")
                 await c.annotate("free", {name: None for name in annotations})
-                await c.wait(lambda: op.app.agent.sent[-1][2].get("maxSwapRate") == 1.0, 10, "the rate back to no cap")
-                reserved = op.app.ledger.bookings["default/free"].reserved_bytes
-                assert op.app.agent.sent[-1][2]["memoryBudgetBytes"] == reserved
+                await c.wait(lambda: op.app.agents.sent[-1][2].get("maxSwapRate") == 1.0, 10, "the rate back to no cap")
+                reserved = op.app.capacity.ledger.bookings["default/free"].reserved_bytes
+                assert op.app.agents.sent[-1][2]["memoryBudgetBytes"] == reserved
             finally:
                 await op.stop()
 
@@ -492,53 +493,51 @@ if __name__ == "__main__":
 def test_a_placement_written_after_the_statuses_were_read_is_booked():
     """A predecessor's placement that lands after this operator's start-up LIST is booked when its event
     arrives (else the next pass would give its room away); a released job's stale event books nothing."""
-    from tensile_operator.admission import Admission
+    from tensile_operator.app import OperatorApp
 
-    app = Admission()
-    app.ready.set()
+    app = OperatorApp()
+    app.capacity.ready.set()
     body = {"metadata": {"namespace": "default", "name": "late"}, "spec": {"memoryBudget": "1Gi"},
             "status": {"phase": "Admitted", "placement": {"gpu": "GPU-a0", "node": "node-a"},
                        "forecast": {"source": "budget", "reservedBytes": GIB}}}
-    app.adopt(body)
-    assert app.ledger.bookings["default/late"].reserved_bytes == GIB
-    app.release("default/late")
-    app.adopt(body)
-    assert "default/late" not in app.ledger.bookings
-    app.adopt(body | {"status": body["status"] | {"phase": "Succeeded"}})
-    assert "default/late" not in app.ledger.bookings
+    app.capacity.adopt(body)
+    assert app.capacity.ledger.bookings["default/late"].reserved_bytes == GIB
+    app.completion.release("default/late")
+    app.capacity.adopt(body)
+    assert "default/late" not in app.capacity.ledger.bookings
+    app.capacity.adopt(body | {"status": body["status"] | {"phase": "Succeeded"}})
+    assert "default/late" not in app.capacity.ledger.bookings
 
 
 def test_a_placement_seen_while_the_start_up_list_is_in_flight_is_booked():
     """An event that arrives during the start-up LIST can show a placement the LIST (read earlier)
     does not: it is booked once the ledger exists, unless the LIST shows the job finished."""
-    from tensile_operator.admission import Admission
+    from tensile_operator.app import OperatorApp
 
     def job(name: str, phase: str) -> dict:
         return {"metadata": {"namespace": "default", "name": name}, "spec": {"memoryBudget": "1Gi"},
                 "status": {"phase": phase, "placement": {"gpu": "GPU-a0", "node": "node-a"},
                            "forecast": {"source": "budget", "reservedBytes": GIB}}}
 
-    app = Admission()
-
     class Listing:  # the cluster as a LIST read before the placements landed
         async def list_tensilenodes(self) -> list[dict]:
             return []
 
         async def list_trainingjobs(self) -> list[dict]:
-            app.adopt(job("late", "Admitted"))  # events delivered while the LIST is in flight
-            app.adopt(job("done", "Admitted"))
+            app.capacity.adopt(job("late", "Admitted"))  # events delivered while the LIST is in flight
+            app.capacity.adopt(job("done", "Admitted"))
             return [{"metadata": {"namespace": "default", "name": "late"}, "spec": {}, "status": {"phase": "Queued"}},
                     job("done", "Succeeded")]
 
-    app.kube = Listing()
+    app = OperatorApp(kube=Listing())
 
     async def scenario() -> None:
         await app.start()
         try:
-            assert set(app.ledger.bookings) == {"default/late"}
-            assert app.ledger.bookings["default/late"].gpu == "GPU-a0"
+            assert set(app.capacity.ledger.bookings) == {"default/late"}
+            assert app.capacity.ledger.bookings["default/late"].gpu == "GPU-a0"
         finally:
-            app._scheduler.cancel()
+            app.scheduler.task.cancel()
 
     asyncio.run(scenario())
 
@@ -547,15 +546,12 @@ def test_a_finished_job_frees_its_room_only_once_its_end_is_written():
     """The end of a job is written before its room is given away. Released first, a placement made while the
     end was in flight landed before it, and the statuses showed the GPU over-committed (the 60-job restart
     test's failure, seen after a restart's burst of ends and placements; here the end is held back)."""
-    from tensile_operator.admission import Admission, Pending
+    from tensile_operator.app import OperatorApp
+    from tensile_operator.queueing import Pending
     from tensile.trainingjob_spec import parse_spec
     from tensile_operator.placement import Gpu
 
-    app = Admission()
-    app.ready.set()
     gpu = Gpu("node-a", "GPU-a0", "Simulated GPU", 3 * GIB, 3 * GIB, simulated=True)
-    app.inventory["node-a"] = [gpu]
-    app.ledger.book(Booking("default/old", gpu.uuid, gpu.node, 2 * GIB))
     booked = {"default/old": 2 * GIB}  # what the statuses hold on GPU-a0, as the API server has them
     over: list[dict] = []
     end_lands = asyncio.Event()
@@ -574,22 +570,25 @@ def test_a_finished_job_frees_its_room_only_once_its_end_is_written():
         async def create_pod(self, namespace: str, pod: dict) -> dict:
             return {}
 
-    app.kube = Statuses()
+    app = OperatorApp(kube=Statuses())
+    app.capacity.ready.set()
+    app.capacity.inventory["node-a"] = [gpu]
+    app.capacity.ledger.book(Booking("default/old", gpu.uuid, gpu.node, 2 * GIB))
     body = trainingjob("new", None, profile="p", memoryBudget="2Gi")
     body["metadata"] |= {"namespace": "default", "uid": "u-new"}
     pending = Pending("default/new", "default", "new", body, parse_spec(body["spec"]), None)
-    app.pending[pending.key] = pending
+    app.queue.pending[pending.key] = pending
 
     async def scenario() -> None:
-        ending = asyncio.create_task(app.finish("default", "old", "Succeeded", "Completed", "done"))
+        ending = asyncio.create_task(app.completion.finish("default", "old", "Succeeded", "Completed", "done"))
         await asyncio.sleep(0)  # the end is being written
-        await app.place(pending)
-        assert "default/new" not in app.ledger.bookings, "the room was given away before the end was written"
+        await app.scheduler.place(pending)
+        assert "default/new" not in app.capacity.ledger.bookings, "the room was given away before the end was written"
         end_lands.set()
         await ending
-        await app.place(pending)
-        assert app.ledger.bookings["default/new"].gpu == "GPU-a0"
-        await asyncio.gather(*app._background)
+        await app.scheduler.place(pending)
+        assert app.capacity.ledger.bookings["default/new"].gpu == "GPU-a0"
+        await asyncio.gather(*app.background.tasks)
 
     asyncio.run(scenario())
     assert not over and booked == {"default/new": 2 * GIB}
@@ -655,10 +654,10 @@ def test_a_deleted_job_frees_its_room_only_once_its_pod_is_gone(tmp_path, foreca
                 await op.stop()  # a's pod goes while no operator runs; b's still terminates when the next one starts
                 await let_go("a")
                 op = await start_operator(forecaster)
-                assert "default/b" in op.app.ledger.bookings
+                assert "default/b" in op.app.capacity.ledger.bookings
                 await c.wait(lambda: c.job("a") is None and gpu_of["a"] in (placed("c"), placed("d")), 10, "a gone, its room given")
                 waiting = "d" if placed("c") else "c"
-                await c.wait(lambda: f"default/{waiting}" in op.app.pending, 10, f"{waiting} back in the queue")
+                await c.wait(lambda: f"default/{waiting}" in op.app.queue.pending, 10, f"{waiting} back in the queue")
                 await asyncio.sleep(0.3)
                 assert phase(c.job(waiting)) == "Queued" and c.job("b") is not None
 
@@ -678,7 +677,7 @@ def test_a_rebuild_books_jobs_with_the_knobs_their_annotations_set():
     """After an operator restart a placed job keeps the budget, swap rate and recompute it runs with: its annotations
     override its spec, as at admission and on knob changes; a spec edited since into something invalid keeps
     the knobs last forwarded to its agent."""
-    from tensile_operator.admission import Admission
+    from tensile_operator.app import OperatorApp
     from tensile_operator.placement import Gpu
 
     placed = {"phase": "Running", "placement": {"gpu": "GPU-a0", "node": "node-a"},
@@ -691,7 +690,6 @@ def test_a_rebuild_books_jobs_with_the_knobs_their_annotations_set():
     broken = trainingjob("broken", None, profile="p", memoryBudget="2Gi")
     broken["metadata"] |= {"namespace": "default", "annotations": {"tensile.dev/max-swap-rate": "fast"}}
     broken["status"] = placed | {"knobs": {"recompute": False, "maxSwapRate": 0.75, "memoryBudgetBytes": GIB}}
-    app = Admission()
 
     class Listing:
         async def list_trainingjobs(self) -> list[dict]:
@@ -700,15 +698,15 @@ def test_a_rebuild_books_jobs_with_the_knobs_their_annotations_set():
         async def list_pods(self, selector: str) -> list[dict]:
             return []
 
-    app.kube = Listing()
-    app.inventory["node-a"] = [Gpu("node-a", "GPU-a0", "Simulated GPU", 4 * GIB, 4 * GIB, simulated=True)]
+    app = OperatorApp(kube=Listing())
+    app.capacity.inventory["node-a"] = [Gpu("node-a", "GPU-a0", "Simulated GPU", 4 * GIB, 4 * GIB, simulated=True)]
 
     async def rebuild() -> None:
-        await app.rebuild()
-        await asyncio.gather(*app._background)
+        await app.completion.rebuild_ledger()
+        await asyncio.gather(*app.background.tasks)
 
     asyncio.run(rebuild())
-    bookings = app.ledger.bookings
+    bookings = app.capacity.ledger.bookings
     assert (bookings["default/tuned"].budget_bytes, bookings["default/tuned"].max_swap_rate) == (GIB, 0.25)
     assert (bookings["default/broken"].budget_bytes, bookings["default/broken"].max_swap_rate) == (GIB, 0.75)
     assert not bookings["default/tuned"].recompute and not bookings["default/broken"].recompute  # the pods' TENSILE_RECOMPUTE
@@ -718,7 +716,7 @@ def test_a_rebuild_books_a_deleted_job_only_while_its_pod_holds_the_gpu():
     """A deleted job (kept by its finalizer) is booked by a rebuild while its pod is there and not ended;
     a pod that is gone or has ended holds nothing, and a later event of that job books nothing either. A job not being deleted stays booked without a pod
     (its pod may not be created yet)."""
-    from tensile_operator.admission import Admission
+    from tensile_operator.app import OperatorApp
     from tensile_operator.placement import Gpu
     from tensile_operator.pods import JOB_LABEL
 
@@ -732,8 +730,6 @@ def test_a_rebuild_books_a_deleted_job_only_while_its_pod_holds_the_gpu():
         return {"metadata": {"namespace": "default", "name": f"{job}-tensile", "labels": {JOB_LABEL: job},
                              "ownerReferences": [{"kind": "TrainingJob", "name": job, "uid": "", "controller": True}],
                              "deletionTimestamp": "2026-01-01T00:00:00Z"}, "status": {"phase": pod_phase}}
-
-    app = Admission()
 
     class Listing:
         async def list_trainingjobs(self) -> list[dict]:
@@ -749,21 +745,21 @@ def test_a_rebuild_books_a_deleted_job_only_while_its_pod_holds_the_gpu():
         async def unregister(self, agent: str | None, job: str, token: str) -> None:
             self.told.append((agent, job, token))
 
-    app.kube, app.agent = Listing(), Agent()
-    app.inventory["node-a"] = [Gpu("node-a", "GPU-a0", "Simulated GPU", 4 * GIB, 4 * GIB, simulated=True, agent="http://127.0.0.1:1")]
+    app = OperatorApp(kube=Listing(), agents=Agent())
+    app.capacity.inventory["node-a"] = [Gpu("node-a", "GPU-a0", "Simulated GPU", 4 * GIB, 4 * GIB, simulated=True, agent="http://127.0.0.1:1")]
 
     async def rebuild() -> None:
-        await app.rebuild()
-        await asyncio.gather(*app._background)
+        await app.completion.rebuild_ledger()
+        await asyncio.gather(*app.background.tasks)
 
     asyncio.run(rebuild())
-    assert set(app.ledger.bookings) == {"default/terminating", "default/starting"}
+    assert set(app.capacity.ledger.bookings) == {"default/terminating", "default/starting"}
     # the released ones leave their agent too (the ended pod's hook may have been killed before unregistering)
     assert sorted((a, j) for a, j, _ in Agent.told) == [("http://127.0.0.1:1", "default/ended"), ("http://127.0.0.1:1", "default/gone")]
     assert all(token for _, _, token in Agent.told)
-    app.ready.set()
-    app.adopt(job("gone", True))  # a later event of the job whose pod was found gone books nothing
-    assert "default/gone" not in app.ledger.bookings
+    app.capacity.ready.set()
+    app.capacity.adopt(job("gone", True))  # a later event of the job whose pod was found gone books nothing
+    assert "default/gone" not in app.capacity.ledger.bookings
 
 
 DNS_NAME = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
@@ -797,7 +793,7 @@ def test_jobs_whose_long_names_share_a_start_get_pods_of_their_own(tmp_path, for
                 await c.delete(b)
                 await c.wait(lambda: c.job(b) is None, 20, "the second job gone")
                 assert [p["metadata"]["ownerReferences"][0]["uid"] for p in c.pods()] == [c.job(a)["metadata"]["uid"]]
-                assert set(op.app.ledger.bookings) == {f"default/{a}"} and phase(c.job(a)) == "Admitted"
+                assert set(op.app.capacity.ledger.bookings) == {f"default/{a}"} and phase(c.job(a)) == "Admitted"
             finally:
                 await op.stop()
 
@@ -805,7 +801,7 @@ def test_jobs_whose_long_names_share_a_start_get_pods_of_their_own(tmp_path, for
 
 
 class _Calls:
-    """The API server for Admission unit tests: records status writes and pod creations."""
+    """The API server for the operator's unit tests: records status writes and pod creations."""
 
     def __init__(self, existing: dict | None = None, job_phase: str = "Running"):
         self.statuses: list[tuple[str, dict]] = []
@@ -837,23 +833,22 @@ class _Calls:
 def test_a_pod_of_its_name_that_another_job_owns_is_not_taken_for_the_jobs_own():
     """A 409 was read as "created before a restart": a pod of another owner was followed as the job's, and
     deleting the job deleted that pod by name."""
-    from tensile_operator.admission import Admission
+    from tensile_operator.app import OperatorApp
     from tensile_operator.pods import build_pod
 
     body = trainingjob("same", None, profile="p", memoryBudget="1Gi")
     body["metadata"] |= {"namespace": "default", "uid": "u-new"}
     theirs = build_pod(body | {"metadata": body["metadata"] | {"uid": "u-old"}}, "node-a", "GPU-a0", None, "t", GIB, None, None)
-    app = Admission()
-    app.kube = _Calls(existing=theirs)
+    app = OperatorApp(kube=_Calls(existing=theirs))
     booking = Booking("default/same", "GPU-a0", "node-a", GIB)
-    app.ledger.book(booking)
-    asyncio.run(app.ensure_pod(body, booking))
+    app.capacity.ledger.book(booking)
+    asyncio.run(app.pods.ensure_pod(body, booking))
     ended = app.kube.statuses[-1][1]
-    assert ended["phase"] == "Failed" and not app.ledger.bookings
+    assert ended["phase"] == "Failed" and not app.capacity.ledger.bookings
     assert {c["type"]: c["reason"] for c in ended["conditions"]}["Finished"] == "PodRejected"
     assert "already exists and is not this TrainingJob's" in ended["message"]
-    app.ready.set()
-    asyncio.run(app.deleted(body))
+    app.capacity.ready.set()
+    asyncio.run(app.follower.deleted(body))
     assert app.kube.existing is theirs, "deleting the job deleted a pod it does not own"
 
 
@@ -893,8 +888,10 @@ def test_a_job_deleted_while_the_joint_planner_places_it_gets_no_pod_and_no_room
     """The joint planner runs on a thread; a job deleted meanwhile was booked and given a pod when it returned."""
     import threading
 
-    import tensile_operator.admission as admission
+    import tensile_operator.scheduler as scheduler
     from tensile.trainingjob_spec import parse_spec
+    from tensile_operator.app import OperatorApp
+    from tensile_operator.queueing import Pending
     from tensile_operator.placement import Decision, Gpu
 
     planning, planned = threading.Event(), threading.Event()
@@ -904,34 +901,33 @@ def test_a_job_deleted_while_the_joint_planner_places_it_gets_no_pod_and_no_room
         planned.wait(10)
         return Decision(gpus[0], {candidate.job: GIB})
 
-    monkeypatch.setattr(admission, "choose", choose)
-    app = admission.Admission()
-    app.ready.set()
-    app.kube = _Calls()
-    app.inventory["node-a"] = [Gpu("node-a", "GPU-a0", "Simulated GPU", 3 * GIB, 3 * GIB, simulated=True)]
-    app.ledger.book(Booking("default/old", "GPU-a0", "node-a", 2 * GIB))  # no vanilla fit: the planner runs
+    monkeypatch.setattr(scheduler, "choose", choose)
+    app = OperatorApp(kube=_Calls())
+    app.capacity.ready.set()
+    app.capacity.inventory["node-a"] = [Gpu("node-a", "GPU-a0", "Simulated GPU", 3 * GIB, 3 * GIB, simulated=True)]
+    app.capacity.ledger.book(Booking("default/old", "GPU-a0", "node-a", 2 * GIB))  # no vanilla fit: the planner runs
     body = trainingjob("new", None, profile="p", memoryBudget="2Gi")
     body["metadata"] |= {"namespace": "default", "uid": "u-new"}
-    pending = admission.Pending("default/new", "default", "new", body, parse_spec(body["spec"]), None)
-    app.pending[pending.key] = pending
+    pending = Pending("default/new", "default", "new", body, parse_spec(body["spec"]), None)
+    app.queue.pending[pending.key] = pending
 
     async def scenario() -> None:
-        placing = asyncio.create_task(app.place(pending))
+        placing = asyncio.create_task(app.scheduler.place(pending))
         await asyncio.to_thread(planning.wait, 10)
-        await app.deleted(body)
+        await app.follower.deleted(body)
         planned.set()
         await placing
-        await asyncio.gather(*app._background)
+        await asyncio.gather(*app.background.tasks)
 
     asyncio.run(scenario())
-    assert set(app.ledger.bookings) == {"default/old"} and not app.kube.created
+    assert set(app.capacity.ledger.bookings) == {"default/old"} and not app.kube.created
     assert not any(s.get("phase") == "Admitted" for _, s in app.kube.statuses)
 
 
 def test_an_ended_pod_seen_again_does_not_rewrite_its_jobs_end():
     """An operator restart lists every kept pod (and a finished pod's deletion is an event too): each ended one
     finished its job again, rewriting `finishedAt` and the message of jobs long over."""
-    from tensile_operator.admission import Admission
+    from tensile_operator.app import OperatorApp
     from tensile_operator.pods import build_pod
 
     def ended_pod(name: str) -> dict:
@@ -939,15 +935,14 @@ def test_an_ended_pod_seen_again_does_not_rewrite_its_jobs_end():
         body["metadata"] |= {"namespace": "default", "uid": f"u-{name}"}
         return build_pod(body, "node-a", "GPU-a0", None, "t", GIB, None, None) | {"status": {"phase": "Succeeded"}}
 
-    app = Admission()
-    app.kube = _Calls(job_phase="Succeeded")
-    app.remember_conditions({"metadata": {"namespace": "default", "name": "known"}, "status": {"phase": "Failed"}})
-    app.ledger.book(Booking("default/running", "GPU-a0", "node-a", GIB))
+    app = OperatorApp(kube=_Calls(job_phase="Succeeded"))
+    app.statuses.remember({"metadata": {"namespace": "default", "name": "known"}, "status": {"phase": "Failed"}})
+    app.capacity.ledger.book(Booking("default/running", "GPU-a0", "node-a", GIB))
 
     async def scenario() -> None:
         for name in ("unseen", "known", "running"):  # ended before the restart (read, or seen) / ending now
-            await app.pod_changed(ended_pod(name))
-        await app.pod_changed(ended_pod("running"), deleted=True)  # its deletion, once it has ended
+            await app.follower.pod_changed(ended_pod(name))
+        await app.follower.pod_changed(ended_pod("running"), deleted=True)  # its deletion, once it has ended
 
     asyncio.run(scenario())
     assert [(name, s["phase"]) for name, s in app.kube.statuses] == [("running", "Succeeded")]

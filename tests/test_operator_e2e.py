@@ -44,13 +44,13 @@ def test_two_agents_two_jobs_train_under_their_agents_plans(tmp_path):
                     for node, agent in agents.items():
                         seen[node] |= set(await asyncio.to_thread(agent_jobs, agent.url))
                     for app in running:  # a placed job the agent lists is not external capacity
-                        bookings = dict(app.ledger.bookings)
-                        for gpu in [g for gpus in app.inventory.copy().values() for g in gpus]:
+                        bookings = dict(app.capacity.ledger.bookings)
+                        for gpu in [g for gpus in app.capacity.inventory.copy().values() for g in gpus]:
                             for job, peak in gpu.hosted:
                                 if job in bookings:
                                     hosted_and_booked.add(job)
-                                    if app.ledger.external(gpu):
-                                        counted_twice.append((job, app.ledger.external(gpu)))
+                                    if app.capacity.ledger.external(gpu):
+                                        counted_twice.append((job, app.capacity.ledger.external(gpu)))
                     await asyncio.sleep(0.1)
 
             watcher = asyncio.create_task(watch_agents())
@@ -76,7 +76,7 @@ def test_two_agents_two_jobs_train_under_their_agents_plans(tmp_path):
                 await c.wait(lambda: all((c.job(n)["status"].get("observed") or {}).get("iterations") for n in JOBS), 30,
                              "status.observed from the agents")
                 # completion released the GPUs and left no job registered anywhere
-                await c.wait(lambda: not op.app.ledger.bookings, 30, "the GPUs released")  # by the handler after the phase
+                await c.wait(lambda: not op.app.capacity.ledger.bookings, 30, "the GPUs released")  # by the handler after the phase
                 await c.wait(lambda: all(not agent_jobs(a.url) for a in agents.values()), 30, "the agents without jobs")
                 await c.wait(lambda: all(not g.get("jobs") for n in NODES for g in c.node(n)["status"]["gpus"]), 30,
                              "TensileNodes without jobs")

@@ -13,10 +13,10 @@ import pytest
 from operator_harness import (TN, Cluster, RunningOperator, cluster, phase, simulated_gpu, start_operator,
                               trainingjob)
 from tensile.knobs import memory_text
-from tensile_operator.admission import condition
-from tensile_operator.events import COMPONENT, MAX_MESSAGE, Recorder, Said, event_body, transitions
+from tensile_operator.events import COMPONENT, MAX_MESSAGE, EventRecorder, Said, event_body, transitions
 from tensile_operator.forecasting import Forecaster
 from tensile_operator.kube import Kube
+from tensile_operator.statuses import condition
 
 TJP = "/apis/tensile.dev/v1alpha1/namespaces/default/trainingjobs/"
 QUALIFIED = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
@@ -64,7 +64,7 @@ async def restarted(c: Cluster, op: RunningOperator, forecaster: Forecaster, *jo
     """The operator stopped and started again, once it has seen `jobs` again and has had time to post."""
     await op.stop()
     op = await start_operator(forecaster)
-    await c.wait(lambda: all(op.app.uids.get(f"default/{j}") for j in jobs), 20, "the jobs seen again")
+    await c.wait(lambda: all(op.app.statuses.uids.get(f"default/{j}") for j in jobs), 20, "the jobs seen again")
     await asyncio.sleep(1.0)
     return op
 
@@ -183,7 +183,7 @@ def test_a_removed_tensilenode_is_said_on_its_jobs_which_keep_running(tmp_path: 
                 assert event["type"] == "Warning" and "node-a" in event["message"]
                 pod = c.emu.get("v1/pods", "default", "r-tensile")
                 assert pod is not None and not pod["metadata"].get("deletionTimestamp")  # training goes on
-                assert phase(c.job("r")) == "Running" and "default/r" in op.app.ledger.bookings
+                assert phase(c.job("r")) == "Running" and "default/r" in op.app.capacity.ledger.bookings
                 await c.apply(trainingjob("w", None, profile="p", memoryBudget="2Gi"))
                 await c.wait(lambda: phase(c.job("w")) == "Queued" and "queue" in c.job("w")["status"], 10, "w queued")
                 assert "node-a" not in c.job("w")["status"]["queue"]["reason"]
@@ -247,7 +247,7 @@ def test_transitions_say_each_change_once_and_an_end_as_its_end() -> None:
 
 def test_an_events_name_and_message_are_what_the_api_server_takes() -> None:
     """A job name of 253 characters (the most a TrainingJob may have) and a long message still make a valid Event."""
-    recorder = Recorder(Kube)
+    recorder = EventRecorder(Kube())
     name = recorder._name("a" * 250 + "-b.c")
     assert len(name) <= 253 and SUBDOMAIN.match(name) and recorder._name("x") < recorder._name("x")
     body = event_body("default", "j", "u", Said("Warning", "PodFailed", "m" * 5000, "Finished"), "j.1", "host")

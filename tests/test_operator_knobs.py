@@ -92,7 +92,7 @@ def test_a_queued_jobs_budget_lowered_out_of_reach_fails_it_as_at_creation(tmp_p
             assert status["message"].startswith(BUDGET + ": 1 KiB is below the lowest peak"), status["message"]
             assert conditions(c.job("waiting"))["Forecasted"]["reason"] == "BudgetUnreachable"
             assert conditions(c.job("waiting"))["KnobsApplied"]["status"] == "False"
-            assert set(app.ledger.bookings) == {"default/big"}
+            assert set(app.capacity.ledger.bookings) == {"default/big"}
             assert all(p["metadata"]["ownerReferences"][0]["name"] == "big" for p in c.pods())
 
     asyncio.run(scenario())

@@ -8,26 +8,27 @@ from pathlib import Path
 
 import pytest
 
-import tensile_operator.admission as admission
+import tensile_operator.timing as timing
 from operator_harness import (GIB, cluster, gpu_held_by_big, phase, pod_env, simulated_gpu, start_operator,
                               trainingjob)
-from tensile_operator.admission import Admission, job_key
+from tensile_operator.app import OperatorApp
 from tensile_operator.forecasting import Forecaster
 from tensile_operator.kube import KubeError, NotFound
 from tensile.trainingjob_spec import parse_spec
 from tensile_operator.placement import Booking, Gpu
 from tensile_operator.pods import build_pod
+from tensile_operator.statuses import job_key
 
 TJP = "/apis/tensile.dev/v1alpha1/namespaces/default/trainingjobs/"
 
 
 @pytest.fixture
 def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(admission, "RETRY_DELAYS", (0.01, 0.01, 0.01), raising=False)
+    monkeypatch.setattr(timing, "RETRY_DELAYS", (0.01, 0.01, 0.01), raising=False)
 
 
 class Api:
-    """The API server for Admission unit tests: status writes, pods and Events; `failures[call]` are raised by the next calls."""
+    """The API server for the operator's unit tests: status writes, pods and Events; `failures[call]` are raised by the next calls."""
 
     def __init__(self) -> None:
         self.statuses: list[tuple[str, dict]] = []
@@ -77,10 +78,9 @@ def pod_of(body: dict, pod_phase: str) -> dict:
     return build_pod(body, "node-a", "GPU-a0", None, "t", GIB, None, None) | {"status": {"phase": pod_phase}}
 
 
-def app_with(api: Api) -> Admission:
-    app = Admission()
-    app.kube = api  # type: ignore[assignment]
-    app.ready.set()
+def app_with(api: Api) -> OperatorApp:
+    app = OperatorApp(kube=api)  # type: ignore[arg-type]
+    app.capacity.ready.set()
     return app
 
 
@@ -96,15 +96,15 @@ def test_a_late_event_of_an_earlier_jobs_pod_does_not_end_its_successor_of_the_s
     api = Api()
     app = app_with(api)
     new = job("x", "u-new", {"phase": "Admitted"})
-    app.remember_conditions(new)
-    app.ledger.book(Booking("default/x", "GPU-a0", "node-a", GIB))
+    app.statuses.remember(new)
+    app.capacity.ledger.book(Booking("default/x", "GPU-a0", "node-a", GIB))
 
     async def scenario() -> None:
-        await app.pod_changed(pod_of(job("x", "u-old"), "Succeeded"), deleted=True)
-        await app.pod_changed(pod_of(job("x", "u-old"), "Running"), deleted=True)
-        assert "default/x" in app.ledger.bookings and not api.statuses
-        await app.pod_changed(pod_of(new, "Succeeded"))  # its own pod still ends it
-        assert ends(api, "x") == [("Succeeded", "Completed")] and not app.ledger.bookings
+        await app.follower.pod_changed(pod_of(job("x", "u-old"), "Succeeded"), deleted=True)
+        await app.follower.pod_changed(pod_of(job("x", "u-old"), "Running"), deleted=True)
+        assert "default/x" in app.capacity.ledger.bookings and not api.statuses
+        await app.follower.pod_changed(pod_of(new, "Succeeded"))  # its own pod still ends it
+        assert ends(api, "x") == [("Succeeded", "Completed")] and not app.capacity.ledger.bookings
 
     asyncio.run(scenario())
 
@@ -119,19 +119,21 @@ def test_a_pod_creation_the_api_servers_trouble_refuses_is_retried(quick_retries
     async def start(name: str, *failures: KubeError) -> None:
         body = job(name, f"u-{name}")
         booking = Booking(f"default/{name}", "GPU-a0", "node-a", GIB)
-        app.ledger.book(booking)
+        app.capacity.ledger.book(booking)
         api.failures["create"] = list(failures)
-        await app._start_pod(body, booking)
+        await app.pods.start_pod(body, booking)
 
     async def scenario() -> None:
         await start("once", KubeError(503, "etcdserver: leader changed"))
-        assert "once-tensile" in api.pods and "default/once" in app.ledger.bookings
+        assert "once-tensile" in api.pods and "default/once" in app.capacity.ledger.bookings
         noted = [c for n, s in api.statuses if n == "once" for c in s.get("conditions", []) if c["type"] == "PodRunning"]
         assert noted[0]["reason"] == "PodCreateFailed" and "leader changed" in noted[0]["message"]
         await start("forbidden", KubeError(403, 'pods "forbidden-tensile" is forbidden: exceeded quota'))
-        assert ends(api, "forbidden") == [("Failed", "PodRejected")] and "default/forbidden" not in app.ledger.bookings
+        assert ends(api, "forbidden") == [("Failed", "PodRejected")]
+        assert "default/forbidden" not in app.capacity.ledger.bookings
         await start("down", *[KubeError(503, "unavailable")] * 4)
-        assert ends(api, "down") == [("Failed", "PodCreateFailed")] and "default/down" not in app.ledger.bookings
+        assert ends(api, "down") == [("Failed", "PodCreateFailed")]
+        assert "default/down" not in app.capacity.ledger.bookings
         assert "forbidden-tensile" not in api.pods and "down-tensile" not in api.pods
 
     asyncio.run(scenario())
@@ -142,18 +144,17 @@ def test_an_end_the_api_servers_trouble_refuses_is_written_again(quick_retries: 
     booked it again from that status, a reservation nobody held."""
     api = Api()
     app = app_with(api)
-    app.ledger.book(Booking("default/x", "GPU-a0", "node-a", GIB))
+    app.capacity.ledger.book(Booking("default/x", "GPU-a0", "node-a", GIB))
     api.failures["patch"] = [KubeError(503, "the server is currently unable to handle the request")]
-    asyncio.run(app.finish("default", "x", "Succeeded", "Completed", "done"))
-    assert ends(api, "x") == [("Succeeded", "Completed")] and not app.ledger.bookings
+    asyncio.run(app.completion.finish("default", "x", "Succeeded", "Completed", "done"))
+    assert ends(api, "x") == [("Succeeded", "Completed")] and not app.capacity.ledger.bookings
 
 
 def test_a_rebuild_ends_a_job_whose_pod_ended_or_went_unseen_instead_of_booking_it() -> None:
     """A status still showing a job placed whose pod has ended, or is gone after it ran (its end was not seen,
     or not written), was booked again by every rebuild. The job is ended; one that never had a pod stays booked."""
     api = Api()
-    app = Admission()
-    app.kube = api  # type: ignore[assignment]
+    app = OperatorApp(kube=api)  # type: ignore[arg-type]
     placed = {"phase": "Running", "podName": "-", "placement": {"gpu": "GPU-a0", "node": "node-a"},
               "forecast": {"source": "budget", "reservedBytes": GIB}}
     done, gone, starting = job("done", "u1", placed), job("gone", "u2", placed), job("starting", "u3", placed | {"phase": "Admitted"})
@@ -162,11 +163,11 @@ def test_a_rebuild_ends_a_job_whose_pod_ended_or_went_unseen_instead_of_booking_
     api.pods = {"done-tensile": pod_of(done, "Succeeded"), "gone-tensile": pod_of(job("gone", "u-earlier"), "Running")}
 
     async def scenario() -> None:
-        await app.rebuild()
-        await asyncio.gather(*app._background)
+        await app.completion.rebuild_ledger()
+        await asyncio.gather(*app.background.tasks)
 
     asyncio.run(scenario())
-    assert set(app.ledger.bookings) == {"default/starting"}
+    assert set(app.capacity.ledger.bookings) == {"default/starting"}
     assert ends(api, "done") == [("Succeeded", "Completed")] and ends(api, "gone") == [("Failed", "PodDeleted")]
     assert "while the operator was down" in dict(api.statuses)["gone"]["message"]
 
@@ -196,7 +197,7 @@ def test_a_job_whose_pod_went_while_no_operator_ran_is_not_run_again(tmp_path: P
                     status = c.job(name)["status"]
                     assert {x["type"]: x["reason"] for x in status["conditions"]}["Finished"] == "PodDeleted"
                     assert "while the operator was down" in status["message"]
-                assert not c.pods() and not op.app.ledger.bookings
+                assert not c.pods() and not op.app.capacity.ledger.bookings
             finally:
                 await op.stop()
 
@@ -237,8 +238,8 @@ def test_a_queued_jobs_spec_edit_is_forecast_and_a_placed_jobs_is_said_to_be_fix
                          == "FixedAtAdmission", 10, "the placed job's edit said to be not taken")
             assert "delete and create the TrainingJob again" in {
                 x["type"]: x["message"] for x in c.job("q")["status"]["conditions"]}["SpecApplied"]
-            assert app.ledger.bookings["default/q"].forecast is not None
-            assert app.ledger.bookings["default/q"].forecast.signature == expected.signature
+            assert app.capacity.ledger.bookings["default/q"].forecast is not None
+            assert app.capacity.ledger.bookings["default/q"].forecast.signature == expected.signature
 
     asyncio.run(scenario())
 
@@ -276,8 +277,8 @@ def test_the_queue_is_fifo_by_creation_and_says_since_when_a_job_waits() -> None
     `queue.since` was reset by every new shortfall and by a restart. A later small job still passes a blocked big one."""
     api = Api()
     app = app_with(api)
-    app.inventory = {"node-a": [Gpu("node-a", "GPU-a0", "Simulated GPU", 4 * GIB, 4 * GIB, simulated=True)]}
-    app.ledger.book(Booking("default/holder", "GPU-a0", "node-a", 3 * GIB))
+    app.capacity.inventory = {"node-a": [Gpu("node-a", "GPU-a0", "Simulated GPU", 4 * GIB, 4 * GIB, simulated=True)]}
+    app.capacity.ledger.book(Booking("default/holder", "GPU-a0", "node-a", 3 * GIB))
     first_waited = "2020-01-01T00:00:00Z"
     big = queued_job("big", "2020-01-01T00:00:00Z", "2Gi", {"phase": "Queued", "queue": {"since": first_waited}})
     early, late = queued_job("early", "2020-01-01T00:00:05Z", "1Gi"), queued_job("late", "2020-01-01T00:00:05Z", "1Gi")
@@ -285,24 +286,25 @@ def test_the_queue_is_fifo_by_creation_and_says_since_when_a_job_waits() -> None
 
     async def scenario() -> None:
         for body in (later, late, big, early):  # admitted (forecasts ended) in another order than created
-            await app.admit(body)
-        app.rebuilt_at = asyncio.get_running_loop().time()
-        scheduler = asyncio.create_task(app._schedule_forever())
+            await app.intake.admit(body)
+        app.capacity.rebuilt_at = asyncio.get_running_loop().time()
+        scheduler = asyncio.create_task(app.scheduler.run())
         try:
             async def settled(*placed: str) -> None:
                 for _ in range(200):
                     await asyncio.sleep(0.01)
-                    if all(f"default/{n}" in app.ledger.bookings for n in placed) and not app.wake.is_set():
+                    booked = all(f"default/{n}" in app.capacity.ledger.bookings for n in placed)
+                    if booked and not app.queue.wake.is_set():
                         return
-                raise AssertionError(f"{placed} not placed: {list(app.ledger.bookings)}")
+                raise AssertionError(f"{placed} not placed: {list(app.capacity.ledger.bookings)}")
 
             await settled("early")  # 1 GiB free: the first created that fits (ties by name: early before late)
-            assert set(app.pending) == {"default/big", "default/late", "default/a-later"}
-            app.release("default/holder")
-            app.ledger.book(Booking("default/other", "GPU-a0", "node-a", 3 * GIB // 2))
-            app.wake.set()
+            assert set(app.queue.pending) == {"default/big", "default/late", "default/a-later"}
+            app.completion.release("default/holder")
+            app.capacity.ledger.book(Booking("default/other", "GPU-a0", "node-a", 3 * GIB // 2))
+            app.queue.wake.set()
             await settled("late")  # 1.5 GiB free: big (2 GiB, created first) is passed by the next that fits
-            assert set(app.pending) == {"default/big", "default/a-later"}
+            assert set(app.queue.pending) == {"default/big", "default/a-later"}
         finally:
             scheduler.cancel()
             await asyncio.gather(scheduler, return_exceptions=True)
@@ -321,26 +323,26 @@ def test_a_pod_kubernetes_cannot_start_is_said_and_an_evicted_one_ends_its_job_e
     app = app_with(api)
     stuck, evicted = job("stuck", "u1", {"phase": "Admitted"}), job("ev", "u2", {"phase": "Running"})
     for body in (stuck, evicted):
-        app.remember_conditions(body)
-        app.ledger.book(Booking(job_key(body), "GPU-a0", "node-a", GIB))
+        app.statuses.remember(body)
+        app.capacity.ledger.book(Booking(job_key(body), "GPU-a0", "node-a", GIB))
     waiting = pod_of(stuck, "Pending")
     waiting["status"]["containerStatuses"] = [{"name": "train", "state": {"waiting": {
         "reason": "ImagePullBackOff", "message": 'Back-off pulling image "exmaple"'}}}]
 
     async def scenario() -> None:
-        await app.pod_changed(pod_of(stuck, "Pending"))  # starting as it should: nothing to say
+        await app.follower.pod_changed(pod_of(stuck, "Pending"))  # starting as it should: nothing to say
         assert not api.statuses
         for _ in range(2):  # said once, not at each of the pod's events
-            await app.pod_changed(waiting)
+            await app.follower.pod_changed(waiting)
         [(_, status)] = api.statuses
         said = {c["type"]: c for c in status["conditions"]}["PodRunning"]
         assert (said["status"], said["reason"]) == ("False", "ImagePullBackOff")
         assert '"exmaple"' in said["message"] and '"exmaple"' in status["message"] and "phase" not in status
-        assert "default/stuck" in app.ledger.bookings  # not ended: Kubernetes may still pull it
+        assert "default/stuck" in app.capacity.ledger.bookings  # not ended: Kubernetes may still pull it
         gone = pod_of(evicted, "Failed")
         gone["status"] |= {"reason": "Evicted", "message": "The node was low on resource: memory."}
-        await app.pod_changed(gone)
-        assert ends(api, "ev") == [("Failed", "Evicted")] and "default/ev" not in app.ledger.bookings
+        await app.follower.pod_changed(gone)
+        assert ends(api, "ev") == [("Failed", "Evicted")] and "default/ev" not in app.capacity.ledger.bookings
         assert "low on resource: memory" in dict(api.statuses)["ev"]["message"]
 
     asyncio.run(scenario())

@@ -18,7 +18,7 @@ from helm_python import Chart, HelmValuesError
 from chart_render import CHART_DIR, objects, one, render
 from operator_harness import Cluster, gpu_held_by_big, phase, trainingjob
 from tensile.errors import TensileUserError
-from tensile_operator.admission import Admission
+from tensile_operator.app import OperatorApp
 from tensile_operator.events import COMPONENT
 from tensile_operator.forecasting import Forecaster
 from tensile_operator.queueing import BEST_EFFORT, DURATION, HOLD_ENV, STRATEGY_ENV, STRICT, QueueConfig
@@ -81,7 +81,8 @@ def test_priority_orders_the_queue_before_creation_and_ties_go_by_creation(tmp_p
     async def scenario() -> None:
         async with gpu_held_by_big(tmp_path, forecaster) as (c, app):
             await c.priority_class("high", 1000)  # after the start: Kopf's watch brings it
-            await c.wait(lambda: app.priorities.of(job("x", "1Gi", "high")["spec"]).known, 10, "the class watched")
+            priorities = app.scheduler.priorities
+            await c.wait(lambda: priorities.of(job("x", "1Gi", "high")["spec"]).known, 10, "the class watched")
             await c.apply(job("m-low", "3Gi"))
             await c.apply(job("x-high", "3Gi", "high"))
             await asyncio.sleep(1.1)  # creationTimestamp has whole seconds
@@ -125,11 +126,12 @@ def test_a_priority_class_that_does_not_exist_is_said_and_the_job_waits_for_it(t
             assert (said["status"], said["reason"]) == ("False", "PriorityClassNotFound")
             assert "kubectl create priorityclass urgent --value=N" in said["message"]
             assert events(c, "urgent-job")["PriorityClassNotFound"]["type"] == "Warning"
-            assert app.priorities.warnings(body["spec"]) == [said["message"]]
+            assert app.scheduler.priorities.warnings(body["spec"]) == [said["message"]]
             assert phase(c.job("urgent-job")) == "Queued" and not c.emu.get("v1/pods", "default", "urgent-job-tensile")
             await c.priority_class("urgent", 10)
             await c.wait(lambda: phase(c.job("urgent-job")) == "Admitted", 10, "placed once the class exists")
-            assert "PriorityClassFound" in events(c, "urgent-job") and not app.priorities.warnings(body["spec"])
+            assert "PriorityClassFound" in events(c, "urgent-job")
+            assert not app.scheduler.priorities.warnings(body["spec"])
 
     asyncio.run(scenario())
 
@@ -197,7 +199,7 @@ def test_the_operator_refuses_a_bad_queueing_setting_naming_it_and_the_fix(monke
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(TensileUserError, match=re.escape(named)) as caught:
-        Admission()
+        OperatorApp()
     assert "operator.queueing." in str(caught.value)  # the chart value to fix
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-import tensile_operator.admission as admission
+import tensile_operator.timing as timing
 from operator_harness import (GIB, TN, Cluster, RunningOperator, cluster, phase, pod_env, simulated_gpu, start_operator,
                               trainingjob)
 from test_operator_events import conditions, events_of, reasons, restarted, running
-from tensile_operator.admission import Admission
+from tensile_operator.app import OperatorApp
 from tensile_operator.forecasting import Forecaster
 from tensile_operator.kube import Conflict, KubeError
 from tensile_operator.placement import Booking, Gpu
@@ -29,8 +29,8 @@ CREATING = {"phase": "Pending", "containerStatuses": [{"name": "train", "state":
 @pytest.fixture
 def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     """The API server's trouble retried at once, and a failed look at a job whose GPU went looked at again soon."""
-    monkeypatch.setattr(admission, "RETRY_DELAYS", (0.01, 0.01, 0.01))
-    monkeypatch.setattr(admission, "RESYNC_SECONDS", 0.5)
+    monkeypatch.setattr(timing, "RETRY_DELAYS", (0.01, 0.01, 0.01))
+    monkeypatch.setattr(timing, "RESYNC_SECONDS", 0.5)
 
 
 def job(name: str, budget: str) -> dict:
@@ -119,9 +119,10 @@ def test_a_job_whose_pod_had_not_started_is_placed_again_when_its_tensilenode_go
                     gone = await said(c, name, "NodeAvailable", "TensileNodeRemoved", "TensileNodeRemoved")
                     assert gone["status"] == "False" and "node-a" in gone["message"]
                     left_alone(c, name, before)
-                    assert f"default/{name}" in op.app.ledger.bookings and "Requeued" not in reasons(c, name)
+                    assert f"default/{name}" in op.app.capacity.ledger.bookings and "Requeued" not in reasons(c, name)
                 await asyncio.sleep(0.3)  # the old pod's late events end nothing
-                assert phase(c.job("wait")) == "Admitted" and op.app.ledger.bookings["default/wait"].node == "node-b"
+                assert phase(c.job("wait")) == "Admitted"
+                assert op.app.capacity.ledger.bookings["default/wait"].node == "node-b"
             finally:
                 await op.stop()
 
@@ -152,7 +153,7 @@ def test_a_job_placed_again_waits_as_any_queued_job_in_its_place_by_creation(tmp
                 assert status["phase"] == "Queued" and "placement" not in status and "reservedBytes" not in status["forecast"]
                 assert status["queue"]["shortfallBytes"] > 0 and pod(c, "moved") is None
                 assert reasons(c, "moved")[-2:] == ["Requeued", "Queued"]
-                assert "default/moved" not in op.app.ledger.bookings
+                assert "default/moved" not in op.app.capacity.ledger.bookings
                 holder = pod(c, "holder")
                 assert holder is not None
                 await c.set_pod_status(holder, {"phase": "Succeeded"})
@@ -265,7 +266,7 @@ def test_a_job_not_placed_again_for_the_api_servers_trouble_is_looked_at_again(t
                 c.emu.unreachable.add("node-a")
                 c.emu.refuse("v1/pods", 500, "delete")
                 await remove_node(c, "node-a")
-                tries = 1 + len(admission.RETRY_DELAYS)
+                tries = 1 + len(timing.RETRY_DELAYS)
                 await c.wait(lambda: len(c.emu.refusals) >= 2 * tries, 10, "the deletion refused, then looked at again")
                 assert placed_on(c, "wait") == ("node-a", "GPU-a0") and (pod(c, "wait") or {})["metadata"] == wait["metadata"]
                 c.emu.refuse("v1/pods", None, "delete")
@@ -295,7 +296,7 @@ def test_a_job_deleted_with_its_unstarted_pod_on_a_node_that_is_gone_is_deleted(
                 await c.delete("wait")
                 op = await start_operator(forecaster)
                 await c.wait(lambda: c.job("wait") is None, 10, "wait deleted")
-                assert pod(c, "wait") is None and not op.app.ledger.bookings
+                assert pod(c, "wait") is None and not op.app.capacity.ledger.bookings
             finally:
                 await op.stop()
 
@@ -333,8 +334,9 @@ class Api:
     `starts`: the kubelet starts the pod just after the operator read it (a deletion as it was read is refused: 409);
     `failures[call]`: raised by each such call; `hold(call, when)`: such calls matching `when` wait until released."""
 
-    def __init__(self, app: Admission, body: dict, pod: dict | None, starts: bool = False) -> None:
-        self.app, self.job, self.pod, self.starts = app, body, pod, starts
+    def __init__(self, body: dict, pod: dict | None, starts: bool = False) -> None:
+        self.job, self.pod, self.starts = body, pod, starts
+        self.app: OperatorApp | None = None  # the operator its pods' DELETED events are told to
         self.deletions: list[dict | None] = []
         self.statuses: list[dict] = []
         self.failures: dict[str, Exception] = {}
@@ -380,7 +382,8 @@ class Api:
         if any(self.pod["metadata"].get(k) != v for k, v in wanted.items()):
             raise Conflict(409, "Precondition failed")
         gone, self.pod = self.pod, None
-        asyncio.get_running_loop().create_task(self.app.pod_changed(gone, deleted=True))
+        assert self.app is not None
+        asyncio.get_running_loop().create_task(self.app.follower.pod_changed(gone, deleted=True))
 
     async def patch_job_status(self, namespace: str, name: str, status: dict, resource_version: str | None = None) -> dict:
         await self._answer("patch", status)
@@ -410,25 +413,26 @@ def unit_pod(body: dict, status: dict | None = None) -> dict:
 
 @asynccontextmanager
 async def placed_on_a(forecaster: Forecaster, pod_status: dict | None = CREATING, starts: bool = False,
-                      gpus: tuple[str, ...] = ()) -> AsyncIterator[tuple[Admission, Api, Booking]]:
+                      gpus: tuple[str, ...] = (),
+                      agents: Agents | None = None) -> AsyncIterator[tuple[OperatorApp, Api, Booking]]:
     """Job j booked on node-a GPU-a0, its pod made there with `pod_status` (None: no pod), node-b GPU-b0 with room;
-    node-a lists `gpus` (none: its TensileNode is gone). Its background tasks are awaited and its Events closed at the
-    end, and no pod stays marked as deleted to place its job again."""
-    app = Admission(forecaster)
-    app.ready.set()
+    node-a lists `gpus` (none: its TensileNode is gone); `agents`: the node agents as the operator reaches them. Its
+    background tasks are awaited and its Events closed at the end, and no pod stays marked as deleted to place its job
+    again."""
     body = unit_job()
-    api = Api(app, body, unit_pod(body, status=pod_status) if pod_status else None, starts)
-    app.kube = api  # type: ignore[assignment]
-    app.inventory = {"node-b": [Gpu("node-b", "GPU-b0", "Simulated GPU", 8 * GIB, 8 * GIB, simulated=True)]}
+    api = Api(body, unit_pod(body, status=pod_status) if pod_status else None, starts)
+    app = api.app = OperatorApp(forecaster, kube=api, agents=agents)  # type: ignore[arg-type]
+    app.capacity.ready.set()
+    app.capacity.inventory = {"node-b": [Gpu("node-b", "GPU-b0", "Simulated GPU", 8 * GIB, 8 * GIB, simulated=True)]}
     if gpus:
-        app.inventory["node-a"] = [Gpu("node-a", g, "Simulated GPU", 8 * GIB, 8 * GIB, agent="http://agent-a", simulated=True)
-                                   for g in gpus]
+        app.capacity.inventory["node-a"] = [Gpu("node-a", g, "Simulated GPU", 8 * GIB, 8 * GIB, agent="http://agent-a",
+                                                simulated=True) for g in gpus]
     booking = Booking("default/j", "GPU-a0", "node-a", GIB)
-    app.ledger.book(booking)
+    app.capacity.ledger.book(booking)
     try:
         yield app, api, booking
         await settled(app)
-        assert not app._deleting, app._deleting
+        assert not app.pods.deleting, app.pods.deleting
     finally:
         await app.events.close()
 
@@ -439,10 +443,10 @@ async def spin() -> None:
         await asyncio.sleep(0)
 
 
-async def settled(app: Admission) -> None:
+async def settled(app: OperatorApp) -> None:
     """Every task the operator started has ended."""
     await spin()
-    await asyncio.gather(*app._background)
+    await asyncio.gather(*app.background.tasks)
 
 
 def test_only_an_unstarted_pod_is_deleted_and_only_as_it_was_read(forecaster: Forecaster) -> None:
@@ -452,15 +456,15 @@ def test_only_an_unstarted_pod_is_deleted_and_only_as_it_was_read(forecaster: Fo
     for starts in (False, True):
         async def scenario() -> None:
             async with placed_on_a(forecaster, starts=starts) as (app, api, booking):
-                await app._check_node("node-a")
+                await app.replacement.check_node("node-a")
                 await settled(app)
             assert api.deletions[0] == {"gracePeriodSeconds": 0, "preconditions": {"uid": "p1", "resourceVersion": "1"}}
             if starts:
                 assert len(api.deletions) == 1 and api.pod is not None and api.conditions() == {"NodeAvailable": "TensileNodeRemoved"}
-                assert "default/j" in app.ledger.bookings and "default/j" not in app.pending
+                assert "default/j" in app.capacity.ledger.bookings and "default/j" not in app.queue.pending
             else:
-                assert api.conditions()["Admitted"] == "TensileNodeRemoved" and "default/j" in app.pending
-                assert api.statuses[0]["placement"] is None and "default/j" not in app.ledger.bookings
+                assert api.conditions()["Admitted"] == "TensileNodeRemoved" and "default/j" in app.queue.pending
+                assert api.statuses[0]["placement"] is None and "default/j" not in app.capacity.ledger.bookings
 
         asyncio.run(scenario())
 
@@ -476,13 +480,13 @@ def test_a_failed_deletion_is_retried_and_leaves_no_mark_on_the_pod(forecaster: 
             api.failures["delete"] = KubeError(500, "etcd is unhappy")
             pod = api.pod
             assert pod is not None
-            await app._check_node("node-a")
+            await app.replacement.check_node("node-a")
             await settled(app)
-            assert len(api.deletions) == 1 + len(admission.RETRY_DELAYS) and "default/j" in app.ledger.bookings
-            assert not app._deleting and not app._checking
-            await app.pod_changed(pod, deleted=True)  # kubectl delete pod
+            assert len(api.deletions) == 1 + len(timing.RETRY_DELAYS) and "default/j" in app.capacity.ledger.bookings
+            assert not app.pods.deleting and not app.replacement.checking
+            await app.follower.pod_changed(pod, deleted=True)  # kubectl delete pod
             assert api.statuses[-1]["phase"] == "Failed" and api.conditions()["Finished"] == "PodDeleted"
-            assert "default/j" not in app.ledger.bookings
+            assert "default/j" not in app.capacity.ledger.bookings
 
     asyncio.run(scenario())
 
@@ -499,15 +503,15 @@ def test_a_job_deleted_while_it_is_placed_again_is_not_admitted_again(forecaster
     async def scenario() -> None:
         async with placed_on_a(forecaster) as (app, api, booking):
             reached, release = api.hold("patch", when)
-            await app._check_node("node-a")
+            await app.replacement.check_node("node-a")
             await reached.wait()
             body = unit_job() | {"metadata": unit_job()["metadata"] | {"deletionTimestamp": "2026-01-01T00:00:01Z"}}
-            deletion = asyncio.create_task(app.deleted(body))
+            deletion = asyncio.create_task(app.follower.deleted(body))
             await spin()
             release.set()
             await asyncio.wait_for(deletion, 5)
             await settled(app)
-            assert "default/j" not in app.pending and "default/j" not in app.ledger.bookings
+            assert "default/j" not in app.queue.pending and "default/j" not in app.capacity.ledger.bookings
             if held == "queued again":  # still booked when the deletion was seen: its end is written
                 assert api.statuses[-1]["phase"] == "Failed" and api.conditions()["Finished"] == "Deleted"
 
@@ -524,14 +528,15 @@ def test_a_pod_of_the_jobs_earlier_placement_is_made_anew_where_the_job_is_booke
     async def scenario() -> None:
         async with placed_on_a(forecaster, pod_status={"phase": "Running"} if started else CREATING) as (app, api, booking):
             moved = Booking("default/j", "GPU-b0", "node-b", GIB)
-            await app.ensure_pod(unit_job(), moved)
+            await app.pods.ensure_pod(unit_job(), moved)
             assert api.pod is not None
             if started:
                 assert not api.deletions and api.pod["spec"]["nodeName"] == "node-a"
             else:
                 assert api.deletions == [{"gracePeriodSeconds": 0, "preconditions": {"uid": "p1", "resourceVersion": "1"}}]
                 assert api.pod["spec"]["nodeName"] == "node-b" and pod_env(api.pod)["TENSILE_GPU"] == "GPU-b0"
-                assert "default/j" in app.ledger.bookings and not api.conditions()  # its old pod's end ends nothing
+                # its old pod's end ends nothing
+                assert "default/j" in app.capacity.ledger.bookings and not api.conditions()
 
     asyncio.run(scenario())
 
@@ -545,15 +550,15 @@ def test_a_pod_made_on_resume_is_waited_for_before_its_job_is_placed_again(forec
         async with placed_on_a(forecaster, pod_status=None, gpus=("GPU-a0",)) as (app, api, booking):
             reached, release = api.hold("create", lambda pod: True)
             body = unit_job({"phase": "Admitted", "placement": {"node": "node-a", "gpu": "GPU-a0"}})
-            await asyncio.wait_for(app.admit(body), 5)  # the resume handler does not wait for the creation
+            await asyncio.wait_for(app.intake.admit(body), 5)  # the resume handler does not wait for the creation
             await reached.wait()
-            app.set_node(None, "node-a")
-            await app._check_node("node-a")
+            app.capacity.set_node(None, "node-a")
+            await app.replacement.check_node("node-a")
             await spin()
-            assert not api.statuses and "default/j" in app._checking  # waits for the creation
+            assert not api.statuses and "default/j" in app.replacement.checking  # waits for the creation
             release.set()
             await settled(app)
-            assert api.pod is None and len(api.deletions) == 1 and "default/j" in app.pending
+            assert api.pod is None and len(api.deletions) == 1 and "default/j" in app.queue.pending
 
     asyncio.run(scenario())
 
@@ -564,12 +569,12 @@ def test_a_job_being_deleted_is_not_looked_at_again_at_each_heartbeat(forecaster
 
     async def scenario() -> None:
         async with placed_on_a(forecaster, gpus=("GPU-a1",)) as (app, api, booking):
-            app._freed["default/j"] = asyncio.Event()  # `deleted` is under way
+            app.completion.deletion_started("default/j")  # `deleted` is under way
             for _ in range(3):
-                await app._check_node("node-a")
+                await app.replacement.check_node("node-a")
             await settled(app)
-            assert api.gets == 0 and not api.statuses and not app._checking
-            del app._freed["default/j"]
+            assert api.gets == 0 and not api.statuses and not app.replacement.checking
+            app.completion.deletion_ended("default/j")
 
     asyncio.run(scenario())
 
@@ -592,10 +597,10 @@ def test_the_agent_of_a_gpu_no_longer_listed_is_told_its_job_left(forecaster: Fo
     the forecast the operator registered for the job, is told. It was looked up by the GPU, gone, so none was."""
 
     async def scenario() -> None:
-        async with placed_on_a(forecaster, gpus=("GPU-a1",)) as (app, api, booking):
-            app.agent = Agents()  # type: ignore[assignment]
-            await app._check_node("node-a")
+        agents = Agents()
+        async with placed_on_a(forecaster, gpus=("GPU-a1",), agents=agents) as (app, api, booking):
+            await app.replacement.check_node("node-a")
             await settled(app)
-            assert "default/j" in app.pending and app.agent.unregistered == [("http://agent-a", "default/j")]  # type: ignore[attr-defined]
+            assert "default/j" in app.queue.pending and agents.unregistered == [("http://agent-a", "default/j")]
 
     asyncio.run(scenario())

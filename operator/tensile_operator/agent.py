@@ -24,7 +24,9 @@ log = logging.getLogger("tensile_operator.agent")
 FORWARDED, UNREGISTERED, NOT_FORWARDED = "forwarded", "unregistered", "not forwarded"
 
 
-class AgentLink:
+class NodeAgentClient:
+    """The operator's calls to the node agents (one client for every agent: each call names the agent's URL)."""
+
     def __init__(self) -> None:
         self.sent: list[tuple[str, str, dict]] = []  # (agent, job, knobs): what was forwarded
 

@@ -18,7 +18,7 @@ import datetime
 import logging
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tensile_operator import GROUP, VERSION
@@ -135,13 +135,13 @@ def _cut(message: str) -> str:
     return f"{message[:half]}...{message[-half:]}"
 
 
-class Recorder:
+class EventRecorder:
     """Posts Events in the order they were said, from one task (made on the first post, in the running loop), so
     an admission never waits for one. Within a run, an Event the job was given already is not posted again (a
     pod's waiting reason flapping between ErrImagePull and ImagePullBackOff)."""
 
-    def __init__(self, kube_of: Callable[[], Kube]):
-        self._kube_of = kube_of  # tests swap the Admission's client
+    def __init__(self, kube: Kube):
+        self._kube = kube
         self._queue: asyncio.Queue[dict] = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self._posted: dict[str, set[tuple[str, str]]] = {}  # job key -> (reason, message) posted by this run
@@ -172,7 +172,7 @@ class Recorder:
         while True:
             event = await queue.get()
             try:
-                await self._kube_of().create_event(event["metadata"]["namespace"], event)
+                await self._kube.create_event(event["metadata"]["namespace"], event)
             except Exception as exc:  # noqa: BLE001 - a failed Event never stops admission: logged, dropped
                 log.warning("%s/%s: Event %s not posted: %s", event["metadata"]["namespace"],
                             event["involvedObject"]["name"], event["reason"], exc)

@@ -10,7 +10,7 @@ import kopf
 
 from tensile.errors import TensileUserError
 from tensile_operator import GROUP, VERSION
-from tensile_operator.admission import Admission
+from tensile_operator.app import OperatorApp
 from tensile.trainingjob_spec import ANNOTATION_PREFIX, ANNOTATIONS
 from tensile_operator.pods import JOB_LABEL
 from tensile_operator.validation import check, warnings as admission_warnings
@@ -47,7 +47,7 @@ def webhook_server() -> kopf.WebhookServer | None:
     )
 
 
-def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, metrics_port: int = 0,
+def build_registry(app: OperatorApp, webhook: kopf.WebhookServer | None = None, metrics_port: int = 0,
                    metrics_addr: str = "0.0.0.0") -> kopf.OperatorRegistry:
     """`metrics_port`: serve /metrics there while the operator runs (0: off)."""
     registry = kopf.OperatorRegistry()
@@ -69,7 +69,7 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, me
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="operator.tensile.dev", key="last-handled-configuration")
         settings.watching.server_timeout = 300
         # Kopf's own Events only for problems, not every handler run; a job's lifecycle Events are posted by
-        # events.Recorder (kopf.event has no event queue in the scheduler's and background tasks)
+        # events.EventRecorder (kopf.event has no event queue in the scheduler's and background tasks)
         settings.posting.level = logging.WARNING
         if webhook is not None:
             settings.admission.server = webhook
@@ -82,7 +82,7 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, me
             app.metrics.serve(metrics_port, metrics_addr)
         except TensileUserError as exc:
             raise kopf.PermanentError(str(exc)) from exc
-        await app.load_priority_classes()  # before the watch below starts: the first pass orders by them
+        await app.scheduler.load_priority_classes()  # before the watch below starts: the first pass orders by them
         await app.start()
 
     @kopf.on.cleanup(registry=registry)
@@ -94,20 +94,21 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, me
         @kopf.on.validate(**tj, id="tensile-validate", operations=["CREATE", "UPDATE"])
         async def _validate(spec: kopf.Spec, meta: kopf.Meta, warnings: list[str], **_: Any) -> None:
             warnings.extend(admission_warnings(dict(meta.annotations)))  # kubectl prints them; the job is not refused
-            warnings.extend(app.priorities.warnings(dict(spec)))  # the class may be created later: the job waits for it
-            problems = await check(dict(spec), dict(meta.annotations), app.gpus, app.forecaster)
+            # the class may be created later: the job waits for it
+            warnings.extend(app.scheduler.priorities.warnings(dict(spec)))
+            problems = await check(dict(spec), dict(meta.annotations), app.capacity.gpus, app.forecaster)
             if problems:
                 raise kopf.AdmissionError("; ".join(str(p) for p in problems), code=422)
 
     @kopf.on.resume(**tj, id="readmit")
     @kopf.on.create(**tj, id="admit")
     async def _admit(body: kopf.Body, **_: Any) -> None:
-        await app.admit(_plain(body))
+        await app.intake.admit(_plain(body))
 
     @kopf.on.event(**tj)
     async def _placed(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
         if event.get("type") != "DELETED":
-            app.adopt(_plain(body))
+            app.capacity.adopt(_plain(body))
 
     @kopf.on.field(**tj, id="knobs", field="metadata.annotations")
     async def _knobs(body: kopf.Body, old: Any, new: Any, reason: str, **_: Any) -> None:
@@ -117,27 +118,28 @@ def build_registry(app: Admission, webhook: kopf.WebhookServer | None = None, me
         if reason != "update" or not changed:
             return
         if changed & knobs:
-            await app.knobs_changed(_plain(body))
+            await app.edits.knobs_changed(_plain(body))
         else:  # only names that are no knob (a misspelt one added, fixed or removed): the job's condition says so
-            await app.annotations_changed(_plain(body))
+            await app.edits.annotations_changed(_plain(body))
 
     # on updates only: as a field handler it also ran at creation, a second handler of the creation, so an operator
     # stopped between the two left Kopf resuming the creation without `admit` (done), and the job never queued
     @kopf.on.update(**tj, id="spec", field="spec")
     async def _spec(body: kopf.Body, **_: Any) -> None:
-        await app.spec_changed(_plain(body))  # after the knobs: an edit of both is forecast by the edited spec with the new knobs
+        # after the knobs: an edit of both is forecast by the edited spec with the new knobs
+        await app.edits.spec_changed(_plain(body))
 
     @kopf.on.delete(**tj, id="release")
     async def _release(body: kopf.Body, **_: Any) -> None:
-        await app.deleted(_plain(body))
+        await app.follower.deleted(_plain(body))
 
     @kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)
     async def _pod(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
-        await app.pod_changed(_plain(body), deleted=event.get("type") == "DELETED")
+        await app.follower.pod_changed(_plain(body), deleted=event.get("type") == "DELETED")
 
     @kopf.on.event("scheduling.k8s.io", "v1", "priorityclasses", registry=registry)
     async def _priority_class(event: kopf.RawEvent, body: kopf.Body, name: str, **_: Any) -> None:
-        app.priority_class_changed(None if event.get("type") == "DELETED" else _plain(body), name)
+        app.scheduler.priority_class_changed(None if event.get("type") == "DELETED" else _plain(body), name)
 
     @kopf.on.event(GROUP, VERSION, "tensilenodes", registry=registry)
     async def _node(event: kopf.RawEvent, body: kopf.Body, name: str, **_: Any) -> None:

@@ -9,7 +9,7 @@ import kopf
 import yaml
 
 from tensile.errors import TensileUserError
-from tensile_operator.admission import Admission
+from tensile_operator.app import OperatorApp
 from tensile_operator.forecasting import Forecaster, ProfileStore
 from tensile_operator.handlers import PEERING, build_registry, login, webhook_server
 from tensile_operator import metrics
@@ -23,12 +23,12 @@ if TYPE_CHECKING:
     Flag = asyncio.Future[Any] | asyncio.Event | concurrent.futures.Future[Any] | threading.Event
 
 
-async def operator(app: Admission | None = None, *, standalone: bool = False, priority: int = 0,
+async def operator(app: OperatorApp | None = None, *, standalone: bool = False, priority: int = 0,
                    webhook: kopf.WebhookServer | None = None, liveness: str | None = None,
                    stop_flag: Flag | None = None, ready_flag: Flag | None = None, metrics_port: int = 0,
                    metrics_addr: str = "127.0.0.1") -> None:
     """The operator as a coroutine (tests run several in one event loop, one after another)."""
-    app = app or Admission()
+    app = app or OperatorApp()
     await kopf.operator(
         registry=build_registry(app, webhook, metrics_port, metrics_addr),
         clusterwide=True,
@@ -64,7 +64,7 @@ def require_credentials() -> None:
 def run(*, standalone: bool = False, priority: int = 0, profiles: str | None = None, liveness: str | None = None,
         metrics_port: int = metrics.DEFAULT_PORT, metrics_addr: str = "0.0.0.0") -> None:
     """Kopf's run; `tensile operator` checks the credentials first (`require_credentials`)."""
-    app = Admission(Forecaster(ProfileStore(profiles)))
+    app = OperatorApp(Forecaster(ProfileStore(profiles)))
     kopf.configure(verbose=False)
     kopf.run(registry=build_registry(app, webhook_server(), metrics_port, metrics_addr), clusterwide=True, standalone=standalone, priority=priority,
              peering_name=PEERING, liveness_endpoint=liveness, memo=kopf.Memo(app=app))

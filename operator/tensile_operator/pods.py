@@ -11,6 +11,7 @@ import copy
 import hashlib
 import hmac
 import os
+import secrets
 
 from tensile_operator import API_VERSION
 
@@ -70,6 +71,30 @@ def owner_of(pod: dict) -> tuple[str, str] | None:
 def job_token(key: bytes, namespace: str, name: str, uid: str) -> str:
     """The job's token for its node agent: derived, so a restarted operator gives the same one."""
     return hmac.new(key, f"{namespace}/{name}/{uid}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+class JobTokens:
+    """Each job's token (`job_token`), kept from the operator's first use of it until the job's agent is told it left.
+    The key: `key`, else $TENSILE_TOKEN_KEY (so that a restarted operator gives a job the same token), else random."""
+
+    def __init__(self, key: bytes | None = None) -> None:
+        self._key = key or os.environ.get("TENSILE_TOKEN_KEY", "").encode() or secrets.token_bytes(32)
+        self._tokens: dict[str, str] = {}  # namespace/name -> the job's token
+
+    def issue(self, body: dict) -> str:
+        """The TrainingJob's token, kept for its job."""
+        meta = body["metadata"]
+        token = job_token(self._key, meta["namespace"], meta["name"], meta.get("uid", ""))
+        self._tokens[f"{meta['namespace']}/{meta['name']}"] = token
+        return token
+
+    def get(self, key: str) -> str:
+        """The token kept for the job ("" when none is)."""
+        return self._tokens.get(key, "")
+
+    def forget(self, key: str) -> str:
+        """The token kept for the job ("" when none is), no longer kept."""
+        return self._tokens.pop(key, "")
 
 
 def hook_env(job: str, gpu_uuid: str, agent: str | None, token: str, budget: int | None,

@@ -16,14 +16,17 @@ GPU joining can place it: it must not stop the cluster).
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tensile import trainingjob_spec as model
 from tensile.agent_contract import TIMESTAMP_FORMAT
 from tensile.errors import TensileUserError
+from tensile_operator.forecasting import JobForecast
 
 BEST_EFFORT, STRICT = "BestEffortFIFO", "StrictFIFO"
 STRATEGIES = (BEST_EFFORT, STRICT)
@@ -181,3 +184,37 @@ class Walk:
         for uuid in usable:
             self.held.setdefault(uuid, job)
         return tuple(u for u in usable if self.held[u] == job)
+
+
+@dataclass
+class Pending:
+    """A job admitted (validated and forecast) and waiting for its placement."""
+
+    key: str
+    namespace: str
+    name: str
+    body: dict
+    spec: model.JobSpec
+    forecast: JobForecast | None
+    said: dict | None = None  # the `status.queue` last written for the job (written again only when it changes)
+    since: str = ""  # when the job first waited (`status.queue.since`, read back after a restart)
+    head_since: str = ""  # when it became the head of the queue (`status.queue.headSince`, read back after a restart)
+
+    def order(self, priority: Priority) -> tuple[int, str, str]:
+        """The queue's order: by priority (highest first), then FIFO by the job's creation
+        (`metadata.creationTimestamp`, whole seconds), ties by namespace/name. By the loop time its forecast and
+        `Queued` write ended (as it was), jobs created in order were placed out of it, and a restarted operator's
+        queue followed which forecast was cached."""
+        return -priority.value, self.body["metadata"].get("creationTimestamp", ""), self.key
+
+
+class JobQueue:
+    """The jobs waiting for a placement, by key, and the scheduler's wake-up: whatever may let a waiting job be placed
+    (a job queued or changed, room freed, a GPU or a PriorityClass changed) pokes it, and the next pass runs."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, Pending] = {}
+        self.wake = asyncio.Event()
+
+    def poke(self) -> None:
+        self.wake.set()
