@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tensile.commands.forecast import make_forecast
+from tensile.job_forecast import make_forecast
 from tensile.forecast import trace_workload
 from tensile.tracer import TrainingStep
 from tensile.zoo import build_zoo_parts
@@ -54,7 +54,7 @@ def bare_trace() -> int:
 
 def full_forecast() -> int:
     """What `tensile forecast` does: trace, latencies, vanilla peak, TENSILE plan, summary."""
-    summary, _, _ = make_forecast(trace_workload(MODEL, BATCH, device="cuda"), "a6000")
+    summary = make_forecast(trace_workload(MODEL, BATCH, device="cuda"), "a6000").summary
     return summary["vanilla_peak_bytes"]
 
 

@@ -34,7 +34,7 @@ from tensile.devices import DeviceSpec, device_preset
 from tensile.forecast import trace_workload
 from tensile.latency import assign_latencies, iteration_seconds
 from tensile.peak import analyze_plan, analyze_vanilla, plan_timeline
-from tensile.planner import JobSpec
+from tensile.planner import JobToPlan
 from tensile.timeline import build_slots, slot_of, transfer_seconds
 from tensile.workload import Workload
 
@@ -64,7 +64,7 @@ def swap_rate(rule: str, jobs: int) -> float:
 
 def run_case(name: str, workloads: list[tuple[str, object]], device, rule: str = "default") -> tuple[dict, Comparison]:
     rate = swap_rate(rule, len(workloads))
-    jobs = [JobSpec(job, w, rate) for job, w in workloads]
+    jobs = [JobToPlan(job, w, rate) for job, w in workloads]
     comparison = compare(jobs, device, POLICIES)
     rows = {r["policy"]: r for r in comparison.rows if r["job"] == "*"}
     return {

@@ -22,7 +22,7 @@ from rich.table import Table  # noqa: E402
 from tensile.devices import device_preset  # noqa: E402
 from tensile.forecast import trace_workload  # noqa: E402
 from tensile.latency import assign_latencies  # noqa: E402
-from tensile.planner import JobSpec, co_run_slowdown, plan_gpu  # noqa: E402
+from tensile.planner import JobToPlan, co_run_slowdown, plan_gpu  # noqa: E402
 
 MIX = ("resnet50", "vgg16", "inception_v3", "densenet121", "inception_v4")
 RESULTS = Path(__file__).parent / "results"
@@ -33,7 +33,7 @@ def accesses(workload) -> int:
     return sum(len(op.inputs) + len(op.outputs) for op in workload.ops)
 
 
-def best_time(jobs: list[JobSpec], bandwidth: float) -> tuple[float, object]:
+def best_time(jobs: list[JobToPlan], bandwidth: float) -> tuple[float, object]:
     times, result = [], None
     for _ in range(REPEATS):
         started = time.perf_counter()
@@ -53,12 +53,12 @@ def main() -> None:
             assign_latencies(workload, "a6000")
         workloads[model] = workload
     resnet = workloads["resnet50"]
-    four, plan4 = best_time([JobSpec(f"resnet50#{i}", resnet) for i in range(4)], bandwidth)
+    four, plan4 = best_time([JobToPlan(f"resnet50#{i}", resnet) for i in range(4)], bandwidth)
     rows = []
     for series in ("resnet50 copies", "mixed models"):
         for n in range(1, 9):
             models = ["resnet50"] * n if series == "resnet50 copies" else [MIX[i % len(MIX)] for i in range(n)]
-            jobs = [JobSpec(f"{m}#{i}", workloads[m]) for i, m in enumerate(models)]
+            jobs = [JobToPlan(f"{m}#{i}", workloads[m]) for i, m in enumerate(models)]
             seconds, result = best_time(jobs, bandwidth)
             rows.append({"series": series, "jobs": n, "accesses": sum(accesses(workloads[m]) for m in models),
                          "seconds": seconds, "rounds": result.rounds, "msr": result.msr})

@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from tensile.knobs import KnobError, parse_swap_rate
+
 if TYPE_CHECKING:
     from tensile.plan import Plan
 
@@ -178,9 +180,13 @@ def _opt_bool(data: dict, key: str) -> bool | None:
 
 
 def _swap_rate(data: dict, key: str = "max_swap_rate") -> float | None:
+    """The job's max swap rate by the knob's one rule (tensile.knobs), as a TrainingJob and the hook read it."""
     rate = _opt_float(data, key)
-    if rate is not None and not 0.0 < rate <= 1.0:
-        raise ContractError(key, f"must be in (0, 1]: the share of the GPU's swaps this job may hold (was {rate})")
+    if rate is not None:
+        try:
+            parse_swap_rate(rate, key)
+        except KnobError as exc:
+            raise ContractError(exc.field, exc.problem) from None
     return rate
 
 

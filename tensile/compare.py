@@ -17,7 +17,7 @@ from tensile.baselines.capuchin import CapuchinPolicy
 from tensile.baselines.vdnn import vdnn_job
 from tensile.devices import DeviceSpec
 from tensile.errors import TensileUserError
-from tensile.planner import GpuPlan, JobSpec, co_run_slowdown, plan_gpu
+from tensile.planner import GpuPlan, JobToPlan, co_run_slowdown, plan_gpu
 from tensile.simulator import SimJob, SimResult, simulate
 
 POLICIES = ("vanilla", "vdnn", "capuchin", "tensile")
@@ -38,7 +38,7 @@ def _metrics(vanilla_peak: int, peak: int, vanilla_seconds: float, seconds: floa
 
 
 def compare(
-    jobs: list[JobSpec],
+    jobs: list[JobToPlan],
     device: DeviceSpec,
     policies: tuple[str, ...] = POLICIES,
     overlap: float = 0.1,

@@ -1,4 +1,5 @@
-"""User-facing errors: the CLI prints their message (no traceback) and exits non-zero."""
+"""User-facing errors and notes: the CLI prints an error's message (no traceback) and exits non-zero; a note is
+said on stderr and the work goes on."""
 
 
 class TensileUserError(Exception):
@@ -11,3 +12,10 @@ def print_user_error(exc: TensileUserError) -> int:
 
     Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {exc}", highlight=False)
     return 2
+
+
+def print_note(text: str) -> None:
+    """What a result rests on (an uncalibrated latency model), on stderr: apart from the output, which may be JSON."""
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[yellow]note:[/] {text}", highlight=False)

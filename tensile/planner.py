@@ -34,7 +34,7 @@ MAX_ROUNDS = 100_000
 
 
 @dataclass(slots=True)
-class JobSpec:
+class JobToPlan:
     """One job of the GPU: its name, its workload (op latencies filled in), its max swapping rate,
     whether it may recompute (a user who wants no replayed ops turns it off for their job alone) and
     its own memory budget (what it was admitted with: its plan must keep it, whatever room its
@@ -94,9 +94,9 @@ class GpuPlan:
 class JobState:
     """One job during planning: its slots, its memory per op, and the events chosen so far."""
 
-    def __init__(self, spec: JobSpec, slowdown: float, min_swap_bytes: int) -> None:
-        workload = spec.workload
-        self.spec = spec
+    def __init__(self, job: JobToPlan, slowdown: float, min_swap_bytes: int) -> None:
+        workload = job.workload
+        self.job = job
         self.workload = workload
         self.n = len(workload.ops)
         self.timeline = Timeline([op.latency for op in workload.ops], slowdown)
@@ -147,7 +147,7 @@ class JobState:
         vanilla lifetimes already hold (a foreach optimizer's gradients live until the next zero_grad, not to
         their last read: counted as released there, VGG-16's CUDA forecast at batch 1 was 2,168.9 MiB, its peak
         without those releases the vanilla 2,639.5 MiB; by analysis, not measured on a GPU)."""
-        if self.spec.activations_only:
+        if self.job.activations_only:
             return
         for slot in self.slots.values():
             if slot.persistent or not slot.accesses:
@@ -155,7 +155,7 @@ class JobState:
             last_access = slot.accesses[-1]
             if last_access < slot.last:
                 self.add_absent(slot.root, last_access + 1, slot.last)
-                self.events.append(Event(self.spec.name, "release", slot.name_at(last_access), last_access))
+                self.events.append(Event(self.job.name, "release", slot.name_at(last_access), last_access))
 
     @property
     def peak(self) -> tuple[int, int]:
@@ -226,13 +226,13 @@ class JobState:
             if not self.present(root, p):
                 continue
             slot = self.slots[root]
-            if slot.persistent and self.spec.activations_only:
+            if slot.persistent and self.job.activations_only:
                 continue
             cyclic = slot.persistent and self.workload.tensors[root].role != "input"
             gap = gap_at(slot, p, self.n, cyclic)
             if gap is None or (root, gap[0]) in self.used_gaps or (root, gap[0], gap[2]) in self.failed:
                 continue
-            if self.spec.activations_only and self.workload.ops[gap[0]].phase != "forward":
+            if self.job.activations_only and self.workload.ops[gap[0]].phase != "forward":
                 continue  # the native path swaps out at module calls, after a forward use: not a gradient's
             if self._pinned_in_gap(root, gap):  # a planned replay reads it there: it must stay
                 continue
@@ -251,7 +251,7 @@ class JobState:
         self.used_gaps.add((root, gap[0]))
         for kind, start in (("swap_out", out), ("swap_in", back)):
             trigger, delay, next_iteration = self.timeline.trigger_of(start)
-            self.events.append(Event(self.spec.name, kind, slot.name_at(trigger), trigger, delay, next_iteration))
+            self.events.append(Event(self.job.name, kind, slot.name_at(trigger), trigger, delay, next_iteration))
         k1, k2 = self.timeline.absent_ops(out + duration, back)
         self.add_absent(root, k1, k2)
         # ops that overlap the swap-in: the memory is there, the data is not yet
@@ -308,7 +308,7 @@ class JobState:
             if not self.present(root, p):
                 continue
             option = recompute_option(self.workload, self.slots[root], p, self.usable, self.first_pin, self.root_of, self.writers)
-            if option is not None and self.spec.activations_only and not natively_replayable(self.workload, option):
+            if option is not None and self.job.activations_only and not natively_replayable(self.workload, option):
                 continue
             if option is not None and (best is None or option.msps > best.msps) and self.cut_is_safe(option):
                 best = option
@@ -318,8 +318,8 @@ class JobState:
     def add_recompute(self, choice: Recompute) -> None:
         slot = self.slots[choice.slot]
         self.add_absent(choice.slot, choice.after + 1, choice.before - 1)
-        self.events.append(Event(self.spec.name, "release", slot.name_at(choice.after), choice.after))
-        self.events.append(Event(self.spec.name, "recompute", slot.name_at(choice.before - 1), choice.before - 1))
+        self.events.append(Event(self.job.name, "release", slot.name_at(choice.after), choice.after))
+        self.events.append(Event(self.job.name, "recompute", slot.name_at(choice.before - 1), choice.before - 1))
         for _, tensor in chain_inputs(self.workload, slot, choice.chain):
             self.pins.setdefault(self.root_of[tensor], []).extend((choice.before - 1, choice.before))
         self.recompute_seconds += choice.seconds
@@ -357,7 +357,7 @@ def co_run_slowdown(jobs: int, overlap: float) -> float:
     return jobs / (1.0 + overlap * (jobs - 1))
 
 
-def plan_limits(jobs: list[JobSpec]) -> tuple[str, ...]:
+def plan_limits(jobs: list[JobToPlan]) -> tuple[str, ...]:
     """What keeps the jobs' plans from every legal event: a lower peak may be reachable without it."""
     limits = []
     if any(j.activations_only for j in jobs):
@@ -370,7 +370,7 @@ def plan_limits(jobs: list[JobSpec]) -> tuple[str, ...]:
 
 
 def plan_gpu(
-    jobs: list[JobSpec],
+    jobs: list[JobToPlan],
     bandwidth: float,
     budget_bytes: int | None = None,
     capacity_bytes: int | None = None,
@@ -399,7 +399,7 @@ def plan_gpu(
     for job in jobs:
         if not 0.0 < job.max_swap_rate <= 1.0:
             raise TensileUserError(f"max swapping rate of job {job.name} must be in (0, 1], was {job.max_swap_rate}")
-    states = [JobState(spec, slowdown, min_swap_bytes) for spec in jobs]
+    states = [JobState(job, slowdown, min_swap_bytes) for job in jobs]
     target = budget_bytes
     d2h, h2d = Channel(), Channel()
     transfers: list[Transfer] = []
@@ -415,7 +415,7 @@ def plan_gpu(
         else only those above their own budget."""
         if target is None or total_peak() > target:
             return states
-        return [s for s in states if s.spec.budget_bytes is not None and s.peak[0] > s.spec.budget_bytes]
+        return [s for s in states if s.job.budget_bytes is not None and s.peak[0] > s.job.budget_bytes]
 
     def swap_round(candidates: list[JobState]) -> bool | None:
         """One Algorithm 2 round: True placed, False rejected, None when no job has a candidate left."""
@@ -427,7 +427,7 @@ def plan_gpu(
                 continue
             # the max swapping rate holds for every tensor but an updated parameter or optimizer state
             # swapped across the iteration boundary (Algorithm 2, lines 26-28: scheduled without the check)
-            if state.swaps >= state.spec.max_swap_rate * (total_swaps + 1) and not state.crosses_step(*candidate):
+            if state.swaps >= state.job.max_swap_rate * (total_swaps + 1) and not state.crosses_step(*candidate):
                 continue
             options.append((state.slots[candidate[0]].size, state, candidate))
         if not options:
@@ -441,8 +441,8 @@ def plan_gpu(
         duration = transfer_seconds(state.slots[root].size, bandwidth)
         d2h.book(out, duration, state.timeline.period)
         h2d.book(back, duration, state.timeline.period)
-        transfers.append(Transfer(state.spec.name, root, "d2h", out, out + duration))
-        transfers.append(Transfer(state.spec.name, root, "h2d", back, back + duration))
+        transfers.append(Transfer(state.job.name, root, "d2h", out, out + duration))
+        transfers.append(Transfer(state.job.name, root, "h2d", back, back + duration))
         before = state.peak[0]
         state.add_swap(root, gap, out, back, bandwidth)
         gains.append((before - state.peak[0]) / before if before else 0.0)
@@ -463,7 +463,7 @@ def plan_gpu(
             elif placed and len(gains) > max(stop_after_rounds, 3) and sum(gains[-3:]) < stop_gain:
                 swaps_spent = True
             continue
-        choices = [(c, s) for s in candidates if s.spec.recompute and (c := s.best_recompute()) is not None]
+        choices = [(c, s) for s in candidates if s.job.recompute and (c := s.best_recompute()) is not None]
         if not choices:
             break
         choice, state = max(choices, key=lambda cs: cs[0].msps)
@@ -486,7 +486,7 @@ def plan_gpu(
             predicted_extra_seconds=state.recompute_seconds * slowdown,
         )
         events = sorted(state.events, key=lambda e: (e.next_iteration, e.trigger, e.delay, e.kind, e.tensor))
-        plans[state.spec.name] = Plan(state.spec.name, 1, workload.signature, events, forecast)
+        plans[state.job.name] = Plan(state.job.name, 1, workload.signature, events, forecast)
         vanilla_total += vanilla.peak_bytes
         scheduled_total += scheduled.peak_bytes
     fits = limit is None or scheduled_total <= limit
@@ -497,5 +497,5 @@ def plan_gpu(
 def plan_job(workload: Workload, bandwidth: float, budget_bytes: int | None = None, name: str = "job",
              activations_only: bool = False, recompute: bool = True, max_swap_rate: float = 1.0, **options: Any) -> GpuPlan:
     """One job alone on its GPU (what `tensile forecast` and the hook's in-process planner need)."""
-    return plan_gpu([JobSpec(name, workload, max_swap_rate, recompute=recompute, activations_only=activations_only)], bandwidth,
-                    budget_bytes, **options)
+    job = JobToPlan(name, workload, max_swap_rate, recompute=recompute, activations_only=activations_only)
+    return plan_gpu([job], bandwidth, budget_bytes, **options)

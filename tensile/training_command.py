@@ -1,6 +1,6 @@
 """A training command as it runs on this machine, for `tensile run` and `tensile local` alike.
 
-Apart from the TrainingJob files' reader (`tensile.local_jobs`) so that `tensile run` needs none of what reading
+Apart from the TrainingJob files' reader (`tensile.local.jobs`) so that `tensile run` needs none of what reading
 them takes (jsonschema): it runs in the training's environment, a GPU image that may lack it.
 """
 

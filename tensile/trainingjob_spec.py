@@ -9,22 +9,15 @@ runner reads TrainingJob files with it too, and the core imports nothing of the 
 from __future__ import annotations
 
 import difflib
-import math
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-from tensile.devices import parse_bytes
-from tensile.errors import TensileUserError
 from tensile.forecast import DTYPES, OPTIMIZERS
-from tensile.knobs import KnobError, parse_swap_rate
-from tensile.plan import PLAN_EVENTS, native_plan_events
+from tensile.knobs import (ANNOTATION_PREFIX, KNOBS, MAX_SWAP_RATE, MEMORY_BUDGET, PLAN_EVENTS, RECOMPUTE, Knob,
+                           KnobError, parse_memory)
+from tensile.plan import native_plan_events
 
-ANNOTATION_PREFIX = "tensile.dev/"
-ANNOTATIONS = {
-    "max-swap-rate": "maxSwapRate",
-    "memory-budget": "memoryBudget",
-    "recompute": "recompute",
-    "plan-events": "planEvents",
-}
+J = TypeVar("J")
 PHASES = ("Pending", "Forecasting", "Queued", "Admitted", "Running", "Succeeded", "Failed")
 FINISHED = ("Succeeded", "Failed")
 
@@ -43,30 +36,6 @@ class SpecProblem:
 
     def __str__(self) -> str:
         return f"{self.field}: {self.message}"
-
-
-def parse_quantity(value: object, field_name: str) -> int:
-    """Bytes from an int or a memory quantity: Kubernetes' ('6Gi', '512Mi', '2e9') or the CLI's ('6GiB', '80GB'),
-    parsed as the hook and the CLI parse them (`tensile.devices.parse_bytes`)."""
-    hint = "write bytes or a quantity like 6Gi"
-    not_memory = SpecError([SpecProblem(field_name, f"'{value}' is not a memory size; {hint}")])
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise not_memory
-    try:
-        number = float(value)
-    except ValueError:  # a number with a unit
-        try:
-            number = float(parse_bytes(str(value)))
-        except TensileUserError:
-            raise not_memory from None
-    if not math.isfinite(number):
-        raise not_memory
-    if not number > 0:
-        raise SpecError([SpecProblem(field_name, f"must be positive (was {value}); {hint}")])
-    if number < 1:  # 0.6 is no budget of 0 bytes: the user meant a fraction, which only the CLI's --memory-budget takes
-        raise SpecError([SpecProblem(field_name, f"'{value}' is under one byte: {hint} "
-                                     "(a fraction of the vanilla peak is for the CLI's --memory-budget, not a TrainingJob)")])
-    return int(number)
 
 
 @dataclass(frozen=True)
@@ -139,8 +108,8 @@ class JobSpec:
     template: dict = field(default_factory=dict)
     plan_events: str = "auto"  # tensile.plan.PLAN_EVENTS; the pod's TENSILE_PLAN_EVENTS
     # where the budget and the swap rate were read: messages about them name the annotation when one set them
-    budget_field: str = field(default="spec.memoryBudget", compare=False)
-    swap_rate_field: str = field(default="spec.scheduling.maxSwapRate", compare=False)
+    budget_field: str = field(default=MEMORY_BUDGET.spec_field, compare=False)
+    swap_rate_field: str = field(default=MAX_SWAP_RATE.spec_field, compare=False)
     # tensile.dev/* annotations that are no knob (a misspelt one): ignored, and said so (`unknown_annotations_message`)
     unknown_annotations: tuple[str, ...] = field(default=(), compare=False)
 
@@ -163,32 +132,39 @@ def _int(value: object, field_name: str, problems: list[SpecProblem], minimum: i
     return value
 
 
-def switch(value: object) -> bool | None:
-    """A yes/no knob from the spec (a boolean) or an annotation (text: true/false, yes/no, on/off, 1/0);
-    None for anything else, which parse_spec refuses rather than guess (a typo must not flip a knob)."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    return True if text in ("true", "1", "yes", "on") else False if text in ("false", "0", "no", "off") else None
-
-
 def unknown_annotations(annotations: dict | None) -> list[str]:
     """The tensile.dev/* annotations that are no knob (`tensile.dev/memory-budgett`): a job does not fail for one
     (an annotation is free text to Kubernetes), but nothing may ignore it silently either."""
-    known = {ANNOTATION_PREFIX + k for k in ANNOTATIONS}
+    known = {knob.annotation for knob in KNOBS}
     return sorted(k for k in annotations or {} if k.startswith(ANNOTATION_PREFIX) and k not in known)
 
 
 def unknown_annotations_message(names: list[str] | tuple[str, ...]) -> str:
     """What the webhook warns and the job's `UnknownAnnotations` condition says: each name, the one it was
     probably meant to be, and the annotations Tensile reads."""
-    known = [ANNOTATION_PREFIX + k for k in ANNOTATIONS]
+    known = [knob.annotation for knob in KNOBS]
+    suffixes = [k.removeprefix(ANNOTATION_PREFIX) for k in known]  # alike by what follows the prefix all share
     parts = []
     for name in names:
-        close = difflib.get_close_matches(name.removeprefix(ANNOTATION_PREFIX), list(ANNOTATIONS), n=1, cutoff=0.75)
+        close = difflib.get_close_matches(name.removeprefix(ANNOTATION_PREFIX), suffixes, n=1, cutoff=0.75)
         parts.append(f"{name} (did you mean {ANNOTATION_PREFIX}{close[0]}?)" if close else name)
     return (f"{', '.join(parts)}: not {'a Tensile annotation' if len(names) == 1 else 'Tensile annotations'}, "
             f"ignored; Tensile reads {', '.join(known)}")
+
+
+def _read(knob: Knob[Any, J], spec: dict, annotations: dict | None,
+          problems: list[SpecProblem]) -> tuple[J | None, str]:
+    """A knob's value in the job, by the rule the hook reads it with (a value it refused would switch it off inside
+    the pod), and the field it was read from: a problem names the annotation the user set, not the spec field it
+    overrides. None where neither sets it, or the value is refused (the problem noted)."""
+    value, where = knob.in_job(spec, annotations)
+    if value is None:
+        return None, where
+    try:
+        return knob.parse_in_job(value, where), where
+    except KnobError as exc:
+        problems.append(SpecProblem(exc.field, exc.problem))
+        return None, where
 
 
 def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
@@ -220,46 +196,17 @@ def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
     )
     if workload.model is None and workload.profile is None:
         problems.append(SpecProblem("spec.workload", "name a model (spec.workload.model, e.g. resnet50) or a stored profile (spec.workload.profile)"))
-    knobs = dict(spec.get("scheduling") or {})
-    budget_raw = spec.get("memoryBudget")
-    # where each knob was read: a problem names the annotation the user set, not the spec field it overrides
-    fields = {"memoryBudget": "spec.memoryBudget", **{k: f"spec.scheduling.{k}" for k in ("maxSwapRate", "planEvents", "recompute")}}
-    for key, target in ANNOTATIONS.items():
-        value = (annotations or {}).get(ANNOTATION_PREFIX + key)
-        if value is not None:
-            fields[target] = f"metadata.annotations.{ANNOTATION_PREFIX}{key}"
-            if target == "memoryBudget":
-                budget_raw = value
-            else:
-                knobs[target] = value
-    budget = None
-    if budget_raw is not None:
-        try:
-            budget = parse_quantity(budget_raw, fields["memoryBudget"])
-        except SpecError as exc:
-            problems.extend(exc.problems)
-    rate = knobs.get("maxSwapRate")
-    if rate is not None:
-        try:  # the hook's own rule (tensile.knobs): a rate it refuses would switch it off inside the pod
-            rate = parse_swap_rate(rate, fields["maxSwapRate"])
-        except KnobError as exc:
-            problems.append(SpecProblem(exc.field, exc.problem))
-            rate = None
-    recompute = switch(knobs.get("recompute", True))
-    if recompute is None:
-        problems.append(SpecProblem(fields["recompute"], f"'{knobs['recompute']}' is not a yes/no value; write true or false"))
-        recompute = True
-    plan_events = knobs.get("planEvents", "auto")
-    if plan_events not in PLAN_EVENTS:
-        problems.append(SpecProblem(fields["planEvents"], f"'{plan_events}' is not one of {', '.join(PLAN_EVENTS)} "
-                                    "(auto: native events only on CUDA, every event on the CPU)"))
+    budget, budget_field = _read(MEMORY_BUDGET, spec, annotations, problems)
+    rate, rate_field = _read(MAX_SWAP_RATE, spec, annotations, problems)
+    recompute, _ = _read(RECOMPUTE, spec, annotations, problems)
+    plan_events, _ = _read(PLAN_EVENTS, spec, annotations, problems)
     raw_sel = dict(spec.get("gpuSelector") or {})
     min_memory = 0
     if raw_sel.get("minMemory") is not None:
         try:
-            min_memory = parse_quantity(raw_sel["minMemory"], "spec.gpuSelector.minMemory")
-        except SpecError as exc:
-            problems.extend(exc.problems)
+            min_memory = parse_memory(raw_sel["minMemory"], "spec.gpuSelector.minMemory")
+        except KnobError as exc:
+            problems.append(SpecProblem(exc.field, exc.problem))
     selector = GpuSelector(
         nodes=tuple(raw_sel.get("nodes") or ()),
         gpu_names=tuple(raw_sel.get("gpuNames") or ()),
@@ -273,5 +220,5 @@ def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
         problems.append(SpecProblem("spec.template.spec.containers", "needs at least one container: the training command"))
     if problems:
         raise SpecError(problems)
-    return JobSpec(workload, budget, selector, rate, recompute, template, plan_events, fields["memoryBudget"],
-                   fields["maxSwapRate"], tuple(unknown_annotations(annotations)))
+    return JobSpec(workload, budget, selector, rate, recompute is not False, template, plan_events or "auto",
+                   budget_field, rate_field, tuple(unknown_annotations(annotations)))

@@ -16,7 +16,7 @@ from operator_harness import cluster, trainingjob
 
 from tensile.agent_client import AgentClient
 from tensile.agent_contract import Measurements
-from tensile.local_jobs import strict_schema
+from tensile.local.jobs import strict_schema
 from tensile_agent.cluster import in_cluster, observed_status, tensilenode_status
 from tensile_operator.placement import gpus_from_tensilenode
 

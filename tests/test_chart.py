@@ -22,7 +22,7 @@ import pytest
 import yaml
 from helm_python import Chart, HelmValuesError, lint
 
-from tensile.local_jobs import strict_schema
+from tensile.local.jobs import strict_schema
 
 from chart_render import CHART_DIR, NAMESPACE, find, objects, one, render
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensile.commands.forecast import make_forecast
+from tensile.job_forecast import make_forecast
 from tensile_hook import activate, deactivate
 from tensile_hook.plan_source import local_planner
 from tensile_hook.report import HookReport, IterationStats
@@ -96,7 +96,7 @@ def test_a_plan_carried_out_exactly_never_measures_above_its_forecast():
     was alive, every planned iteration measured 6,978,232 bytes against the 6,582,944 forecast (+6%)."""
     build, seen = _import_example("tiny_mlp"), []
     train(build, 64, planner=lambda live, budget: seen.append(live))
-    _, plan, _ = make_forecast(seen[0], "cpu", "0.8")
+    plan = make_forecast(seen[0], "cpu", 0.8).plan
     assert {"swap_in", "swap_out"} <= {e.kind for e in plan.events} and plan.forecast is not None
     plain, _ = train(build, 64)
     hooked, report = train(build, 64, planner=lambda live, budget: plan)
@@ -113,7 +113,7 @@ def test_a_plan_file_holds_the_job_to_its_budget_unless_the_job_has_its_own(own_
     the budget guard off (helper-50's finding). The plan's budget now applies; a budget the user gave stands."""
     build, seen = _import_example("tiny_mlp"), []
     train(build, 64, planner=lambda live, budget: seen.append(live))
-    _, plan, _ = make_forecast(seen[0], "cpu", "0.8")
+    plan = make_forecast(seen[0], "cpu", 0.8).plan
     assert plan.memory_budget_bytes is not None and plan.forecast is not None
     executor = activate(HookSettings(job="job", memory_budget=own_budget), plan, seen[0], device=torch.device("cpu"))
     try:

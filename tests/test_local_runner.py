@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 from agent_harness import ROOT, get
 
-from tensile.commands.forecast import make_forecast
 from tensile.errors import TensileUserError
 from tensile.forecast import trace_workload
+from tensile.job_forecast import make_forecast
 from tensile.knobs import memory_text
-from tensile.local_agent import LocalAgent
-from tensile.local_jobs import load_job, load_jobs
-from tensile.local_runner import LocalRunner
-from tensile.local_view import job_view, plot_peaks
+from tensile.local.agent import LocalAgent
+from tensile.local.jobs import load_job, load_jobs
+from tensile.local.runner import LocalRunner
+from tensile.local.view import job_view, plot_peaks
 
 JOB = """apiVersion: tensile.dev/v1alpha1
 kind: TrainingJob
@@ -64,7 +64,7 @@ def _run_to_the_end(runner: LocalRunner, agent: LocalAgent, watch: Callable[[], 
 def test_two_jobs_share_a_gpu_too_small_for_both_one_waits_queued(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the container commands run from the repository, as in the quickstart
     workload = trace_workload("examples/tiny_mlp.py:build", 64, optimizer=None, device="cpu")
-    scheduled = make_forecast(workload, "cpu")[0]["scheduled_peak_bytes"]
+    scheduled = make_forecast(workload, "cpu").summary["scheduled_peak_bytes"]
     memory = int(1.5 * scheduled / 0.95)  # one job's scheduled peak fits in the capacity, two do not
     jobs = load_jobs([str(_write(tmp_path, "first")), str(_write(tmp_path, "second")),
                       str(_write(tmp_path, "missing", "examples/no_such_script.py"))])
@@ -130,7 +130,7 @@ def test_the_live_view_shows_each_jobs_note_whole_on_an_80_column_terminal(tmp_p
     """A note is a sentence; as a table column at 80 characters it was cut into a few letters a line."""
     from rich.console import Console
 
-    from tensile.local_runner import JobRun
+    from tensile.local.runner import JobRun
 
     waiting = JobRun(load_job(_write(tmp_path, "waiting")), phase="Queued",
                      message="waits for 12.0 MiB on [small]: 3.0 MiB free")
@@ -235,23 +235,22 @@ def test_the_shipped_examples_load_for_local_runs(monkeypatch):
 def test_a_jobs_plan_events_and_recompute_reach_its_forecast_and_its_hook(tmp_path):
     """spec.scheduling.planEvents and recompute (or their annotations) are what the local forecast plans with
     and what the job's hook is told (TENSILE_PLAN_EVENTS, TENSILE_RECOMPUTE), as the operator does for a pod."""
-    from tensile.commands.run import hook_environment
-    from tensile.local_runner import JobRun, hook_args
+    from tensile.local.runner import JobRun, job_environment
 
     path = tmp_path / "job.yaml"
     path.write_text(JOB.format(name="native", script="examples/train_mlp.py").replace(
         "  template:", "  scheduling:\n    planEvents: native\n  template:"))
     job = load_job(path)
-    assert job.plan_events == "native"
-    assert hook_environment(hook_args(JobRun(job), "http://127.0.0.1:1"))["TENSILE_PLAN_EVENTS"] == "native"
+    assert job.spec.plan_events == "native"
+    assert job_environment(JobRun(job), "http://127.0.0.1:1")["TENSILE_PLAN_EVENTS"] == "native"
     annotated = path.read_text().replace("metadata:\n", "metadata:\n  annotations:\n    tensile.dev/plan-events: all\n")
     path.write_text(annotated)
-    assert load_job(path).plan_events == "all"
+    assert load_job(path).spec.plan_events == "all"
     plain = load_job(_write(tmp_path, "plain"))
-    assert plain.plan_events == "auto" and plain.recompute
-    assert "TENSILE_RECOMPUTE" not in hook_environment(hook_args(JobRun(plain), "http://127.0.0.1:1"))
+    assert plain.spec.plan_events == "auto" and plain.spec.recompute
+    assert "TENSILE_RECOMPUTE" not in job_environment(JobRun(plain), "http://127.0.0.1:1")
     path.write_text(annotated.replace("metadata:\n  annotations:\n", "metadata:\n  annotations:\n    tensile.dev/recompute: \"off\"\n"))
-    assert hook_environment(hook_args(JobRun(load_job(path)), "http://127.0.0.1:1"))["TENSILE_RECOMPUTE"] == "false"
+    assert job_environment(JobRun(load_job(path)), "http://127.0.0.1:1")["TENSILE_RECOMPUTE"] == "false"
 
 
 def test_a_jobs_annotations_override_its_budget_and_swap_rate_as_in_the_cluster(tmp_path):
@@ -261,8 +260,8 @@ def test_a_jobs_annotations_override_its_budget_and_swap_rate_as_in_the_cluster(
     path.write_text(path.read_text().replace(
         "metadata:\n", "metadata:\n  annotations:\n    tensile.dev/memory-budget: 3Mi\n    tensile.dev/max-swap-rate: \"0.5\"\n"))
     tuned = load_job(path)
-    assert tuned.memory_budget == 3 * 2**20 != plain.memory_budget
-    assert tuned.max_swap_rate == 0.5 != plain.max_swap_rate
+    assert tuned.spec.memory_budget == 3 * 2**20 != plain.spec.memory_budget
+    assert tuned.spec.max_swap_rate == 0.5 != plain.spec.max_swap_rate
 
 
 def test_a_job_with_a_max_swap_rate_is_admitted_at_the_peak_its_plan_reaches(tmp_path, monkeypatch):
@@ -271,7 +270,8 @@ def test_a_job_with_a_max_swap_rate_is_admitted_at_the_peak_its_plan_reaches(tmp
     (maxSwapRate 0.5) was admitted at 7.1 MiB and planned at 9.1."""
     monkeypatch.chdir(ROOT)
     workload = trace_workload("examples/tiny_mlp.py:build", 64, optimizer=None, device="cpu")
-    free, limited = (make_forecast(workload, "cpu", max_swap_rate=rate)[0]["scheduled_peak_bytes"] for rate in (1.0, 0.5))
+    free, limited = (make_forecast(workload, "cpu", max_swap_rate=rate).summary["scheduled_peak_bytes"]
+                     for rate in (1.0, 0.5))
     assert limited > free  # this job's plan needs more than half of the swaps
     path = tmp_path / "rated.yaml"
     path.write_text(JOB.format(name="rated", script="examples/train_mlp.py").replace(
@@ -314,7 +314,7 @@ def test_a_budget_below_the_lowest_reachable_peak_fails_the_job_and_the_others_g
     budgets together onto a 4.75 MiB GPU (demand = min(scheduled, budget)) and held ~6 MiB on it."""
     monkeypatch.chdir(ROOT)
     workload = trace_workload("examples/tiny_mlp.py:build", 64, optimizer=None, device="cpu")
-    lowest = make_forecast(workload, "cpu")[0]["scheduled_peak_bytes"]
+    lowest = make_forecast(workload, "cpu").summary["scheduled_peak_bytes"]
     jobs = load_jobs([str(_budgeted(tmp_path, "tiny", "1Ki")), str(_budgeted(tmp_path, "noted", "1Ki", annotation=True)),
                       str(_write(tmp_path, "plain")), str(_budgeted(tmp_path, "roomy", str(lowest + 2**20)))])
     agent = LocalAgent("127.0.0.1", 0, ["small:1GiB"])  # not served: forecasting and admission need no requests
@@ -413,6 +413,6 @@ def test_a_misspelt_annotation_is_said_at_load_as_the_operator_says_it(tmp_path)
     path.write_text(JOB.format(name="typo", script="examples/train_mlp.py").replace(
         "metadata:\n", "metadata:\n  annotations:\n    tensile.dev/memory-budgett: 1Gi\n"))
     job = load_job(path)
-    assert job.memory_budget is None
+    assert job.spec.memory_budget is None
     assert job.unknown_annotations is not None and "did you mean tensile.dev/memory-budget?" in job.unknown_annotations
     assert load_job(_write(tmp_path, "plain")).unknown_annotations is None

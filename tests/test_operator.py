@@ -154,7 +154,7 @@ def test_an_amount_of_memory_reads_alike_in_a_trainingjob_a_flag_and_the_hook():
     TENSILE_MEMORY_BUDGET, `--memory-budget` and the agent's `--context-bytes` refused 6Gi, and annotations 6GiB."""
     from tensile.devices import parse_bytes
     from tensile_agent.server import add_arguments, config_from_args
-    from tensile_hook.settings import budget_bytes, parse_budget
+    from tensile.knobs import budget_bytes, parse_budget
 
     for text, expected in (("6Gi", 6 * GIB), ("6GiB", 6 * GIB), ("512Mi", 512 * 2**20), ("2e9", 2 * 10**9), ("80GB", 80 * 10**9)):
         spec = parse_spec(trainingjob("x", "vgg16", 1)["spec"], {"tensile.dev/memory-budget": text})

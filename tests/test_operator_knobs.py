@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from operator_harness import GIB, cluster, gpu_held_by_big, phase, pod_env, simulated_gpu, start_operator, trainingjob
-from tensile.knobs import memory_text, parse_swap_rate, unreachable_budget_text
+from tensile.knobs import MAX_SWAP_RATE, memory_text, parse_swap_rate, unreachable_budget_text
 from tensile.trainingjob_spec import SpecError, parse_spec, unknown_annotations
 from tensile_operator.placement import Booking, Candidate, Gpu, JointPlanner, Ledger, choose
 from tensile_operator.pods import HOOK_SECURITY_CONTEXT, build_pod
@@ -61,10 +61,12 @@ def test_a_swap_rate_in_0_1_is_taken_alike_by_the_spec_the_annotation_and_the_ho
 
 
 def test_the_swap_rate_rule_lives_in_core_only():
-    """No second copy: the hook's settings (and through them `tensile run`) use core's function."""
+    """No second copy: the hook's settings (and `tensile run`) read the rate by core's knob, whose rule is core's
+    function for its variable and flag as for a TrainingJob."""
     import tensile_hook.settings as settings
 
-    assert settings.parse_swap_rate is parse_swap_rate
+    assert settings.MAX_SWAP_RATE is MAX_SWAP_RATE
+    assert MAX_SWAP_RATE.parse is MAX_SWAP_RATE.parse_in_job is parse_swap_rate
     assert math.isclose(parse_swap_rate("0.25", "x"), 0.25)
 
 

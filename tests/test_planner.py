@@ -11,9 +11,8 @@ from dag_workloads import chain_workload, random_workload
 from tensile.devices import device_preset
 from tensile.peak import absent_ranges, analyze_plan, analyze_vanilla, plan_timeline
 from tensile.plan import Plan
-from tensile.commands import option_value
-from tensile.planner import GpuPlan, JobSpec, co_run_slowdown, plan_gpu, plan_job
-from tensile_hook.settings import budget_bytes, parse_budget
+from tensile.planner import GpuPlan, JobToPlan, co_run_slowdown, plan_gpu, plan_job
+from tensile.knobs import MEMORY_BUDGET, budget_bytes
 from tensile.recompute import NATIVE_CREATORS, chain_inputs
 from tensile.simulator import SimJob, simulate
 from tensile.errors import TensileUserError
@@ -90,7 +89,7 @@ def check_invariants(result: GpuPlan, workloads: dict[str, Workload], bandwidth:
 @pytest.mark.parametrize("seed", range(12))
 def test_invariants_single_job_random(seed):
     workload = random_workload(seed)
-    result = plan_gpu([JobSpec("a", workload)], BANDWIDTH)
+    result = plan_gpu([JobToPlan("a", workload)], BANDWIDTH)
     check_invariants(result, {"a": workload}, BANDWIDTH)
     assert result.fits
     assert any(e.kind == "swap_out" for e in result.plans["a"].events)
@@ -100,7 +99,7 @@ def test_invariants_single_job_random(seed):
 def test_invariants_with_recompute_and_budget(seed):
     workload = random_workload(seed, layers=16)
     vanilla = analyze_vanilla(workload).peak_bytes
-    result = plan_gpu([JobSpec("a", workload)], BANDWIDTH, budget_bytes=int(0.5 * vanilla))
+    result = plan_gpu([JobToPlan("a", workload)], BANDWIDTH, budget_bytes=int(0.5 * vanilla))
     check_invariants(result, {"a": workload}, BANDWIDTH)
 
 
@@ -108,13 +107,13 @@ def test_invariants_with_recompute_and_budget(seed):
 def test_invariants_several_jobs_share_the_channels(seed):
     workloads = {f"j{i}": random_workload(seed * 10 + i, layers=8 + 2 * i) for i in range(3)}
     slowdown = co_run_slowdown(3, 0.1)
-    result = plan_gpu([JobSpec(n, w) for n, w in workloads.items()], BANDWIDTH, slowdown=slowdown)
+    result = plan_gpu([JobToPlan(n, w) for n, w in workloads.items()], BANDWIDTH, slowdown=slowdown)
     check_invariants(result, workloads, BANDWIDTH, slowdown)
 
 
 def test_replay_matches_the_planner_and_the_simulator():
     workload = random_workload(3)
-    result = plan_gpu([JobSpec("a", workload)], BANDWIDTH)
+    result = plan_gpu([JobToPlan("a", workload)], BANDWIDTH)
     plan = result.plans["a"]
     sim = simulate([SimJob("a", workload, plan)], DEVICE).jobs["a"]
     assert sim.stall_seconds == 0
@@ -134,7 +133,7 @@ def test_vanilla_simulation_matches_algorithm_1():
 def test_recomputation_costs_time_in_the_simulator():
     workload = random_workload(1, layers=16)
     vanilla = analyze_vanilla(workload).peak_bytes
-    plan = plan_gpu([JobSpec("a", workload)], BANDWIDTH, budget_bytes=int(0.4 * vanilla)).plans["a"]
+    plan = plan_gpu([JobToPlan("a", workload)], BANDWIDTH, budget_bytes=int(0.4 * vanilla)).plans["a"]
     if not any(e.kind == "recompute" for e in plan.events):
         pytest.skip("no recomputation chosen for this workload")
     sim = simulate([SimJob("a", workload, plan)], DEVICE).jobs["a"]
@@ -145,7 +144,7 @@ def test_recomputation_costs_time_in_the_simulator():
 
 def test_cannot_fit_answers_with_the_lowest_reachable_peak():
     workload = random_workload(2)
-    result = plan_gpu([JobSpec("a", workload)], BANDWIDTH, budget_bytes=1024)
+    result = plan_gpu([JobToPlan("a", workload)], BANDWIDTH, budget_bytes=1024)
     assert not result.fits
     assert "cannot fit" in result.message
     assert f"{result.scheduled_peak_bytes / 1024**2:,.1f} MiB" in result.message
@@ -154,10 +153,10 @@ def test_cannot_fit_answers_with_the_lowest_reachable_peak():
 
 def test_a_budget_stops_planning_early():
     workload = random_workload(5)
-    lowest = plan_gpu([JobSpec("a", workload)], BANDWIDTH)
+    lowest = plan_gpu([JobToPlan("a", workload)], BANDWIDTH)
     vanilla = lowest.vanilla_peak_bytes
     budget = (vanilla + lowest.scheduled_peak_bytes) // 2
-    relaxed = plan_gpu([JobSpec("a", workload)], BANDWIDTH, budget_bytes=budget)
+    relaxed = plan_gpu([JobToPlan("a", workload)], BANDWIDTH, budget_bytes=budget)
     assert relaxed.fits and relaxed.scheduled_peak_bytes <= budget
     assert len(relaxed.plans["a"].events) <= len(lowest.plans["a"].events)
 
@@ -170,12 +169,12 @@ def _cross_iteration_swaps(plan: Plan, workload: Workload) -> int:
 
 def test_max_swapping_rate_is_honoured():
     workloads = {f"j{i}": random_workload(40 + i) for i in range(3)}
-    jobs = [JobSpec("j0", workloads["j0"], 0.2), JobSpec("j1", workloads["j1"]), JobSpec("j2", workloads["j2"])]
+    jobs = [JobToPlan("j0", workloads["j0"], 0.2), JobToPlan("j1", workloads["j1"]), JobToPlan("j2", workloads["j2"])]
     result = plan_gpu(jobs, BANDWIDTH)
     swaps = {n: sum(e.kind == "swap_out" for e in p.events) for n, p in result.plans.items()}
     assert swaps["j0"] - _cross_iteration_swaps(result.plans["j0"], workloads["j0"]) <= 0.2 * sum(swaps.values()) + 1
     with pytest.raises(TensileUserError):
-        plan_gpu([JobSpec("a", workloads["j0"], 0.0)], BANDWIDTH)
+        plan_gpu([JobToPlan("a", workloads["j0"], 0.0)], BANDWIDTH)
 
 
 @pytest.mark.parametrize("seed", (41, 42, 53, 57))
@@ -183,7 +182,7 @@ def test_updated_parameters_swap_across_iterations_whatever_the_rate(seed):
     """Algorithm 2 schedules an updated parameter's swap in the optimizer phase without the max swapping
     rate check: a job held to 1% of the GPU's swaps still swaps its parameters and optimizer states."""
     low, other = random_workload(seed), random_workload(seed + 100)
-    result = plan_gpu([JobSpec("low", low, 0.01), JobSpec("other", other)], BANDWIDTH)
+    result = plan_gpu([JobToPlan("low", low, 0.01), JobToPlan("other", other)], BANDWIDTH)
     swaps = {n: sum(e.kind == "swap_out" for e in p.events) for n, p in result.plans.items()}
     cross = _cross_iteration_swaps(result.plans["low"], low)
     assert cross >= 2  # held to its share, it would get one swap in all
@@ -197,17 +196,17 @@ def test_stopping_rule_reads_each_jobs_own_peak():
     copies of a workload, with copies free, would stop far above where one stops alone."""
     for seed in range(10):
         workload = random_workload(seed)
-        one = plan_gpu([JobSpec("a", workload)], 1e12, stop_after_rounds=3, stop_gain=0.02)
-        four = plan_gpu([JobSpec(f"j{i}", workload) for i in range(4)], 1e12, stop_after_rounds=3, stop_gain=0.02)
+        one = plan_gpu([JobToPlan("a", workload)], 1e12, stop_after_rounds=3, stop_gain=0.02)
+        four = plan_gpu([JobToPlan(f"j{i}", workload) for i in range(4)], 1e12, stop_after_rounds=3, stop_gain=0.02)
         alone = one.plans["a"].forecast.scheduled_peak_bytes
         assert four.scheduled_peak_bytes <= 4 * alone * 1.05, seed
 
 
 def test_a_budget_is_a_fraction_of_the_vanilla_peak_or_an_amount_of_memory():
-    """As every command and the hook take it (`parse_budget`, the CLI's errors through `option_value`)."""
+    """As every command and the hook take it (`MEMORY_BUDGET`'s rule, the CLI's errors through `Knob.from_option`)."""
 
     def resolve(text: str, vanilla_peak_bytes: int) -> int | None:
-        return budget_bytes(option_value(parse_budget, text, "--memory-budget"), vanilla_peak_bytes)
+        return budget_bytes(MEMORY_BUDGET.from_option(text), vanilla_peak_bytes)
 
     assert resolve("0.5", 1000) == 500
     assert resolve("2GiB", 1) == 2 * 1024**3
@@ -227,7 +226,7 @@ def test_invariants_on_zoo_models(model, traced):
         assign_latencies(workload, "a6000")
     bandwidth = device_preset("a6000").host_link_bandwidth
     vanilla = analyze_vanilla(workload).peak_bytes
-    result = plan_gpu([JobSpec(model, workload)], bandwidth, budget_bytes=int(0.5 * vanilla))
+    result = plan_gpu([JobToPlan(model, workload)], bandwidth, budget_bytes=int(0.5 * vanilla))
     check_invariants(result, {model: workload}, bandwidth)
 
 
@@ -305,7 +304,7 @@ def test_recompute_is_turned_off_per_job():
     workloads = {name: random_workload(seed, layers=16) for name, seed in (("a", 1), ("b", 1))}
 
     def kinds(recompute_a: bool) -> dict[str, set[str]]:
-        specs = [JobSpec("a", workloads["a"], recompute=recompute_a), JobSpec("b", workloads["b"])]
+        specs = [JobToPlan("a", workloads["a"], recompute=recompute_a), JobToPlan("b", workloads["b"])]
         result = plan_gpu(specs, BANDWIDTH, budget_bytes=1)  # unreachable: every legal event is taken
         check_invariants(result, workloads, BANDWIDTH)
         return {name: {e.kind for e in plan.events} for name, plan in result.plans.items()}
@@ -321,7 +320,7 @@ def test_each_job_keeps_its_own_budget_when_the_gpu_has_room():
     workloads = {"tight": random_workload(4, layers=16), "loose": random_workload(5, layers=16)}
     vanilla = {name: analyze_vanilla(w).peak_bytes for name, w in workloads.items()}
     own = int(0.8 * vanilla["tight"])
-    specs = [JobSpec("tight", workloads["tight"], budget_bytes=own), JobSpec("loose", workloads["loose"])]
+    specs = [JobToPlan("tight", workloads["tight"], budget_bytes=own), JobToPlan("loose", workloads["loose"])]
     result = plan_gpu(specs, BANDWIDTH, budget_bytes=10 * sum(vanilla.values()))
     check_invariants(result, workloads, BANDWIDTH)
     assert result.plans["tight"].forecast.scheduled_peak_bytes <= own
@@ -329,7 +328,7 @@ def test_each_job_keeps_its_own_budget_when_the_gpu_has_room():
     assert not moves & {e.kind for e in result.plans["loose"].events}
     assert moves & {e.kind for e in result.plans["tight"].events}
     # without its own budget the loose GPU budget asks nothing of it
-    alone = plan_gpu([JobSpec("tight", workloads["tight"])], BANDWIDTH, budget_bytes=10 * vanilla["tight"])
+    alone = plan_gpu([JobToPlan("tight", workloads["tight"])], BANDWIDTH, budget_bytes=10 * vanilla["tight"])
     assert not moves & {e.kind for e in alone.plans["tight"].events}
 
 

@@ -191,19 +191,19 @@ def test_the_iterations_plot_draws_each_iterations_figures(monkeypatch, tmp_path
 def test_on_a_gpu_machine_the_forecast_is_cudas_with_the_gpus_preset(capsys, monkeypatch, tmp_path: Path) -> None:
     """The CUDA branch without a GPU: the trace is for the device the command will run on, on the meta device, and the
     plan takes the latencies of this machine's GPU (NVML's name, as `tensile calibrate` keys its model), not the A6000's."""
-    from tensile.commands import forecast
+    from tensile import job_forecast
     from tensile.latency import device
     from tensile.workload_io import load_workload
 
     presets = []
-    make_forecast = forecast.make_forecast
+    make_forecast = job_forecast.make_forecast
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     # a CUDA build of PyTorch (the GPU image's) asks the driver from the optimizer's step, which the trace runs: whether
     # a CUDA graph is being captured (a check named as 2.11 names it, and as 2.10 did; 2.14 asks through torch.accelerator)
     for check in ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check"):
         monkeypatch.setattr(torch.optim.Optimizer, check, lambda self: None, raising=False)
     monkeypatch.setattr(device, "gpu_name", lambda index=0: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(forecast, "make_forecast", lambda workload, preset, *rest: presets.append(preset)
+    monkeypatch.setattr(job_forecast, "make_forecast", lambda workload, preset, *rest: presets.append(preset)
                         or make_forecast(workload, preset, *rest))
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))

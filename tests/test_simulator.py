@@ -16,7 +16,7 @@ from tensile.devices import device_preset
 from tensile.latency import LatencyEWMA
 from tensile.peak import analyze_vanilla
 from tensile.plan_update import change_rate, drifted
-from tensile.planner import JobSpec
+from tensile.planner import JobToPlan
 from tensile.simulator import SimJob, simulate
 
 DEVICE = dataclasses.replace(device_preset("a6000"), host_link_bandwidth=2e9)
@@ -40,7 +40,7 @@ def test_baselines_run_and_keep_capuchin_near_its_budget():
 
 
 def test_compare_rows_and_gpu_row():
-    jobs = [JobSpec("a", random_workload(1)), JobSpec("b", random_workload(2))]
+    jobs = [JobToPlan("a", random_workload(1)), JobToPlan("b", random_workload(2))]
     comparison = compare(jobs, DEVICE)
     assert {(r["policy"], r["job"]) for r in comparison.rows} == {(p, j) for p in ("vanilla", "vdnn", "capuchin", "tensile") for j in ("a", "b", "*")}
     tensile = {r["job"]: r for r in comparison.rows if r["policy"] == "tensile"}

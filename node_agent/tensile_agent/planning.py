@@ -29,7 +29,7 @@ from typing import Any
 from tensile.agent_contract import FAILED, PLANNED
 from tensile.plan import Plan
 from tensile.plan_update import DEFAULT_THRESHOLD, drifted
-from tensile.planner import GpuPlan, JobSpec, plan_gpu
+from tensile.planner import GpuPlan, JobToPlan, plan_gpu
 from tensile.workload import Workload
 
 from tensile_agent.state import AgentState, GpuRound, Job
@@ -87,7 +87,7 @@ def _plan_in_child(jobs: list[tuple[str, str, list[float], float, bool, int | No
         workload = _CHILD_WORKLOADS[key]
         for op, seconds in zip(workload.ops, latencies):
             op.latency = seconds
-        specs.append(JobSpec(name, workload, rate, recompute, budget, activations_only))
+        specs.append(JobToPlan(name, workload, rate, recompute, budget, activations_only))
     result = plan_gpu(specs, bandwidth, **options)
     result.transfers = []  # not needed by the agent; keeps the answer small
     return result
@@ -168,7 +168,7 @@ class ProcessPlanner:
                 process.terminate()
         pool.shutdown(wait=True, cancel_futures=True)
 
-    def __call__(self, specs: list[JobSpec], bandwidth: float, **options: Any) -> GpuPlan:
+    def __call__(self, specs: list[JobToPlan], bandwidth: float, **options: Any) -> GpuPlan:
         for attempt in range(2):
             with self._lock:
                 pool = self._ensure()
@@ -190,7 +190,7 @@ class ProcessPlanner:
                     self._rounds -= 1
         raise AssertionError("unreachable")
 
-    def _round(self, pool: ProcessPoolExecutor, specs: list[JobSpec], bandwidth: float, options: dict) -> GpuPlan:
+    def _round(self, pool: ProcessPoolExecutor, specs: list[JobToPlan], bandwidth: float, options: dict) -> GpuPlan:
         """One round in the child: the workloads it does not hold yet (as JSON, once), latencies and knobs."""
         from tensile.workload_io import workload_to_dict
 
@@ -357,7 +357,7 @@ class PlanningService:
                 for op, seconds in zip(workload.ops, latencies):
                     op.latency = seconds
             # a job whose hook keeps to its native path gets only the activation swaps that path carries
-            specs.append(JobSpec(job.key, workload, job.max_swap_rate or 1.0, job.recompute, job.memory_budget_bytes,
+            specs.append(JobToPlan(job.key, workload, job.max_swap_rate or 1.0, job.recompute, job.memory_budget_bytes,
                                  job.activations_only))
         started = time.perf_counter()
         error = None

@@ -11,7 +11,7 @@ import kopf
 from tensile.errors import TensileUserError
 from tensile_operator import GROUP, VERSION
 from tensile_operator.app import OperatorApp
-from tensile.trainingjob_spec import ANNOTATION_PREFIX, ANNOTATIONS
+from tensile.knobs import ANNOTATION_PREFIX, KNOBS
 from tensile_operator.pods import JOB_LABEL
 from tensile_operator.validation import check, warnings as admission_warnings
 
@@ -113,7 +113,7 @@ def build_registry(app: OperatorApp, webhook: kopf.WebhookServer | None = None, 
     @kopf.on.field(**tj, id="knobs", field="metadata.annotations")
     async def _knobs(body: kopf.Body, old: Any, new: Any, reason: str, **_: Any) -> None:
         old, new = dict(old or {}), dict(new or {})
-        knobs = {ANNOTATION_PREFIX + k for k in ANNOTATIONS}
+        knobs = {knob.annotation for knob in KNOBS}
         changed = {k for k in old.keys() | new.keys() if k.startswith(ANNOTATION_PREFIX) and old.get(k) != new.get(k)}
         if reason != "update" or not changed:
             return

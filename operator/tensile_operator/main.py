@@ -70,13 +70,7 @@ def run(*, standalone: bool = False, priority: int = 0, profiles: str | None = N
              peering_name=PEERING, liveness_endpoint=liveness, memo=kopf.Memo(app=app))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m tensile_operator.main [OPTIONS]`: `tensile operator [OPTIONS]` (it ignored its arguments, `--help`
-    included, and started the operator)."""
-    from tensile.cli import main as cli
-
-    return cli(["operator", *(sys.argv[1:] if argv is None else argv)])
-
-
 if __name__ == "__main__":
+    from tensile_operator.command import main
+
     sys.exit(main())

@@ -117,13 +117,13 @@ class JointPlanner:
         with self._lock:
             hit = self._cache.get(key)
         if hit is None:
-            from tensile.planner import JobSpec, plan_gpu
+            from tensile.planner import JobToPlan, plan_gpu
 
             specs = []
             for k, i in enumerate(order):
                 _, forecast, rate, job_budget = entries[i]
-                specs.append(JobSpec(f"j{k}", forecast.workload, min(1.0, rate or 1.0), forecast.scope.recompute, job_budget,
-                                     forecast.scope.activations_only))
+                specs.append(JobToPlan(f"j{k}", forecast.workload, min(1.0, rate or 1.0), forecast.scope.recompute,
+                                       job_budget, forecast.scope.activations_only))
             result = plan_gpu(specs, bandwidth, budget_bytes=max(budget, 0))
             hit = (result.fits, tuple(result.forecast_of(f"j{k}").scheduled_peak_bytes for k in range(len(order))))
             self.runs += 1

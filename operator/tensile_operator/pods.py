@@ -13,6 +13,7 @@ import hmac
 import os
 import secrets
 
+from tensile.knobs import knob_variables
 from tensile_operator import API_VERSION
 
 HOOK_VOLUME = "tensile-hook"
@@ -106,18 +107,14 @@ def hook_env(job: str, gpu_uuid: str, agent: str | None, token: str, budget: int
         "NVIDIA_VISIBLE_DEVICES": gpu_uuid,
         "CUDA_VISIBLE_DEVICES": gpu_uuid,
         "TENSILE_TOKEN": token,
-        # the events admission planned with: the hook's own plans and its agent's keep to the same
-        "TENSILE_PLAN_EVENTS": plan_events,
-        # spec.scheduling.recompute: the hook registers with it, so the agent plans without recomputes from the start
-        "TENSILE_RECOMPUTE": "true" if recompute else "false",
+        # the budget and rate it was admitted with, the events admission planned with (the hook's own plans and its
+        # agent's keep to the same) and spec.scheduling.recompute (the hook registers with it, so the agent plans
+        # without recomputes from the start)
+        **knob_variables(budget, max_swap_rate, plan_events, recompute),
         "PYTHONPATH": os.pathsep.join(p for p in (f"{HOOK_MOUNT}/site", f"{HOOK_MOUNT}/lib", existing_path) if p),
     }
     if agent:
         env["TENSILE_AGENT"] = agent
-    if budget is not None:
-        env["TENSILE_MEMORY_BUDGET"] = str(budget)
-    if max_swap_rate is not None:
-        env["TENSILE_MAX_SWAP_RATE"] = str(max_swap_rate)
     if signature:
         env["TENSILE_SIGNATURE"] = signature
     return [{"name": k, "value": v} for k, v in env.items()]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from tensile.errors import TensileUserError
-from tensile.knobs import unreachable_budget_text
+from tensile.knobs import MEMORY_BUDGET, unreachable_budget_text
 from tensile import trainingjob_spec as model
 from tensile_operator.forecasting import Forecaster, ForecastError, JobForecast
 from tensile_operator.placement import Gpu
@@ -22,17 +22,20 @@ async def check(spec: dict, annotations: dict | None, gpus: list[Gpu], forecaste
         return exc.problems
     problems: list[model.SpecProblem] = []
     workload = job.workload
+    budget_field = MEMORY_BUDGET.spec_field
     if workload.model is not None:
         if ".py:" in workload.model:
-            problems.append(model.SpecProblem("spec.workload.model", f"'{workload.model}' is a file the operator cannot read; "
-                                              "use a zoo model, or spec.workload.profile with spec.memoryBudget"))
+            problems.append(model.SpecProblem("spec.workload.model", f"'{workload.model}' is a file the operator "
+                                              "cannot read; use a zoo model, or spec.workload.profile with "
+                                              f"{budget_field}"))
         else:
             try:
                 zoo_entry(workload.model)
             except TensileUserError as exc:
-                problems.append(model.SpecProblem("spec.workload.model", f"{exc}; or use spec.workload.profile with spec.memoryBudget"))
+                problems.append(model.SpecProblem("spec.workload.model",
+                                                  f"{exc}; or use spec.workload.profile with {budget_field}"))
     elif workload.profile is not None and forecaster.profiles.get(workload.profile) is None and job.memory_budget is None:
-        problems.append(model.SpecProblem("spec.memoryBudget", f"required: profile '{workload.profile}' is not stored yet, "
+        problems.append(model.SpecProblem(budget_field, f"required: profile '{workload.profile}' is not stored yet, "
                                           "so the job is admitted by its budget (e.g. memoryBudget: 8Gi)"))
     if gpus and not job.selector.empty and not any(
             job.selector.matches(g.node, g.uuid, g.name, g.memory_bytes, g.simulated) for g in gpus):

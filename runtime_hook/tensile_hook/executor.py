@@ -32,6 +32,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 
 from tensile.cuda_ops import traced_name
+from tensile.knobs import budget_bytes
 from tensile.latency.measure import CudaOpTimer
 from tensile.peak import analyze_vanilla
 from tensile.plan import Event, Plan
@@ -42,7 +43,7 @@ from tensile_hook.native_map import NativeMap, map_plan
 from tensile_hook.native_swaps import NativeSwaps
 from tensile_hook.recipes import DeviceRandom, Recipe, RecipeBook
 from tensile_hook.report import HookReport, IterationStats, ReportWriter
-from tensile_hook.settings import HookSettings, budget_bytes, native_plans
+from tensile_hook.settings import HookSettings, native_plans
 from tensile_hook.shapes import MAX_SHAPE_SETS, ShapeKey, ShapeSet, describe, shape_key
 from tensile_hook.storages import Slot, StorageRegistry
 from tensile_hook.storages import tensors_in as _tensors

@@ -3,22 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 from tensile.errors import TensileUserError
-
-T = TypeVar("T")
-
-
-def option_value(parse: Callable[[str, str], T], text: str, option: str) -> T:
-    """A hook setting's parser (runtime_hook/tensile_hook/settings.py raises ValueError, the hook's way) checking a CLI
-    option, so that the command and the hook it starts accept exactly the same values."""
-    try:
-        return parse(text, option)
-    except ValueError as exc:
-        raise TensileUserError(str(exc)) from None
 
 
 def output_folder(path: str | Path, option: str) -> Path:

@@ -3,35 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import os
-
-from tensile.errors import TensileUserError, print_user_error
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("operator", help="run the Kubernetes operator (Kopf)", description=__doc__)
-    parser.add_argument("--standalone", action="store_true", help="no peering: for a single local run only")
-    parser.add_argument("--priority", type=int, default=0, help="peering priority (the highest one is active)")
-    parser.add_argument("--profiles", default=os.environ.get("TENSILE_PROFILE_DIR"), help="directory of stored workload profiles")
-    parser.add_argument("--liveness", default=os.environ.get("TENSILE_LIVENESS"), help="e.g. http://0.0.0.0:8081/healthz")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics on this port at /metrics; 0 turns them off "
-                             "(default: $TENSILE_OPERATOR_METRICS_PORT, else 8080)")
-    parser.add_argument("--metrics-addr", default=os.environ.get("TENSILE_OPERATOR_METRICS_ADDR", "0.0.0.0"),
-                        help="address the metrics server listens on")
+    from tensile_operator.command import add_arguments
+
+    add_arguments(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from tensile_operator.main import require_credentials, run as run_operator
-    from tensile_operator.metrics import metrics_port
+    from tensile_operator.command import run as run_operator
 
-    port = metrics_port(args.metrics_port)  # a bad port is bad input (exit 2, as every command's)
-    try:
-        require_credentials()
-    except TensileUserError as exc:  # nothing to connect to: one line naming the fix, exit 1
-        print_user_error(exc)
-        return 1
-    run_operator(standalone=args.standalone, priority=args.priority, profiles=args.profiles, liveness=args.liveness,
-                 metrics_port=port, metrics_addr=args.metrics_addr)
-    return 0
+    return run_operator(args)

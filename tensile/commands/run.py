@@ -11,27 +11,24 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Collection
 from pathlib import Path
 
 from rich.console import Console
 
-import tensile_hook
 from tensile.agent_client import Http
 from tensile.agent_contract import GPU_PATTERN
 from tensile.child_process import ends_with_this_process
-from tensile.commands import option_value, output_file
-from tensile.errors import TensileUserError
+from tensile.commands import output_file
+from tensile.errors import TensileUserError, print_note
 from tensile.forecast import DEFAULT_BATCH_SIZE, DTYPES, OPTIMIZERS
-from tensile.knobs import parse_swap_rate
+from tensile.knobs import MAX_SWAP_RATE, MEMORY_BUDGET, PLAN_EVENTS, RECOMPUTE
 from tensile.training_command import local_command
-from tensile.plan import PLAN_EVENTS, load_plan
-from tensile_hook.plan_source import load_plan_files
+from tensile.plan import PLAN_EVENTS as PLAN_EVENT_CHOICES, load_plan
+from tensile_hook.launch import check_environment, hook_environment, hook_variables
 from tensile_hook.report import PlanPeak, RunTotals, UnderPlan
-from tensile_hook.settings import HookSettings, parse_budget
+from tensile_hook.settings import HookSettings
 from tensile.workload_io import load_workload, save_workload
 
-SITE_DIR = Path(tensile_hook.__file__).parent / "site"
 # passed on to the command when sent to `tensile run` alone; siginfo's si_code of one the kernel sent to the whole
 # foreground process group (a terminal's Ctrl-C, its hangup), which the command, in that group, got too
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -45,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--job", help="the job's name in reports, metrics and the node agent (default: 'local'; with "
                                       "--agent, the script's name and 6 random hex digits, e.g. train-3f9a1c, so that two "
                                       "runs never share a registration)")
-    parser.add_argument("--memory-budget", help="bytes (12GiB), or a fraction of the vanilla peak (e.g. 0.6)")
+    parser.add_argument(MEMORY_BUDGET.option, help="bytes (12GiB), or a fraction of the vanilla peak (e.g. 0.6)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--workload", help="the workload the plan is for (tensile forecast --save)")
     source.add_argument("--model", metavar="NAME|FILE.py:FUNC",
@@ -62,42 +59,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--token", help="the job's token for the agent")
     parser.add_argument("--gpu", metavar="UUID|INDEX",
                         help="the agent's GPU the job runs on (TENSILE_GPU): needed where the agent has several")
-    parser.add_argument("--max-swap-rate", type=float, help="the share of the GPU's swap traffic in (0, 1] plans may use")
+    parser.add_argument(MAX_SWAP_RATE.option, type=float,
+                        help="the share of the GPU's swap traffic in (0, 1] plans may use")
     parser.add_argument("--report", help="write the hook's JSON report here")
     parser.add_argument("--plot", metavar="PNG", help="write the iterations' measured peaks against the plan's forecast "
                                                        "and the budget, and their times, here")
-    parser.add_argument("--plan-events", choices=PLAN_EVENTS,
-                        help="which events plans use (TENSILE_PLAN_EVENTS); default auto: native events only on CUDA")
-    parser.add_argument("--no-recompute", dest="recompute", action="store_false",
-                        help="plans never recompute a tensor (TENSILE_RECOMPUTE=false)")
+    parser.add_argument(PLAN_EVENTS.option, choices=PLAN_EVENT_CHOICES,
+                        help=f"which events plans use ({PLAN_EVENTS.variable}); default auto: native events only on "
+                             "CUDA")
+    parser.add_argument(RECOMPUTE.option, dest="recompute", action="store_false",
+                        help=f"plans never recompute a tensor ({RECOMPUTE.variable}=false)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
     parser.set_defaults(run=run)
-
-
-def hook_environment(args: argparse.Namespace) -> dict[str, str]:
-    """The TENSILE_* variables and PYTHONPATH that switch the hook on in the child process."""
-    env = dict(os.environ)
-    env["TENSILE_JOB"] = args.job
-    python_path = [str(SITE_DIR), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in python_path if p)
-    env.update({k: v for k, v in option_variables(args).items() if v})
-    return env
-
-
-def option_variables(args: argparse.Namespace) -> dict[str, str | None]:
-    """The TENSILE_* variables the command's options set (None: not given, the environment's value stands)."""
-    return {
-        "TENSILE_MEMORY_BUDGET": args.memory_budget,
-        "TENSILE_WORKLOAD": args.workload,
-        "TENSILE_PLAN": args.plan,
-        "TENSILE_AGENT": args.agent,
-        "TENSILE_TOKEN": args.token,
-        "TENSILE_GPU": getattr(args, "gpu", None),  # `tensile local` (local_runner.hook_args) names none: one GPU
-        "TENSILE_MAX_SWAP_RATE": None if args.max_swap_rate is None else str(args.max_swap_rate),
-        "TENSILE_REPORT": args.report,
-        "TENSILE_PLAN_EVENTS": args.plan_events,
-        "TENSILE_RECOMPUTE": None if args.recompute else "false",
-    }
 
 
 def _check(args: argparse.Namespace) -> list[str]:
@@ -110,9 +83,9 @@ def _check(args: argparse.Namespace) -> list[str]:
     if problem:
         raise TensileUserError(f"{problem}; check the command after '--'")
     if args.memory_budget:
-        option_value(parse_budget, args.memory_budget, "--memory-budget")
+        MEMORY_BUDGET.from_option(args.memory_budget)
     if args.max_swap_rate is not None:
-        option_value(parse_swap_rate, str(args.max_swap_rate), "--max-swap-rate")
+        MAX_SWAP_RATE.from_option(str(args.max_swap_rate))
     if args.agent:
         try:
             Http(args.agent)  # the client's own check of the URL, before the hook in the child meets it
@@ -152,7 +125,7 @@ def forecast_files(args: argparse.Namespace, console: Console) -> dict[str, str 
     report's is."""
     import torch
 
-    from tensile.commands.forecast import make_forecast
+    from tensile import job_forecast
     from tensile.forecast import optimizer_for, trace_workload
     from tensile.latency.device import resolve_target
 
@@ -171,38 +144,19 @@ def forecast_files(args: argparse.Namespace, console: Console) -> dict[str, str 
     with console.status("planning swaps and recomputations..."):
         # the preset of this machine's GPU (and its calibrated latency model, where one is on file)
         preset = resolve_target("cuda").preset if device == "cuda" else "cpu"
-        summary, plan, _ = make_forecast(workload, preset, args.memory_budget, args.plan_events or "auto", args.recompute,
-                                         args.max_swap_rate or 1.0)
+        budget = MEMORY_BUDGET.from_option(args.memory_budget) if args.memory_budget else None
+        forecast = job_forecast.make_forecast(workload, preset, budget, args.plan_events or "auto", args.recompute,
+                                              args.max_swap_rate or 1.0)
+    for note in forecast.notes:
+        print_note(note)
+    summary = forecast.summary
     plan_file = folder / "plan.json"
-    plan_file.write_text(json.dumps(plan.to_dict(), indent=1))
+    plan_file.write_text(json.dumps(forecast.plan.to_dict(), indent=1))
     unfit = "" if summary["fits"] else f" ({summary['plan_message']})"
     console.print(f"tensile: forecast of {traced}: vanilla peak {summary['vanilla_peak_bytes'] / MIB:,.1f} MiB, "
                   f"scheduled {summary['scheduled_peak_bytes'] / MIB:,.1f} MiB by {summary['plan_events']} events{unfit}; "
                   f"workload and plan in {folder}", highlight=False)
     return {"TENSILE_WORKLOAD": str(saved), "TENSILE_PLAN": str(plan_file)}
-
-
-def check_environment(env: dict[str, str], checked: Collection[str] = ()) -> None:
-    """The hook's settings as the child will read them (the options over the environment), refused here where the hook
-    would refuse them, naming the variable: a bad one (TENSILE_LATENCY_SAMPLE_EVERY=abc, an agent URL, a workload file)
-    made the hook stand down in the child, and the training ran without Tensile, which a line in its output was all
-    that said (`tensile local`: in its jobs' logs). `checked`: variables an option set, checked already as options."""
-    try:
-        settings = HookSettings.from_env(env)
-        if settings.agent_url and "TENSILE_AGENT" not in checked:
-            try:
-                Http(settings.agent_url)
-            except ValueError as exc:
-                raise ValueError(f"TENSILE_AGENT: {exc}") from None
-        if settings.gpu and "TENSILE_GPU" not in checked and not re.match(GPU_PATTERN, settings.gpu):
-            raise ValueError(f"TENSILE_GPU: '{settings.gpu}' is no GPU UUID or index (the agent lists its GPUs at /v1/gpus)")
-        if {"TENSILE_PLAN", "TENSILE_WORKLOAD"} & {k for k, v in env.items() if v} - set(checked):
-            if settings.plan_path:
-                load_plan_files(settings)
-            elif settings.workload_path:
-                load_workload(settings.workload_path)
-    except (ValueError, TensileUserError) as exc:
-        raise TensileUserError(f"{exc} (set in the environment: fix or unset it)") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -211,11 +165,13 @@ def run(args: argparse.Namespace) -> int:
     named = args.job is None
     if named:
         args.job = _unique_job(command) if args.agent else "local"
-    env = hook_environment(args)
+    variables = hook_variables(memory_budget=args.memory_budget, workload=args.workload, plan=args.plan,
+                               agent=args.agent, token=args.token, gpu=args.gpu, max_swap_rate=args.max_swap_rate,
+                               report=args.report, plan_events=args.plan_events, recompute=args.recompute)
+    env = hook_environment(args.job, variables)
     # before --model's tracing and its files, which stand in for the environment's: a bad setting is refused before
     # anything is done or made
-    given = {k for k, v in option_variables(args).items() if v} | ({"TENSILE_WORKLOAD", "TENSILE_PLAN"} if args.model else set())
-    check_environment(env, given)
+    check_environment(env, set(variables) | ({"TENSILE_WORKLOAD", "TENSILE_PLAN"} if args.model else set()))
     if args.model:  # with --agent no plan file: the agent plans from the traced workload, not one the environment names
         for variable, path in forecast_files(args, console).items():
             if path is None:

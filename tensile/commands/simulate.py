@@ -10,14 +10,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from tensile.commands import option_value
 from tensile.compare import POLICIES, Comparison, compare
 from tensile.devices import PRESETS, device_preset
 from tensile.errors import TensileUserError
 from tensile.forecast import trace_workload
 from tensile.latency import assign_latencies
-from tensile.planner import JobSpec
-from tensile_hook.settings import budget_bytes, parse_budget
+from tensile.knobs import MAX_SWAP_RATE, MEMORY_BUDGET, KnobError, budget_bytes
+from tensile.planner import JobToPlan
 from tensile.user_model import is_user_model
 from tensile.workload import Workload
 
@@ -29,8 +28,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--job", action="append", required=True, metavar="MODEL[:BATCH]", help="a job (repeat for more); batch defaults to 16")
     parser.add_argument("--gpu", default="a6000", choices=sorted(k for k in PRESETS if k != "cpu"))
     parser.add_argument("--policy", default=",".join(POLICIES), help=f"comma-separated, from {','.join(POLICIES)}")
-    parser.add_argument("--max-swap-rate", action="append", default=[], metavar="J=R", help="job name or 1-based index J may hold share R of the GPU's swaps")
-    parser.add_argument("--memory-budget", help="plan TENSILE for this GPU budget: bytes (12GiB) or a fraction of the vanilla peak")
+    parser.add_argument(MAX_SWAP_RATE.option, action="append", default=[], metavar="J=R",
+                        help="job name or 1-based index J may hold share R of the GPU's swaps")
+    parser.add_argument(MEMORY_BUDGET.option,
+                        help="plan TENSILE for this GPU budget: bytes (12GiB) or a fraction of the vanilla peak")
     parser.add_argument("--optimizer", default="adam")
     parser.add_argument("--iterations", type=int, default=3, help="iterations per job (the first is not measured)")
     parser.add_argument("--overlap", type=float, default=0.1, help="compute overlap of co-running jobs, 0 (time slicing) to 1")
@@ -59,16 +60,16 @@ def _swap_rates(texts: list[str], names: list[str]) -> dict[str, float]:
     rates = {}
     for text in texts:
         key, sep, value = text.partition("=")
-        try:
-            rate = float(value)
-        except ValueError:
-            rate = -1.0
-        if not sep or not 0.0 < rate <= 1.0:
-            raise TensileUserError(f"--max-swap-rate '{text}': expected J=R with R in (0, 1]")
+        try:  # the knob's own rule, as `tensile run` and the hook read a rate
+            rate = MAX_SWAP_RATE.parse(value, MAX_SWAP_RATE.option) if sep else None
+        except KnobError:
+            rate = None
+        if rate is None:
+            raise TensileUserError(f"{MAX_SWAP_RATE.option} '{text}': expected J=R with R in (0, 1]")
         if key.isdigit() and 1 <= int(key) <= len(names):
             key = names[int(key) - 1]
         if key not in names:
-            raise TensileUserError(f"--max-swap-rate '{text}': no job '{key}'; jobs are {', '.join(names)}")
+            raise TensileUserError(f"{MAX_SWAP_RATE.option} '{text}': no job '{key}'; jobs are {', '.join(names)}")
         rates[key] = rate
     return rates
 
@@ -176,9 +177,9 @@ def run(args: argparse.Namespace) -> int:
     jobs = _parse_jobs(args.job)
     names = [name for name, _, _ in jobs]
     rates = _swap_rates(args.max_swap_rate, names)
-    budget_value = option_value(parse_budget, args.memory_budget, "--memory-budget") if args.memory_budget else None
+    budget_value = MEMORY_BUDGET.from_option(args.memory_budget) if args.memory_budget else None
     traced, source = _load(jobs, args.gpu, args.optimizer, console)
-    specs = [JobSpec(name, traced[(model, batch)], rates.get(name, 1.0)) for name, model, batch in jobs]
+    specs = [JobToPlan(name, traced[(model, batch)], rates.get(name, 1.0)) for name, model, batch in jobs]
     budget = None
     if budget_value is not None:  # as `tensile forecast` and `tensile run` take budgets
         from tensile.peak import analyze_vanilla

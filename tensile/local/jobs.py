@@ -17,10 +17,11 @@ import jsonschema
 import yaml
 
 from tensile.errors import TensileUserError
-from tensile.trainingjob_spec import SpecError, parse_spec, unknown_annotations_message
+from tensile.knobs import MEMORY_BUDGET
+from tensile.trainingjob_spec import JobSpec, SpecError, parse_spec, unknown_annotations_message
 from tensile.training_command import local_command
 
-CRD = Path(__file__).resolve().parents[1] / "crds" / "trainingjobs.tensile.dev.yaml"
+CRD = Path(__file__).resolve().parents[2] / "crds" / "trainingjobs.tensile.dev.yaml"
 # Kubernetes' names: a custom resource's metadata.name is a DNS-1123 subdomain, a namespace a DNS-1123 label
 DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 DNS1123_SUBDOMAIN = re.compile(rf"{DNS1123_LABEL}(\.{DNS1123_LABEL})*")  # fullmatch
@@ -48,22 +49,12 @@ class _StrictLoader(yaml.SafeLoader):
 class LocalJob:
     name: str
     path: Path
-    model: str | None  # a zoo model the runner traces; None: a profile (admitted by its memoryBudget)
-    profile: str | None
-    batch_size: int
-    input_shape: tuple[int, ...] | None
-    optimizer: str | None  # None: a user model's own make_optimizer (zoo models: adam)
-    dtype: str
-    micro_batches: int
-    memory_budget: int | None  # bytes
-    max_swap_rate: float | None
+    # its workload and knobs as the operator reads them (the annotations over the spec's fields): what the runner
+    # traces, forecasts and admits it by, and what its hook is told
+    spec: JobSpec
+    optimizer: str | None  # as written, not parse_spec's default: None is a user model's own make_optimizer (zoo: adam)
     command: list[str]  # the container's command + args, as it runs locally (python -> this Python)
     problem: str | None = None  # why the command cannot run here (reported, the job fails)
-    plan_events: str = "auto"  # spec.scheduling.planEvents: the forecast's and the hook's (TENSILE_PLAN_EVENTS)
-    recompute: bool = True  # spec.scheduling.recompute: false keeps the job's plans free of recomputes
-    # where the budget and the swap rate were read (an annotation overrides the spec field): what a message names
-    memory_budget_field: str = "spec.memoryBudget"
-    max_swap_rate_field: str = "spec.scheduling.maxSwapRate"
     # tensile.dev/* annotations Tensile does not read (a misspelt knob): said at load, as the operator's condition says
     unknown_annotations: str | None = None
 
@@ -180,21 +171,16 @@ def _job(doc: object, path: Path, at: str) -> LocalJob:
         raise TensileUserError(f"{at}: spec.template.spec.containers[0].command: the local runner runs this command; give one")
     command, problem = local_command([*containers[0]["command"], *containers[0].get("args", [])])
     try:  # the knobs as the operator reads them: the same annotations override the same fields
-        knobs = parse_spec(spec, annotations)
+        parsed = parse_spec(spec, annotations)
     except SpecError as exc:
         shown, *others = exc.problems
         raise TensileUserError(f"{at}: {shown}" + (f" (and {len(others)} more)" if others else "")) from None
-    parsed = knobs.workload
-    if parsed.profile and knobs.memory_budget is None:
-        raise TensileUserError(f"{at}: spec.memoryBudget: a job with workload.profile needs a memory budget "
+    if parsed.workload.profile and parsed.memory_budget is None:
+        raise TensileUserError(f"{at}: {MEMORY_BUDGET.spec_field}: a job with workload.profile needs a memory budget "
                                "(nothing to trace locally); add e.g. memoryBudget: 1Gi")
-    # the optimizer as written, not parse_spec's default: none given means a user model's own make_optimizer
-    return LocalJob(name=name, path=path, model=parsed.model, profile=parsed.profile, batch_size=parsed.batch_size,
-                    input_shape=parsed.input_shape, optimizer=workload.get("optimizer"), dtype=parsed.dtype,
-                    micro_batches=parsed.micro_batches, memory_budget=knobs.memory_budget,
-                    max_swap_rate=knobs.max_swap_rate, command=command, problem=problem, plan_events=knobs.plan_events,
-                    recompute=knobs.recompute, memory_budget_field=knobs.budget_field, max_swap_rate_field=knobs.swap_rate_field,
-                    unknown_annotations=unknown_annotations_message(knobs.unknown_annotations) if knobs.unknown_annotations else None)
+    unknown = unknown_annotations_message(parsed.unknown_annotations) if parsed.unknown_annotations else None
+    return LocalJob(name=name, path=path, spec=parsed, optimizer=workload.get("optimizer"), command=command,
+                    problem=problem, unknown_annotations=unknown)
 
 
 def load_jobs(paths: list[str]) -> list[LocalJob]:

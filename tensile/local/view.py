@@ -9,7 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from tensile.local_runner import JobRun
+from tensile.local.runner import JobRun
 from tensile.plots import pyplot, save_figure
 
 MIB = 2**20

@@ -10,7 +10,6 @@ budget, it would hold more of the GPU than it was admitted with.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import time
@@ -21,11 +20,12 @@ from typing import TYPE_CHECKING
 
 from tensile.agent_contract import higher
 from tensile.child_process import ends_with_this_process
+from tensile.errors import print_note
 from tensile.knobs import unreachable_budget_text
-from tensile.local_jobs import LocalJob
+from tensile.local.jobs import LocalJob
 
 if TYPE_CHECKING:
-    from tensile.local_agent import LocalAgent
+    from tensile.local.agent import LocalAgent
 
 POLL_SECONDS = 0.5
 
@@ -58,25 +58,29 @@ class JobRun:
 
 def forecast(run: JobRun, device: str, preset: str, directory: Path) -> None:
     """Trace and plan the job's model (CPU, meta device); a job given by profile keeps its budget."""
-    from tensile.commands.forecast import make_forecast
     from tensile.forecast import optimizer_for, trace_workload
+    from tensile.job_forecast import make_forecast
     from tensile.workload_io import save_workload
 
-    job = run.job
-    if job.model is None:
-        run.demand = job.memory_budget
-        run.message = f"profile '{job.profile}': admitted by its memory budget"
+    spec = run.job.spec
+    declared = spec.workload  # what the TrainingJob says to trace
+    if declared.model is None:
+        run.demand = spec.memory_budget
+        run.message = f"profile '{declared.profile}': admitted by its memory budget"
         return
-    workload = trace_workload(job.model, job.batch_size, optimizer=optimizer_for(job.model, job.optimizer), dtype=job.dtype,
-                              device=device, micro_batches=job.micro_batches, input_shape=job.input_shape)
+    optimizer = optimizer_for(declared.model, run.job.optimizer)
+    workload = trace_workload(declared.model, declared.batch_size, optimizer=optimizer, dtype=declared.dtype,
+                              device=device, micro_batches=declared.micro_batches, input_shape=declared.input_shape)
     # with its max swapping rate, as the agent plans it: without, mlp-wide (maxSwapRate 0.5) was admitted at a
     # 7.1 MiB peak its plan could not reach (9.1 MiB) and every iteration ran guarded, evicting
-    summary, _, _ = make_forecast(workload, preset, plan_events=job.plan_events, recompute=job.recompute,
-                                  max_swap_rate=job.max_swap_rate or 1.0)
-    run.vanilla_peak = summary["vanilla_peak_bytes"]
-    run.scheduled_peak = summary["scheduled_peak_bytes"]
-    run.demand = run.scheduled_peak if job.memory_budget is None else min(run.scheduled_peak, job.memory_budget)
-    run.workload_path = directory / f"{job.name}.workload.json.gz"
+    result = make_forecast(workload, preset, plan_events=spec.plan_events, recompute=spec.recompute,
+                           max_swap_rate=spec.max_swap_rate or 1.0)
+    for note in result.notes:
+        print_note(note)
+    run.vanilla_peak = result.summary["vanilla_peak_bytes"]
+    run.scheduled_peak = result.summary["scheduled_peak_bytes"]
+    run.demand = run.scheduled_peak if spec.memory_budget is None else min(run.scheduled_peak, spec.memory_budget)
+    run.workload_path = directory / f"{run.name}.workload.json.gz"
     save_workload(workload, run.workload_path)
 
 
@@ -86,26 +90,30 @@ def unreachable_budget(run: JobRun) -> str | None:
     such a budget, the job would hold its reachable peak on the GPU, more than admission counted (two mlp-wide
     jobs with `memoryBudget: 1Ki` were admitted together and held ~6 MiB of a 4.75 MiB GPU). As the operator's
     `BudgetUnreachable`, the job fails."""
-    job = run.job
-    if job.memory_budget is None or run.scheduled_peak is None:
+    spec = run.job.spec
+    if spec.memory_budget is None or run.scheduled_peak is None:
         return None  # no budget, or a profile job: admitted by its budget, nothing forecast to compare it with
     lowest = min(run.scheduled_peak, run.vanilla_peak or run.scheduled_peak)
-    if job.memory_budget >= lowest:
+    if spec.memory_budget >= lowest:
         return None
-    text = unreachable_budget_text(job.memory_budget, lowest, job.max_swap_rate, job.max_swap_rate_field)
-    return f"BudgetUnreachable: {job.memory_budget_field} {text}"
+    text = unreachable_budget_text(spec.memory_budget, lowest, spec.max_swap_rate, spec.swap_rate_field)
+    return f"BudgetUnreachable: {spec.budget_field} {text}"
 
 
-def hook_args(run: JobRun, agent_url: str) -> argparse.Namespace:
-    """What `tensile run` would be given for this job: the agent, the budget it was admitted with."""
-    return argparse.Namespace(job=run.name, memory_budget=str(run.demand) if run.demand else None,
-                              workload=str(run.workload_path) if run.workload_path else None, plan=None,
-                              agent=agent_url, token=None, max_swap_rate=run.job.max_swap_rate, report=str(run.report),
-                              plan_events=run.job.plan_events, recompute=run.job.recompute)
+def job_environment(run: JobRun, agent_url: str) -> dict[str, str]:
+    """The environment the job runs in: this process's, with the hook switched on and told what `tensile run` would
+    be (the local agent, the budget the job was admitted with, its knobs, where to write its report)."""
+    from tensile_hook.launch import hook_environment, hook_variables
+
+    spec = run.job.spec
+    variables = hook_variables(memory_budget=str(run.demand) if run.demand else None, agent=agent_url,
+                               workload=str(run.workload_path) if run.workload_path else None, report=str(run.report),
+                               max_swap_rate=spec.max_swap_rate, plan_events=spec.plan_events, recompute=spec.recompute)
+    return hook_environment(run.name, variables)
 
 
-class Admission:
-    """First come, first served onto one GPU of `capacity` bytes, `context` more per job."""
+class FirstComeFirstServed:
+    """Admission onto one GPU of `capacity` bytes, `context` more per job, in the order the jobs were queued."""
 
     def __init__(self, capacity: int, context: int) -> None:
         self.capacity = capacity
@@ -139,7 +147,7 @@ class LocalRunner:
         self.device = device
         self.preset = preset
         gpu = agent.gpu
-        self.admission = Admission(gpu.capacity_bytes, gpu.context_bytes)
+        self.admission = FirstComeFirstServed(gpu.capacity_bytes, gpu.context_bytes)
         self.http = Http(agent.url, timeout=2.0, retries=1)
 
     # -- phases ------------------------------------------------------------------------------------
@@ -186,11 +194,9 @@ class LocalRunner:
         return [r for r in self.runs if r.phase == "Running"]
 
     def _start(self, run: JobRun) -> None:
-        from tensile.commands.run import hook_environment
-
         run.report = self.reports / f"{run.name}.report.json"
         run.log = self.reports / f"{run.name}.log"
-        env = hook_environment(hook_args(run, self.agent.url))
+        env = job_environment(run, self.agent.url)
         with open(run.log, "wb") as log:
             try:
                 run.process = subprocess.Popen(run.job.command, env=env, stdout=log, stderr=subprocess.STDOUT,

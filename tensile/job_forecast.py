@@ -1,0 +1,78 @@
+"""One job's forecast from its traced iteration: op latencies, the vanilla peak and the TENSILE plan alone on its
+GPU, as `tensile forecast`, `tensile run --model` and `tensile local` make it."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+from tensile.devices import device_preset
+from tensile.knobs import budget_bytes
+from tensile.latency import QuickCalibrationWarning, UncalibratedWarning, assign_latencies, iteration_seconds
+from tensile.peak import PeakResult, analyze_vanilla
+from tensile.plan import Plan, native_plan_events
+from tensile.planner import GpuPlan, plan_job
+from tensile.workload import Workload
+
+
+@dataclass(frozen=True)
+class ForecastResult:
+    summary: dict  # `forecast_summary`: what `tensile forecast --json` prints
+    plan: Plan
+    vanilla: PeakResult
+    notes: tuple[str, ...]  # what the latency model warned (uncalibrated, a quick calibration), for the caller to say
+
+
+def forecast_summary(workload: Workload, vanilla: PeakResult, latency_source: str, gpu_plan: GpuPlan, plan: Plan,
+                     activations_only: bool = False) -> dict:
+    """The forecast as one JSON-able object (the keys other tools rely on)."""
+    peak_op = workload.ops[vanilla.peak_op] if vanilla.peak_op >= 0 else None
+    assert plan.forecast is not None
+    return {
+        "model": workload.model,
+        "batch_size": workload.batch_size,
+        "device": workload.device,
+        "optimizer": workload.meta.get("optimizer"),
+        "dtype": workload.meta.get("dtype"),
+        "signature": workload.signature,
+        "ops": len(workload.ops),
+        "tensors": len(workload.tensors),
+        "flops": workload.total_flops,
+        "vanilla_peak_bytes": vanilla.peak_bytes,
+        "peak_op_index": vanilla.peak_op,
+        "peak_op": peak_op.name if peak_op else None,
+        "peak_phase": vanilla.peak_phase,
+        "bytes_by_role": vanilla.bytes_by_role,
+        "latency_source": latency_source,
+        "predicted_iteration_seconds": iteration_seconds(workload),
+        "scheduled_peak_bytes": plan.forecast.scheduled_peak_bytes,
+        "msr": plan.forecast.msr,
+        "predicted_eor": plan.forecast.predicted_eor,
+        "memory_budget_bytes": gpu_plan.budget_bytes,
+        "fits": gpu_plan.fits,
+        "plan_message": gpu_plan.message,
+        "plan_events": len(plan.events),
+        "activations_only": activations_only,
+        "plan_seconds": gpu_plan.seconds,
+    }
+
+
+def make_forecast(workload: Workload, preset: str, memory_budget: float | None = None, plan_events: str = "auto",
+                  recompute: bool = True, max_swap_rate: float = 1.0) -> ForecastResult:
+    """Latencies, vanilla peak analysis and the TENSILE plan for one traced workload, with the events
+    the hook would plan with on the workload's device (and the job's max swapping rate: alone on its GPU,
+    the strictest the agent's joint plan can hold it to). `memory_budget` as `tensile.knobs.parse_budget` reads
+    one: bytes, or a fraction of the vanilla peak."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UncalibratedWarning)
+        warnings.simplefilter("always", QuickCalibrationWarning)
+        latency_source = assign_latencies(workload, device=preset if workload.device == "cuda" else "cpu")
+    vanilla = analyze_vanilla(workload)
+    budget = budget_bytes(memory_budget, vanilla.peak_bytes)
+    activations_only = native_plan_events(plan_events, workload.device)
+    gpu_plan = plan_job(workload, device_preset(preset).host_link_bandwidth, budget, activations_only=activations_only,
+                        recompute=recompute, max_swap_rate=max_swap_rate)
+    plan = gpu_plan.plans["job"]
+    plan.memory_budget_bytes = budget  # a saved plan holds the hook to its budget (`tensile run --plan`)
+    summary = forecast_summary(workload, vanilla, latency_source, gpu_plan, plan, activations_only)
+    return ForecastResult(summary, plan, vanilla, tuple(str(warning.message) for warning in caught))
