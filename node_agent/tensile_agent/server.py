@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tensile.agent_contract import DEFAULT_PORT
-from tensile.errors import TensileUserError, print_user_error
+from tensile.console import print_user_error
+from tensile.errors import TensileUserError
 
 from tensile_agent.cluster import ClusterPublisher, in_cluster
 from tensile_agent.expiry import DEFAULT_SILENT_SECONDS, SilentJobExpiry

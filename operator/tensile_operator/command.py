@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from tensile.errors import TensileUserError, print_user_error
+from tensile.console import print_user_error
+from tensile.errors import TensileUserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

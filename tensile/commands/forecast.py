@@ -11,7 +11,8 @@ from rich.table import Table
 
 from tensile.commands import output_file
 from tensile.devices import PRESETS, device_preset
-from tensile.errors import TensileUserError, print_note
+from tensile.console import print_note
+from tensile.errors import TensileUserError
 from tensile.forecast import DEFAULT_BATCH_SIZE, DEVICES, DTYPES, OPTIMIZERS, optimizer_for, trace_workload
 from tensile.job_forecast import make_forecast
 from tensile.knobs import MEMORY_BUDGET, PLAN_EVENTS

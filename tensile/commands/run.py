@@ -19,7 +19,8 @@ from tensile.agent_client import Http
 from tensile.agent_contract import GPU_PATTERN
 from tensile.child_process import ends_with_this_process
 from tensile.commands import output_file
-from tensile.errors import TensileUserError, print_note
+from tensile.console import print_note
+from tensile.errors import TensileUserError
 from tensile.forecast import DEFAULT_BATCH_SIZE, DTYPES, OPTIMIZERS
 from tensile.knobs import MAX_SWAP_RATE, MEMORY_BUDGET, PLAN_EVENTS, RECOMPUTE
 from tensile.training_command import local_command

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from tensile.agent_contract import higher
 from tensile.child_process import ends_with_this_process
-from tensile.errors import print_note
+from tensile.console import print_note
 from tensile.knobs import unreachable_budget_text
 from tensile.local.jobs import LocalJob
 
