@@ -1,7 +1,7 @@
 # One image for the operator (`tensile operator`), the node agent (`tensile agent`) and the hook's init
 # container in training pods (`python -m tensile_hook.install /tensile`).
 # Build: docker build -t ghcr.io/tensile/tensile:0.1.0 .
-# tests/test_dockerfile.py checks the copied paths, the entrypoints and that the pins below match
+# tests/deploy/test_dockerfile.py checks the copied paths, the entrypoints and that the pins below match
 # pyproject.toml and constraints.txt.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm

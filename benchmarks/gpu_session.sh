@@ -65,7 +65,8 @@ for name in $ITEMS; do
     case $name in
         tests)  # `-m`, from outside the repository
             item cuda_tests "${TESTS_S:-150}" bash -c "cd /tmp && '$PYTHON' -m pytest -q -p no:cacheprovider \
-                '$R/tests/test_movers_cuda.py' '$R/tests/test_latency_cuda.py' '$R/tests/test_hook_cuda.py'" ;;
+                '$R/tests/hook/test_movers_cuda.py' '$R/tests/core/test_latency_cuda.py' \
+                '$R/tests/hook/test_cuda.py'" ;;
         real_training)
             item real_training "${REAL_S:-240}" "$PYTHON" benchmarks/real_training.py --batch-size "$BATCH" \
                 ${MODELS:+--models "$MODELS"}

@@ -1,7 +1,7 @@
 """Admission latency of the operator with a warm forecast cache: TrainingJob created -> status Admitted.
 
 Kopf runs the real operator against the Kubernetes emulator of tests/ (one process, loopback HTTP; the
-operator in a thread with its own event loop, as tests/operator_harness.py runs it).
+operator in a thread with its own event loop, as tests/support/operator_harness.py runs it).
 Jobs of three zoo models (their forecasts traced once before timing) are created one every
 `--interval` seconds onto 2 nodes x 2 simulated GPUs large enough to hold them all, so each
 admission includes the joint-plan fit test on every candidate GPU (the planner and its cache
@@ -21,20 +21,16 @@ import json
 import logging
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from tensile.latency.measure import HostLoad
+from tensile.trainingjob_spec import parse_spec
+from tensile_operator.forecasting import Forecaster
+from tests.support.operator_harness import cluster, fake_kubelet, simulated_gpu, start_operator, trainingjob
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from operator_harness import cluster, fake_kubelet, simulated_gpu, start_operator, trainingjob  # noqa: E402
-
-from tensile.latency.measure import HostLoad  # noqa: E402
-from tensile_operator.forecasting import Forecaster  # noqa: E402
-from tensile.trainingjob_spec import parse_spec  # noqa: E402
-
 MODELS = [("vgg16", 1), ("gpt2", 1), ("bert_base", 1)]
 
 

@@ -1,10 +1,12 @@
-"""Shared fixtures: traces are cached for the whole test session (tracing costs ~0.5-2 s each)."""
+"""Fixtures that tests of several parts use (tests/<part>/conftest.py holds those of one part): traces are cached
+for the whole test session (tracing costs ~0.5-2 s each)."""
 
 from __future__ import annotations
 
 import functools
 
 import pytest
+import torch
 
 from tensile.forecast import trace_workload
 from tensile.workload import Workload
@@ -13,16 +15,6 @@ from tensile.workload import Workload
 @functools.lru_cache(maxsize=None)
 def _cached_trace(model: str, batch_size: int, device: str, optimizer: str, live: bool) -> Workload:
     return trace_workload(model, batch_size, optimizer=optimizer, device=device, live=live)
-
-
-@pytest.fixture(scope="module")
-def forecaster():  # type: ignore[no-untyped-def]
-    """The operator's forecast cache, one per test module: each model is traced once however many jobs use it."""
-    from tensile_operator.forecasting import Forecaster
-
-    f = Forecaster()
-    yield f
-    f.close()
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +29,7 @@ def traced():
     return get
 
 
-# --- node agent (tests/test_agent_*.py) ---------------------------------------------------------
+# --- node agent (tests/agent, and the hook, CLI and local-mode tests that serve one) -----------------
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,7 +50,7 @@ def tiny_workload():
 @pytest.fixture
 def agent_server():
     """A node agent served by uvicorn on 127.0.0.1 in a thread: agent_server(simulate=[...]) -> ThreadedAgent."""
-    from agent_harness import ThreadedAgent
+    from tests.support.agent_harness import ThreadedAgent
 
     started = []
 
@@ -76,7 +68,7 @@ def agent_server():
 def _agent_client_stays_on_loopback(monkeypatch):
     """Tests may reach servers on this machine only: the agent client refuses any other host here.
 
-    (tests/test_operator.py publishes TensileNodes with an agent address of 10.0.0.1; the operator
+    (tests/operator/test_operator.py publishes TensileNodes with an agent address of 10.0.0.1; the operator
     forwards knobs there through tensile.agent_client, which must not leave the machine.)"""
     import ipaddress
 
@@ -95,3 +87,12 @@ def _agent_client_stays_on_loopback(monkeypatch):
         return original(self)
 
     monkeypatch.setattr(agent_client.Http, "_connect", loopback_only)
+
+
+@pytest.fixture
+def deterministic():  # type: ignore[no-untyped-def]
+    """Deterministic algorithms for one test, which bit-identity needs (a module asks for it with
+    `pytestmark = pytest.mark.usefixtures("deterministic")`)."""
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)

@@ -35,7 +35,7 @@ HOLD_ENV = "TENSILE_QUEUE_HOLD_HEAD_AFTER"
 DEFAULT_HOLD = "30m"
 NEVER = "never"
 # Go-style durations without zero parts ("30m", "1h30m", "90s"), or "never": the chart's values.schema.json holds the
-# same pattern (tests/test_operator_queueing.py checks they agree)
+# same pattern (tests/operator/test_queueing.py checks they agree)
 _PART = "[1-9][0-9]*"
 DURATION = f"^({NEVER}|{_PART}h({_PART}m)?({_PART}s)?|{_PART}m({_PART}s)?|{_PART}s)$"
 _UNITS = {"h": 3600, "m": 60, "s": 1}

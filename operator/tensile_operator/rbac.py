@@ -2,7 +2,7 @@
 
 `tensile_operator.kube.Kube` refuses any call not listed here, and Kopf's own calls (watching,
 patching its handlers' progress, peering, posting its events) are listed with it. The chart's ClusterRole
-(charts/tensile/templates/operator-rbac.yaml) is written by hand; tests/test_chart.py checks that it
+(charts/tensile/templates/operator-rbac.yaml) is written by hand; tests/deploy/test_chart.py checks that it
 grants exactly these rules, so the role is what the code needs.
 """
 

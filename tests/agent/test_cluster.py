@@ -1,0 +1,135 @@
+"""The node agent's cluster publishing (node_agent/tensile_agent/cluster.py) against the kube emulator: a real agent on
+127.0.0.1 whose kubernetes client points at the emulator writes its TensileNode and the TrainingJobs'
+observed figures; outside a cluster publishing is off and the agent serves as usual."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import jsonschema
+import pytest
+import yaml
+from tests.support.agent_harness import ROOT, ThreadedAgent, get
+from tests.support.operator_harness import cluster, trainingjob
+
+from tensile.agent_client import AgentClient
+from tensile.agent_contract import Measurements
+from tensile.local.jobs import strict_schema
+from tensile_agent.cluster import in_cluster, observed_status, tensilenode_status
+from tensile_operator.placement import gpus_from_tensilenode
+
+
+def test_agent_publishes_its_node_and_the_jobs_observations(tmp_path, tiny_workload):
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            await c.apply(trainingjob("placed", None, profile="p", memoryBudget="64Mi"))
+            agent = ThreadedAgent(["a6000:8GiB", "a6000:8GiB"], cluster_api=c.custom_objects_api(), node="node-a")
+            await asyncio.to_thread(agent.__enter__)
+            try:
+                # created when missing, then its status: the inventory and where to reach the agent
+                await c.wait(lambda: ((c.node("node-a") or {}).get("status") or {}).get("gpus"), 30, "the TensileNode")
+                node = c.node("node-a")
+                assert node["spec"]["nodeName"] == "node-a" and node["status"]["agentAddress"] == agent.url
+                gpus = gpus_from_tensilenode(node)  # what the operator reads from it
+                assert [g.uuid for g in gpus] == list(agent.agent.inventory.gpus) and all(g.simulated for g in gpus)
+                assert all(g.agent == agent.url and 0 < g.capacity_bytes <= g.memory_bytes == 8 * 2**30 for g in gpus)
+
+                # two jobs: one a TrainingJob placed by an operator, one not (`tensile run --agent`: 404, ignored)
+                clients = {}
+                for name in ("placed", "local"):
+                    client = AgentClient(agent.url, f"default/{name}", gpu=gpus[0].uuid, max_backoff=0.2)
+                    assert await asyncio.to_thread(client.register, workload=tiny_workload()) is not None
+                    plan = await asyncio.to_thread(client.wait_for_plan, 30)
+                    await asyncio.to_thread(client.post_measurements, Measurements(
+                        plan_version=plan.version, iterations=5, peak_bytes=3_000_000 + len(name),
+                        iteration_seconds=0.25, stall_seconds=0.01, signature_match=True))
+                    clients[name] = client
+
+                def committed() -> dict:
+                    status = c.node("node-a")["status"]["gpus"][0]
+                    return status if {j["job"] for j in status["jobs"]} == {"default/placed", "default/local"} else {}
+
+                await c.wait(committed, 30, "the committed forecasts of both jobs")
+                gpu = committed()
+                assert gpu["committed"]["scheduledPeakBytes"] == sum(j["scheduledPeakBytes"] for j in gpu["jobs"]) > 0
+                assert all(j["observedPeakBytes"] >= 3_000_000 and j["planVersion"] >= 1 for j in gpu["jobs"])
+                await c.wait(lambda: (c.job("placed").get("status") or {}).get("observed"), 30, "the observed figures")
+                observed = c.job("placed")["status"]["observed"]
+                assert observed["peakBytes"] == 3_000_006 and observed["iterations"] == 5
+                assert observed["iterationSeconds"] == pytest.approx(0.25) and observed["signatureMatch"] is True
+                assert c.job("local") is None  # a 404 is not an error: nothing is created for it
+                _, jobs = get(agent.url, "/v1/jobs")
+                assert len(jobs["jobs"]) == 2  # type: ignore[index]
+
+                # a job leaves: the node says so at the next write; nothing failed on the way
+                await asyncio.to_thread(clients["local"].unregister)
+                await c.wait(lambda: [j["job"] for j in c.node("node-a")["status"]["gpus"][0]["jobs"]] == ["default/placed"],
+                             30, "the node without the job that left")
+                assert agent.agent.publisher.errors == 0 and agent.agent.publisher.writes >= 2
+            finally:
+                agent.__exit__(None, None, None)
+
+    asyncio.run(scenario())
+
+
+def status_validator(crd: str, *path: str) -> jsonschema.Draft4Validator:
+    """The CRD's schema of .status (then `path` into it), unknown fields refused: an API server prunes the
+    status fields its CRD does not declare, so a field the agent writes must be declared to be kept."""
+    (version,) = yaml.safe_load((ROOT / "crds" / f"{crd}.tensile.dev.yaml").read_text())["spec"]["versions"]
+    schema = version["schema"]["openAPIV3Schema"]["properties"]["status"]
+    for name in path:
+        schema = schema["properties"][name]
+    return jsonschema.Draft4Validator(strict_schema(schema))
+
+
+def test_the_statuses_carry_the_peak_under_plan_in_fields_the_crds_declare(tiny_workload):
+    """The TensileNode's jobs and the TrainingJob's observed figures give the peak measured under a plan
+    (observedPlannedPeakBytes, plannedPeakBytes) beside the peak of every iteration."""
+    with ThreadedAgent(["a6000:8GiB"]) as agent:
+        client = AgentClient(agent.url, "default/placed", max_backoff=0.2)
+        assert client.register(workload=tiny_workload()) is not None and client.wait_for_plan(30).status == "planned"
+        for figures in ({"mode": "recording", "peak_bytes": 9_000_000}, {"mode": "planned", "peak_bytes": 6_000_000}):
+            assert client.post_measurements(Measurements.from_iterations([figures])).accepted
+        node = tensilenode_status(agent.agent.state, agent.url)
+        observed = observed_status(agent.agent.state.jobs["default/placed"])
+    status_validator("tensilenodes").validate(node)
+    status_validator("trainingjobs", "observed").validate(observed)
+    (job,) = node["gpus"][0]["jobs"]
+    assert (job["observedPeakBytes"], job["observedPlannedPeakBytes"]) == (9_000_000, 6_000_000)
+    assert (observed["peakBytes"], observed["plannedPeakBytes"]) == (9_000_000, 6_000_000)
+
+
+def test_outside_a_cluster_publishing_is_off(monkeypatch, tiny_workload):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert not in_cluster("node-a")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    assert not in_cluster(None) and in_cluster("node-a")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+    with ThreadedAgent(["a6000:8GiB"], node="node-a") as agent:
+        assert agent.agent.publisher is None
+        client = AgentClient(agent.url, "default/x", max_backoff=0.2)
+        assert client.register(workload=tiny_workload()) is not None and client.wait_for_plan(30).status == "planned"
+
+
+def test_a_cluster_api_that_fails_never_stops_the_agent(monkeypatch, tiny_workload):
+    """In a pod whose API server is away (here: in-cluster settings without a service port), writes fail,
+    are counted and retried; the agent keeps serving its hooks."""
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.delenv("KUBERNETES_SERVICE_PORT", raising=False)
+    with ThreadedAgent(["a6000:8GiB"], node="node-a") as agent:
+        publisher = agent.agent.publisher
+        assert publisher is not None
+        client = AgentClient(agent.url, "default/x", max_backoff=0.2)
+        assert client.register(workload=tiny_workload()) is not None and client.wait_for_plan(30).status == "planned"
+        for _ in range(100):
+            if publisher.errors:
+                break
+            time.sleep(0.05)
+        assert publisher.errors >= 1 and publisher.writes == 0
+        assert get(agent.url, "/healthz")[0] == 200
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-x", "-q"]))

@@ -1,0 +1,94 @@
+"""The hook's link to its node agent at the edges: the agent's word that a GPU cannot fit its jobs reaches the user,
+and an agent that does not answer costs the exit at most `agent_timeout` seconds, saying what was not delivered."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.support import tracing_models
+from tests.support.agent_harness import free_port
+from tensile.agent_client import AgentClient
+from tensile_hook import activate, deactivate
+from tensile_hook.agent_link import AgentLink
+from tensile_hook.plan_source import local_planner
+from tensile_hook.report import HookReport, IterationStats
+from tensile_hook.settings import HookSettings
+from tests.support.bit_identity import assert_identical
+from tests.support.training import STEPS, fit_model, state_of
+
+pytestmark = pytest.mark.usefixtures("deterministic")
+
+CPU = torch.device("cpu")
+
+
+def test_the_agents_cannot_fit_verdict_is_said_once_with_the_guards_budget(agent_server):
+    """A GPU too small for the job: the agent plans the best it can (fits false) and holds the job to its share; the
+    hook says so in its report and log, once, with the budget its guard keeps. Before, only /v1/jobs said it."""
+    plain = state_of(*fit_model(tracing_models.views, 4, STEPS + 2))
+    agent = agent_server(simulate=["tiny:96KiB"], context_bytes=0)
+    settings = HookSettings(job="ns/nofit", agent_url=agent.url, agent_wait=30.0, agent_interval=0.05, agent_timeout=0.5,
+                            agent_max_backoff=0.3)
+    link = AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2), local_planner(settings, CPU)).start()
+    executor = activate(settings, planner=link.planner, device=CPU, listener=link.listener)
+    try:
+        hooked = state_of(*fit_model(tracing_models.views, 4, STEPS + 2))
+    finally:
+        deactivate()
+        link.close()
+    assert_identical(plain, hooked)
+    report = executor.report
+    said = [m for m in report.messages if "the node agent cannot fit this GPU's jobs" in m]
+    assert len(said) == 1, report.messages
+    assert report.plan_source == "agent" and report.memory_budget_bytes is not None
+    assert f"the budget guard keeps this job under {report.memory_budget_bytes} bytes" in said[0]
+
+
+def _hung_agent() -> tuple[str, socket.socket]:
+    """A server that accepts connections and never answers (an agent hung in a long pause)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: [held.append(server.accept()[0]) for _ in iter(int, 1)], daemon=True).start()
+    return f"http://127.0.0.1:{server.getsockname()[1]}", server
+
+
+def test_an_agent_that_does_not_answer_costs_the_exit_at_most_the_timeout(caplog, tiny_workload):
+    """The link's thread is stuck in a call to an agent that accepted the connection and never answers: the exit waits
+    for it at most `agent_timeout` seconds in all (it was 7.7 s: a join of 5 s, then retries) and says what was lost."""
+    url, server = _hung_agent()
+    settings = HookSettings(job="ns/hung", agent_url=url, agent_timeout=1.0, agent_interval=0.05)
+    link = AgentLink.from_env(settings, environ={"TENSILE_AGENT": url, "TENSILE_JOB": settings.job}).start(tiny_workload())
+    try:
+        link.listener(IterationStats(0, "recording"), HookReport("ns/hung", "cpu"))
+        time.sleep(0.2)  # the thread is in its registration call now
+        with caplog.at_level(logging.WARNING, logger="tensile.hook"):
+            started = time.monotonic()
+            link.close()
+            seconds = time.monotonic() - started
+    finally:
+        server.close()
+    assert seconds < settings.agent_timeout + 0.5, seconds
+    assert "not delivered to the node agent at exit" in caplog.text
+    assert "the figures of the last 1 iterations" in caplog.text and "the unregistration" in caplog.text
+
+
+def test_an_agent_that_is_gone_costs_the_exit_nothing(caplog, tiny_workload):
+    """Nothing listens: the calls fail at once, and the exit says what did not go out."""
+    url = f"http://127.0.0.1:{free_port()}"
+    settings = HookSettings(job="ns/gone", agent_url=url, agent_timeout=1.0, agent_interval=0.05)
+    link = AgentLink.from_env(settings, environ={"TENSILE_AGENT": url, "TENSILE_JOB": settings.job}).start(tiny_workload())
+    link.listener(IterationStats(0, "recording"), HookReport("ns/gone", "cpu"))
+    time.sleep(0.2)  # the thread has tried its registration: the process trains
+    with caplog.at_level(logging.WARNING, logger="tensile.hook"):
+        started = time.monotonic()
+        link.close()
+        seconds = time.monotonic() - started
+    assert seconds < 0.5, seconds
+    assert "not delivered to the node agent at exit" in caplog.text and "the unregistration" in caplog.text

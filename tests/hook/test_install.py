@@ -1,0 +1,118 @@
+"""The hook installs into a bare directory and works from there, without the rest of Tensile."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import tensile_hook
+from tensile.cli import main
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+SITE = Path(tensile_hook.__file__).parent / "site"
+
+
+def test_installed_hook_runs_a_training_script(tmp_path):
+    hook_dir = tmp_path / "hook"
+    assert main(["install-hook", str(hook_dir)]) == 0
+    assert (hook_dir / "site" / "sitecustomize.py").exists()
+    lib = hook_dir / "lib" / "tensile"
+    assert (hook_dir / "lib" / "tensile_hook" / "executor.py").exists()
+    assert not (hook_dir / "lib" / "tensile_operator").exists() and not (lib / "commands").exists()
+    report = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=f"{hook_dir}/site:{hook_dir}/lib", TENSILE_JOB="from-volume", TENSILE_REPORT=str(report))
+    probe = "import tensile_hook as h, sys; print(h.__file__)"
+    where = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert where.stdout.startswith(str(hook_dir)), where.stderr
+    subprocess.run([sys.executable, str(EXAMPLES / "train_mlp.py"), "--steps", "4"], env=env, check=True, timeout=300)
+    data = json.loads(report.read_text())
+    assert data["job"] == "from-volume" and len(data["iterations"]) >= 3 and data["stood_down"] is None
+
+
+def test_the_init_containers_installer_does_not_load_torch(tmp_path):
+    """The operator's init container runs `python -m tensile_hook.install` under a 128Mi limit
+    (operator/tensile_operator/pods.py): importing torch alone took 152 MB there, and the kernel killed it, so no training pod
+    started. It copies files; the modules it imports must leave torch out."""
+    probe = ("import runpy, sys\n"
+             f"sys.argv = ['install', {str(tmp_path / 'hook')!r}]\n"
+             "try:\n    runpy.run_module('tensile_hook.install', run_name='__main__')\n"
+             "except SystemExit as exit:\n    assert not exit.code, exit.code\n"
+             "print('torch loaded:', 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "torch loaded: False", done.stdout
+    assert (tmp_path / "hook" / "lib" / "tensile_hook" / "lifecycle.py").exists()
+
+
+def _sitecustomize(starts: bool = False) -> ModuleType:
+    """The hook's sitecustomize as a module of its own (TENSILE_JOB unset here: loading it starts nothing; `starts`:
+    set, loading it starts the hook as at a training's start)."""
+    spec = importlib.util.spec_from_file_location("tensile_sitecustomize", SITE / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None and ("TENSILE_JOB" in os.environ) == starts
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv, launcher", [
+    (["python", "/venv/bin/torchrun", "--nproc_per_node=1", "train.py"], True),
+    (["python", "-m", "torch.distributed.run", "--standalone", "train.py"], True),
+    (["python", "-u", "-X", "dev", "-mtorch.distributed.launch", "train.py"], True),
+    (["python", "-W", "ignore", "-m", "torch.distributed.run", "train.py"], True),
+    (["python", "train.py", "-m", "torch.distributed.run"], False),  # the script's own arguments
+    (["python", "-c", "import torchrun"], False),
+    (["python", "/work/torchrun.py"], False),
+    (["python", "-m", "trainer"], False),
+])
+def test_torchruns_launcher_is_known_by_its_command_line(monkeypatch, argv: list[str], launcher: bool) -> None:
+    """torchrun's own process starts the training's and trains nothing: it must not start the hook (its empty report
+    replaced the training's at exit, and with an agent it would register as the job)."""
+    monkeypatch.setattr(sys, "orig_argv", argv)
+    assert _sitecustomize()._launcher() is launcher
+
+
+@pytest.mark.parametrize("version, refused", [("2.9.1+cu128", True), ("1.13.1", True), ("2.10.0+cu128", False),
+                                              ("2.10.0a0+gitabc123", False), ("2.13.0+cpu", False), ("3.0.0", False)])
+def test_a_pytorch_older_than_any_the_hook_was_checked_with_is_refused(version: str, refused: bool) -> None:
+    """By release: a build or pre-release of 2.10 (NVIDIA's images number theirs `2.10.0a0+...`) is 2.10."""
+    from tensile_hook.lifecycle import UnsupportedPyTorch, check_torch
+
+    if refused:
+        with pytest.raises(UnsupportedPyTorch, match=rf"PyTorch {version.replace('+', '[+]')} is older than 2\.10"):
+            check_torch(version)
+    else:
+        check_torch(version)
+
+
+def test_under_an_older_pytorch_the_training_runs_without_the_hook_and_says_why(monkeypatch, capsys,
+                                                                                  tmp_path: Path) -> None:
+    """Under PyTorch 2.9.1 (run by hand, session 36) a training under a budget crashed pickling a checkpoint, and the
+    native path never engaged: the sitecustomize that starts the hook says why it does not, and starts nothing."""
+    import torch
+    from torch.nn.modules.module import _global_forward_pre_hooks
+
+    from tensile_hook import lifecycle
+
+    hooks = dict(_global_forward_pre_hooks)
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")
+    monkeypatch.setenv("TENSILE_JOB", "old-torch")
+    monkeypatch.setenv("TENSILE_REPORT", str(tmp_path / "report.json"))
+    for variable in ("WORLD_SIZE", "TENSILE_AGENT"):
+        monkeypatch.delenv(variable, raising=False)
+    try:
+        _sitecustomize(starts=True)
+        said = capsys.readouterr().err
+        assert said.startswith("tensile: hook not active (UnsupportedPyTorch: PyTorch 2.9.1+cu128 is older than 2.10"), \
+            said
+        assert said.rstrip().endswith("training runs without Tensile"), said
+        assert lifecycle._active is None and dict(_global_forward_pre_hooks) == hooks
+    finally:
+        lifecycle.deactivate()  # a hook that did start would otherwise stay on for the worker's later tests

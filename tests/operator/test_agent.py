@@ -1,0 +1,142 @@
+"""The operator and a real node agent together: Kopf against the kube emulator, the agent served by uvicorn
+on 127.0.0.1 and publishing its own TensileNode there. The test plays the runtime hook (AgentClient, with
+the token and address the operator put in the pod's environment) and the kubelet."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+
+import pytest
+from tests.support.agent_harness import ThreadedAgent, agent_jobs
+from tests.support.operator_harness import cluster, phase, pod_env, start_operator, trainingjob
+
+from tensile.agent_client import AgentClient
+from tensile_operator.forecasting import Forecaster
+from tensile_operator.pods import pod_name
+from tensile.plan import native_plan_events
+
+pytestmark = pytest.mark.cluster
+MIB = 2**20
+
+
+@contextlib.asynccontextmanager
+async def agent_and_operator(tmp_path, forecaster: Forecaster):  # type: ignore[no-untyped-def]
+    """The emulated cluster, a real agent publishing node-a's TensileNode there, and the operator once it has."""
+    async with cluster(tmp_path) as c:
+        agent = ThreadedAgent(["a6000:8GiB"], cluster_api=c.custom_objects_api(), node="node-a")
+        await asyncio.to_thread(agent.__enter__)
+        op = None
+        try:
+            await c.wait(lambda: ((c.node("node-a") or {}).get("status") or {}).get("gpus"), 30, "the agent's TensileNode")
+            assert c.node("node-a")["status"]["agentAddress"] == agent.url
+            op = await start_operator(forecaster)
+            yield c, agent
+        finally:
+            if op is not None:
+                await op.stop()
+            await asyncio.to_thread(agent.__exit__, None, None, None)
+
+
+def test_knobs_reach_the_agent_and_release_unregisters(tmp_path, tiny_workload):
+    workload = tiny_workload()
+    forecaster = Forecaster()
+
+    async def hook_for(c, name: str) -> AgentClient:  # type: ignore[no-untyped-def]
+        """Register the job as its hook would, from what the operator put in the pod."""
+        pod = pod_name("default", name, c.job(name)["metadata"]["uid"])
+        await c.wait(lambda: c.emu.get("v1/pods", "default", pod), 30, f"{name}'s pod")
+        env = pod_env(c.emu.get("v1/pods", "default", pod))
+        hook = AgentClient.from_env(env, max_backoff=0.2)
+        registered = await asyncio.to_thread(hook.register, workload=workload,
+                                             memory_budget_bytes=int(env["TENSILE_MEMORY_BUDGET"]),
+                                             activations_only=native_plan_events(env["TENSILE_PLAN_EVENTS"], workload.device))
+        assert registered is not None and registered.gpu == env["TENSILE_GPU"]
+        assert (await asyncio.to_thread(hook.wait_for_plan, 30)).status == "planned"
+        return hook
+
+    async def scenario() -> None:
+        async with agent_and_operator(tmp_path, forecaster) as (c, agent):
+            # 1. a job without a profile yet: admitted by its budget, registered by its hook
+            await c.apply(trainingjob("first", None, profile="tiny-mlp", memoryBudget="256Mi"))
+            hook = await hook_for(c, "first")
+            assert pod_env(c.pods()[0])["TENSILE_AGENT"] == agent.url
+            before = agent_jobs(agent.url)["default/first"]
+            assert before["memory_budget_bytes"] == 256 * MIB
+
+            # 2. annotations change the running job: the agent re-plans it under the new knobs
+            await c.annotate("first", {"tensile.dev/memory-budget": "6Mi", "tensile.dev/max-swap-rate": "0.5"})
+            await c.wait(lambda: agent_jobs(agent.url)["default/first"]["plan_version"] > before["plan_version"], 30,
+                         "a new plan for the new knobs")
+            after = agent_jobs(agent.url)["default/first"]
+            assert after["memory_budget_bytes"] == 6 * MIB and after["max_swap_rate"] == 0.5
+            plan, changed = await asyncio.to_thread(hook.poll)
+            assert changed and hook.plan_version == after["plan_version"]
+            conditions = {x["type"]: x for x in c.job("first")["status"]["conditions"]}
+            assert conditions["KnobsApplied"]["status"] == "True", conditions["KnobsApplied"]
+
+            # 3. completion: the live workload becomes the profile, and the job leaves the agent
+            pod = c.pods()[0]
+            await c.set_pod_status(pod, {"phase": "Succeeded", "containerStatuses": [
+                {"name": "train", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}]})
+            await c.wait(lambda: "default/first" not in agent_jobs(agent.url), 30, "unregistered on completion")
+            assert phase(c.job("first")) == "Succeeded"
+            assert forecaster.profiles.get("tiny-mlp").signature == workload.signature
+
+            # 4. the next job of that profile is forecast from it, and the operator registers it with the agent with
+            #    that forecast before its hook runs: planned before its first iteration (TENSILE's cold start). Its
+            #    hook finds the workload by the pod's TENSILE_SIGNATURE, and its own registration is the same one
+            await c.apply(trainingjob("second", None, profile="tiny-mlp", memoryBudget="256Mi"))
+            await c.wait(lambda: agent_jobs(agent.url).get("default/second", {}).get("plan_version", 0) >= 1, 30,
+                         "the operator's registration of the forecast, planned")
+            registered = agent_jobs(agent.url)["default/second"]
+            assert (registered["signature"], registered["status"]) == (workload.signature, "planned"), registered
+            pod = pod_name("default", "second", c.job("second")["metadata"]["uid"])
+            await c.wait(lambda: c.emu.get("v1/pods", "default", pod), 30, "second's pod")
+            env = pod_env(c.emu.get("v1/pods", "default", pod))
+            fetched = await asyncio.to_thread(AgentClient.from_env(env).workload)
+            assert env["TENSILE_SIGNATURE"] == fetched.signature == workload.signature
+            await hook_for(c, "second")
+            assert agent_jobs(agent.url)["default/second"]["plan_version"] == registered["plan_version"]  # not re-planned
+            assert c.job("second")["status"]["forecast"]["source"] == "profile"
+            await c.delete("second")
+            await c.wait(lambda: "default/second" not in agent_jobs(agent.url) and c.job("second") is None, 30,
+                         "unregistered on deletion")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        forecaster.close()
+
+
+def test_knobs_changed_before_the_hook_registers_reach_the_agent_once_it_has(tmp_path, tiny_workload):
+    """A job's annotations can change while its pod starts, before its hook registers: the agent answers 404.
+    Until the nineteenth session that was said as "no agent reachable" and the knobs were never sent again, so the
+    hook registered with its pod's environment and ran under the old knobs (helper-34's finding)."""
+    workload = tiny_workload()
+
+    async def scenario() -> None:
+        async with agent_and_operator(tmp_path, forecaster) as (c, agent):
+            await c.apply(trainingjob("early", None, profile="tiny-mlp", memoryBudget="256Mi"))
+            await c.wait(lambda: c.pods(), 30, "the job's pod")
+            await c.annotate("early", {"tensile.dev/max-swap-rate": "0.25"})
+
+            def knobs_applied() -> dict:
+                return {x["type"]: x for x in (c.job("early").get("status") or {}).get("conditions", [])}.get("KnobsApplied", {})
+
+            await c.wait(lambda: knobs_applied().get("reason") == "WaitingForHook", 30, "the knobs waiting for the hook")
+            hook = AgentClient.from_env(pod_env(c.pods()[0]), max_backoff=0.2)  # the hook registers, from its pod's env
+            assert await asyncio.to_thread(hook.register, workload=workload) is not None
+            await c.wait(lambda: agent_jobs(agent.url)["default/early"]["max_swap_rate"] == 0.25, 30, "the knobs sent again")
+            await c.wait(lambda: knobs_applied().get("reason") == "Forwarded", 30, "the condition updated")
+
+    forecaster = Forecaster()
+    try:
+        asyncio.run(scenario())
+    finally:
+        forecaster.close()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-x", "-q"]))
