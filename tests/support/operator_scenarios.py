@@ -37,6 +37,6 @@ async def restarted(c: Cluster, op: RunningOperator, forecaster: Forecaster, *jo
     """The operator stopped and started again, once it has seen `jobs` again and has had time to post."""
     await op.stop()
     op = await start_operator(forecaster)
-    await c.wait(lambda: all(op.app.uids.get(f"default/{j}") for j in jobs), 20, "the jobs seen again")
+    await c.wait(lambda: all(op.app.statuses.uids.get(f"default/{j}") for j in jobs), 20, "the jobs seen again")
     await asyncio.sleep(1.0)
     return op
