@@ -214,7 +214,23 @@ class JobQueue:
 
     def __init__(self) -> None:
         self.pending: dict[str, Pending] = {}
-        self.wake = asyncio.Event()
+        self._poked = asyncio.Event()
+        # set only while the scheduler waits for a poke and none has come: every pass poked for has ended
+        self._idle = asyncio.Event()
 
     def poke(self) -> None:
-        self.wake.set()
+        self._idle.clear()
+        self._poked.set()
+
+    async def next_poke(self) -> None:
+        """The scheduler's wait between passes: returns at the next poke (at once if one came during the pass)."""
+        if not self._poked.is_set():
+            self._idle.set()
+        await self._poked.wait()
+        self._poked.clear()
+
+    async def idle(self) -> None:
+        """Returns once the scheduler has ended every pass it was poked for and waits for the next poke: its bookings
+        and status writes are done (pods are made off the pass). A failed pass is retried first; a head's wait bound
+        yet to end pokes later."""
+        await self._idle.wait()

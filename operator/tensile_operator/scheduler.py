@@ -87,8 +87,7 @@ class Scheduler:
 
     async def run(self) -> None:
         while True:
-            await self.queue.wake.wait()
-            self.queue.wake.clear()
+            await self.queue.next_poke()
             if not self.queue.pending:
                 continue
             try:

@@ -294,18 +294,17 @@ def test_the_queue_is_fifo_by_creation_and_says_since_when_a_job_waits() -> None
         scheduler = asyncio.create_task(app.scheduler.run())
         try:
             async def settled(*placed: str) -> None:
-                for _ in range(200):
-                    await asyncio.sleep(0.01)
-                    booked = all(f"default/{n}" in app.capacity.ledger.bookings for n in placed)
-                    if booked and not app.queue.wake.is_set():
-                        return
-                raise AssertionError(f"{placed} not placed: {list(app.capacity.ledger.bookings)}")
+                """The scheduler's passes have ended (a pass still running could give room freed later to a job
+                it passed), and they placed `placed`."""
+                await asyncio.wait_for(app.queue.idle(), 10)
+                booked = all(f"default/{n}" in app.capacity.ledger.bookings for n in placed)
+                assert booked, f"{placed} not placed: {list(app.capacity.ledger.bookings)}"
 
             await settled("early")  # 1 GiB free: the first created that fits (ties by name: early before late)
             assert set(app.queue.pending) == {"default/big", "default/late", "default/a-later"}
             app.completion.release("default/holder")
             app.capacity.ledger.book(Booking("default/other", "GPU-a0", "node-a", 3 * GIB // 2))
-            app.queue.wake.set()
+            app.queue.poke()
             await settled("late")  # 1.5 GiB free: big (2 GiB, created first) is passed by the next that fits
             assert set(app.queue.pending) == {"default/big", "default/a-later"}
         finally:

@@ -126,7 +126,9 @@ def test_a_queued_job_is_placed_by_the_knobs_annotated_while_it_waits(tmp_path, 
             await c.wait(lambda: phase(c.job("waiting")) == "Queued", 20, "waiting queued")
             await c.annotate("waiting", {"tensile.dev/memory-budget": "512Mi", "tensile.dev/max-swap-rate": "0.1"})
             await c.wait(lambda: phase(c.job("waiting")) == "Admitted", 20, "waiting placed by its new budget")
-            pod = next(p for p in c.pods() if p["metadata"]["ownerReferences"][0]["name"] == "waiting")
+            # the placement is written before the pod is made (a restart rebuilds the bookings from it)
+            pod = await c.wait(lambda: next((p for p in c.pods() if p["metadata"]["ownerReferences"][0]["name"]
+                                             == "waiting"), None), 20, "waiting's pod")
             env = pod_env(pod)
             assert (env["TENSILE_MEMORY_BUDGET"], env["TENSILE_MAX_SWAP_RATE"]) == (str(512 * 2**20), "0.1")
 
