@@ -8,7 +8,7 @@ op: a tensor counts for an op unless it is off the device for the whole of that 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from tensile.plan import Event
@@ -53,6 +53,31 @@ def vanilla_changes(workload: Workload) -> list[Change]:
     return changes
 
 
+def effective_changes(workload: Workload, changes: Iterable[Change],
+                      alive: set[int]) -> Iterator[tuple[Change, int | None]]:
+    """The changes that move memory, in time order, with `alive` (tensor ids) kept up to date as they come.
+
+    A change for a tensor already in the state it asks for moves nothing and is left out. Each change comes with the
+    tensor whose memory it takes over, else None: an updated tensor (one that `reuses` another's memory) allocated
+    while its predecessor is resident takes that memory over, so neither allocates nor frees anything; allocated
+    while the predecessor is away (swapped out), it needs memory of its own."""
+    tensors = workload.tensors
+    for change in sorted(changes, key=lambda c: (c.time, c.kind)):
+        if change.kind == ALLOC:
+            if change.tensor in alive:
+                continue
+            alive.add(change.tensor)
+            predecessor = tensors[change.tensor].reuses
+            if predecessor is not None and predecessor in alive:
+                alive.discard(predecessor)  # the hand-over: same memory, new name
+                yield change, predecessor
+            else:
+                yield change, None
+        elif change.tensor in alive:
+            alive.discard(change.tensor)
+            yield change, None
+
+
 def sweep(
     workload: Workload,
     changes: Iterable[Change],
@@ -61,11 +86,7 @@ def sweep(
 ) -> PeakResult:
     """Walk the changes in time order and keep the highest footprint (Algorithm 1, lines 2-34).
 
-    `op_starts` places ops on the time axis (default: op k starts at time k). An updated tensor
-    (one that `reuses` another's memory) takes that memory over when it is allocated while its
-    predecessor is resident, so neither allocates nor frees anything; allocated while the predecessor
-    is away (swapped out), it needs memory of its own.
-    """
+    `op_starts` places ops on the time axis (default: op k starts at time k)."""
     tensors = workload.tensors
     alive: set[int] = set(workload.resident if initial is None else initial)
     used = sum(tensors[t].size for t in alive)
@@ -74,24 +95,14 @@ def sweep(
     starts = op_starts if op_starts is not None else [float(k) for k in range(len(workload.ops))]
     op_memory = [0] * len(workload.ops)
     next_op = 0
-    for change in sorted(changes, key=lambda c: (c.time, c.kind)):
+    for change, taken_over in effective_changes(workload, changes, alive):
         while next_op < len(starts) and starts[next_op] < change.time:
             op_memory[next_op] = used
             next_op += 1
-        tensor = tensors[change.tensor]
-        if change.kind == ALLOC:
-            if change.tensor in alive:
-                continue
-            alive.add(change.tensor)
-            if tensor.reuses is not None and tensor.reuses in alive:
-                alive.discard(tensor.reuses)  # the hand-over: same memory, new name
-            else:
-                used += tensor.size
-        else:
-            if change.tensor not in alive:
-                continue
-            alive.discard(change.tensor)
-            used -= tensor.size
+        if change.kind == FREE:
+            used -= tensors[change.tensor].size
+        elif taken_over is None:
+            used += tensors[change.tensor].size
         timeline.append((change.time, used))
         if used > peak:
             peak, peak_op, peak_time, peak_alive = used, change.op, change.time, set(alive)
@@ -213,10 +224,17 @@ def plan_changes(workload: Workload, slots: dict[int, Slot], absent: dict[int, l
     return changes, initial
 
 
-def analyze_plan(workload: Workload, events: Iterable[Event], bandwidth: float, slowdown: float = 1.0) -> PeakResult:
-    """Algorithm 1 over a plan: the scheduled peak a forecast states (replaying a plan reproduces it)."""
+def scheduled_changes(workload: Workload, events: Iterable[Event], bandwidth: float,
+                      slowdown: float = 1.0) -> tuple[list[Change], list[int]]:
+    """One iteration's memory changes under a plan and the tensors resident at its start: what Algorithm 1 and the
+    allocator model (tensile.allocator) replay."""
     events = list(events)
     slots = build_slots(workload)
     timeline = plan_timeline(workload, events, slowdown, slots)
-    changes, initial = plan_changes(workload, slots, absent_ranges(events, bandwidth, timeline, slots))
+    return plan_changes(workload, slots, absent_ranges(events, bandwidth, timeline, slots))
+
+
+def analyze_plan(workload: Workload, events: Iterable[Event], bandwidth: float, slowdown: float = 1.0) -> PeakResult:
+    """Algorithm 1 over a plan: the scheduled peak a forecast states (replaying a plan reproduces it)."""
+    changes, initial = scheduled_changes(workload, events, bandwidth, slowdown)
     return sweep(workload, changes, initial)
