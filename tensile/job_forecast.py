@@ -1,11 +1,13 @@
 """One job's forecast from its traced iteration: op latencies, the vanilla peak and the TENSILE plan alone on its
-GPU, as `tensile forecast`, `tensile run --model` and `tensile local` make it."""
+GPU, and what the caching allocator reserves at each peak, as `tensile forecast`, `tensile run --model` and
+`tensile local` make it."""
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
 
+from tensile.allocator import reserved_peak
 from tensile.devices import device_preset
 from tensile.knobs import budget_bytes
 from tensile.latency import QuickCalibrationWarning, UncalibratedWarning, assign_latencies, iteration_seconds
@@ -23,8 +25,29 @@ class ForecastResult:
     notes: tuple[str, ...]  # what the latency model warned (uncalibrated, a quick calibration), for the caller to say
 
 
+@dataclass(frozen=True)
+class ReservedPeaks:
+    """What the process holds in the caching allocator's segments at its peak, vanilla and under the plan."""
+
+    vanilla_bytes: int
+    scheduled_bytes: int
+    expandable_segments: bool
+
+
+def reserved_peaks(workload: Workload, plan: Plan, bandwidth: float,
+                   expandable_segments: bool = False) -> ReservedPeaks:
+    """The allocator model's reserved peaks (tensile.allocator) for a CUDA workload. The CPU device has no caching
+    allocator (PyTorch's CPU allocator hands each freed block back): there the process holds what its tensors do."""
+    assert plan.forecast is not None
+    if workload.device != "cuda":
+        return ReservedPeaks(plan.forecast.vanilla_peak_bytes, plan.forecast.scheduled_peak_bytes, expandable_segments)
+    vanilla = reserved_peak(workload, expandable_segments=expandable_segments)
+    scheduled = reserved_peak(workload, plan, bandwidth, expandable_segments=expandable_segments)
+    return ReservedPeaks(vanilla.reserved_peak_bytes, scheduled.reserved_peak_bytes, expandable_segments)
+
+
 def forecast_summary(workload: Workload, vanilla: PeakResult, latency_source: str, gpu_plan: GpuPlan, plan: Plan,
-                     activations_only: bool = False) -> dict:
+                     reserved: ReservedPeaks, activations_only: bool = False) -> dict:
     """The forecast as one JSON-able object (the keys other tools rely on)."""
     peak_op = workload.ops[vanilla.peak_op] if vanilla.peak_op >= 0 else None
     assert plan.forecast is not None
@@ -39,6 +62,7 @@ def forecast_summary(workload: Workload, vanilla: PeakResult, latency_source: st
         "tensors": len(workload.tensors),
         "flops": workload.total_flops,
         "vanilla_peak_bytes": vanilla.peak_bytes,
+        "reserved_peak_bytes": reserved.vanilla_bytes,
         "peak_op_index": vanilla.peak_op,
         "peak_op": peak_op.name if peak_op else None,
         "peak_phase": vanilla.peak_phase,
@@ -46,6 +70,8 @@ def forecast_summary(workload: Workload, vanilla: PeakResult, latency_source: st
         "latency_source": latency_source,
         "predicted_iteration_seconds": iteration_seconds(workload),
         "scheduled_peak_bytes": plan.forecast.scheduled_peak_bytes,
+        "scheduled_reserved_peak_bytes": reserved.scheduled_bytes,
+        "expandable_segments": reserved.expandable_segments,
         "msr": plan.forecast.msr,
         "predicted_eor": plan.forecast.predicted_eor,
         "memory_budget_bytes": gpu_plan.budget_bytes,
@@ -58,11 +84,13 @@ def forecast_summary(workload: Workload, vanilla: PeakResult, latency_source: st
 
 
 def make_forecast(workload: Workload, preset: str, memory_budget: float | None = None, plan_events: str = "auto",
-                  recompute: bool = True, max_swap_rate: float = 1.0) -> ForecastResult:
+                  recompute: bool = True, max_swap_rate: float = 1.0,
+                  expandable_segments: bool = False) -> ForecastResult:
     """Latencies, vanilla peak analysis and the TENSILE plan for one traced workload, with the events
     the hook would plan with on the workload's device (and the job's max swapping rate: alone on its GPU,
     the strictest the agent's joint plan can hold it to). `memory_budget` as `tensile.knobs.parse_budget` reads
-    one: bytes, or a fraction of the vanilla peak."""
+    one: bytes, or a fraction of the vanilla peak. The reserved peaks are for the caching allocator's default
+    settings, or with `expandable_segments`."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UncalibratedWarning)
         warnings.simplefilter("always", QuickCalibrationWarning)
@@ -70,9 +98,11 @@ def make_forecast(workload: Workload, preset: str, memory_budget: float | None =
     vanilla = analyze_vanilla(workload)
     budget = budget_bytes(memory_budget, vanilla.peak_bytes)
     activations_only = native_plan_events(plan_events, workload.device)
-    gpu_plan = plan_job(workload, device_preset(preset).host_link_bandwidth, budget, activations_only=activations_only,
-                        recompute=recompute, max_swap_rate=max_swap_rate)
+    bandwidth = device_preset(preset).host_link_bandwidth
+    gpu_plan = plan_job(workload, bandwidth, budget, activations_only=activations_only, recompute=recompute,
+                        max_swap_rate=max_swap_rate)
     plan = gpu_plan.plans["job"]
     plan.memory_budget_bytes = budget  # a saved plan holds the hook to its budget (`tensile run --plan`)
-    summary = forecast_summary(workload, vanilla, latency_source, gpu_plan, plan, activations_only)
+    reserved = reserved_peaks(workload, plan, bandwidth, expandable_segments)
+    summary = forecast_summary(workload, vanilla, latency_source, gpu_plan, plan, reserved, activations_only)
     return ForecastResult(summary, plan, vanilla, tuple(str(warning.message) for warning in caught))

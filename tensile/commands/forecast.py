@@ -45,6 +45,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "native events (activation swaps, recomputes of convolutions and batch norms: what the hook carries without seeing every op), all events on the CPU")
     parser.add_argument(MEMORY_BUDGET.option, help="plan for this budget: bytes (12GiB) or a fraction of the vanilla "
                                                    "peak (0.6); default: the lowest peak")
+    parser.add_argument("--expandable-segments", action="store_true",
+                        help="forecast reserved memory for PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (default: "
+                             "the caching allocator's default segments)")
     parser.add_argument("--save-plan", metavar="PLAN.json", help="save the TENSILE plan (events: kind, tensor, trigger op, delay)")
     parser.add_argument("--save", metavar="WORKLOAD.json", help="save the traced workload (.gz compresses)")
     parser.add_argument("--plot", metavar="TIMELINE.png", help="write the memory timeline")
@@ -67,11 +70,15 @@ def _table(summary: dict) -> Table:
     table = Table(title=f"Forecast: {summary['model']} batch {summary['batch_size']} on {summary['device']}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
-    table.add_row("vanilla peak", f"{summary['vanilla_peak_bytes'] / MIB:,.1f} MiB")
+    table.add_row("vanilla peak",
+                  _allocated_and_reserved(summary["vanilla_peak_bytes"], summary["reserved_peak_bytes"]))
     for role in ROLES:
         table.add_row(f"  {role}", f"{summary['bytes_by_role'][role] / MIB:,.1f} MiB")
     table.add_row("peak at", f"op {summary['peak_op_index']} ({summary['peak_op']}, {summary['peak_phase']})")
-    table.add_row("scheduled peak (TENSILE)", f"{summary['scheduled_peak_bytes'] / MIB:,.1f} MiB")
+    table.add_row("scheduled peak (TENSILE)",
+                  _allocated_and_reserved(summary["scheduled_peak_bytes"], summary["scheduled_reserved_peak_bytes"]))
+    if summary["expandable_segments"]:
+        table.add_row("reserved for", "expandable_segments:True")
     table.add_row("MSR / predicted EOR", f"{summary['msr']:.3f} / {summary['predicted_eor']:.3f}")
     kept = " (native events only: --plan-events)" if summary["activations_only"] else ""
     table.add_row("plan", f"{summary['plan_events']:,} events{kept}; {summary['plan_message']}")
@@ -81,6 +88,11 @@ def _table(summary: dict) -> Table:
     table.add_row("optimizer / dtype", f"{summary['optimizer']} / {summary['dtype']}")
     table.add_row("signature", summary["signature"])
     return table
+
+
+def _allocated_and_reserved(allocated: int, reserved: int) -> str:
+    """A peak as the tensors hold it and as the caching allocator reserves it (what a neighbour on the GPU feels)."""
+    return f"{allocated / MIB:,.1f} MiB allocated, {reserved / MIB:,.1f} MiB reserved"
 
 
 def _preset(args: argparse.Namespace, workload: Workload) -> str:
@@ -114,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         workload = _load(args)
     preset = _preset(args, workload)
     with console.status("planning swaps and recomputations..."):
-        forecast = make_forecast(workload, preset, budget, args.plan_events)
+        forecast = make_forecast(workload, preset, budget, args.plan_events,
+                                 expandable_segments=args.expandable_segments)
     for note in forecast.notes:
         print_note(note)
     summary, plan = forecast.summary, forecast.plan

@@ -50,6 +50,30 @@ def test_table_and_plot(capsys, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
 
 
+def test_reserved_peaks_stand_beside_the_allocated_ones(capsys):
+    """The caching allocator's segments hold at least what the tensors do, vanilla and under a budget's plan; the
+    allocated peaks do not depend on the allocator's settings; the table shows both."""
+    default = run_json(capsys, "--model", MLP, "--batch-size", "64", "--memory-budget", "0.8")
+    expandable = run_json(capsys, "--model", MLP, "--batch-size", "64", "--memory-budget", "0.8",
+                          "--expandable-segments")
+    for out, flag in ((default, False), (expandable, True)):
+        assert out["expandable_segments"] is flag
+        assert out["reserved_peak_bytes"] >= out["vanilla_peak_bytes"]
+        assert out["scheduled_reserved_peak_bytes"] >= out["scheduled_peak_bytes"]
+    for key in ("vanilla_peak_bytes", "scheduled_peak_bytes", "plan_events"):
+        assert default[key] == expandable[key]
+    assert main(["forecast", "--model", MLP, "--batch-size", "64"]) == 0
+    table = capsys.readouterr().out
+    assert "MiB allocated," in table and "MiB reserved" in table
+
+
+def test_a_cpu_forecast_reserves_what_it_allocates(capsys):
+    """PyTorch's CPU allocator caches nothing: the reserved peaks are the allocated ones."""
+    out = run_json(capsys, "--model", MLP, "--batch-size", "64", "--device", "cpu")
+    assert out["reserved_peak_bytes"] == out["vanilla_peak_bytes"]
+    assert out["scheduled_reserved_peak_bytes"] == out["scheduled_peak_bytes"]
+
+
 def test_batch_size_scales_activations_not_parameters(capsys):
     small = run_json(capsys, "--model", MLP, "--batch-size", "64", "--optimizer", "sgd")
     large = run_json(capsys, "--model", MLP, "--batch-size", "4096", "--optimizer", "sgd")
