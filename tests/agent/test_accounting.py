@@ -39,6 +39,7 @@ def metric_lines(url: str, name: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(name + "{")]
 
 
+@pytest.mark.slow
 def test_jobs_a_gpu_cannot_fit_are_each_held_to_a_share_that_keeps_them_within_it(agent_server, tiny_workload):
     """A 10 MiB GPU, two jobs of 6.1 MiB lowest reachable peak each: the agent knew (fits false) but each plan
     carried no budget, so the hooks' guards were off and on a real GPU the two would OOM together."""

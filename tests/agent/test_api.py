@@ -547,6 +547,7 @@ def test_the_client_logs_each_warning_the_agent_answers_once(agent_server, tiny_
     assert said == [f'tensile: the node agent at {server.url} warns: unknown field "new_knob"'], said
 
 
+@pytest.mark.slow
 def test_an_unreachable_agent_is_said_once_by_tensile_run(tmp_path):
     """The client warned "node agent unreachable" and the hook's link said the same as a note: twice in a row."""
     import subprocess

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from tests.support.agent_harness import AgentProcess, get
 from tests.support.agent_harness import wait_for as _wait
 
@@ -22,6 +23,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_agent_restart_is_survived(tiny_workload):
     workload = tiny_workload()
     agent = AgentProcess().start()
@@ -81,6 +83,7 @@ def test_agent_restart_is_survived(tiny_workload):
         agent.stop()
 
 
+@pytest.mark.slow
 def test_knobs_the_operator_changed_hold_after_an_agent_restart(tiny_workload):
     """The operator PATCHes a running job's knobs (an annotation); the agent restarts and the hook registers
     again: with the knobs that hold now (the plan response carries them), not with those it started with, which

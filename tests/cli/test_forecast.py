@@ -106,6 +106,7 @@ def test_user_errors_exit_2_with_a_message(capsys, args, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_malformed_workload_file_exits_without_traceback(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "tensile.workload", "version": 1, "model": "m", "batch_size": "x"}))
@@ -117,6 +118,7 @@ def test_malformed_workload_file_exits_without_traceback(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", list(ZOO))
 def test_every_zoo_model_forecasts(traced, model):
     workload = traced(model, 1)
@@ -125,6 +127,7 @@ def test_every_zoo_model_forecasts(traced, model):
     assert any(t.reuses is not None for t in workload.tensors.values())
 
 
+@pytest.mark.slow
 def test_a_fresh_process_forecasts_a_transformers_model():
     """timm and transformers import torchvision, whose C++ ops do not load here: the zoo copes."""
     result = subprocess.run(
@@ -135,6 +138,7 @@ def test_a_fresh_process_forecasts_a_transformers_model():
     assert json.loads(result.stdout)["model"] == "gpt2"
 
 
+@pytest.mark.slow
 def test_memory_budget_and_saved_plan(capsys, tmp_path):
     plan_path = tmp_path / "plan.json"
     # every event kind: at batch 4 activation swaps alone (CUDA's default) do not reach 0.7 of the vanilla peak
@@ -184,6 +188,7 @@ def test_bad_memory_budget_names_the_option(capsys):
     assert "--memory-budget" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cuda_plans_keep_to_activation_swaps_unless_told(capsys, tmp_path):
     """On CUDA the hook plans what its native path carries by default (activation swaps, recomputes of
     convolutions and batch norms): the forecast and the plan it saves do the same, and --plan-events all lifts

@@ -77,6 +77,7 @@ def test_a_default_job_name_is_the_scripts_and_never_the_same_twice():
         assert name.rsplit("-", 1)[0] == stem and re.fullmatch(NAME_PATTERN, name), name
 
 
+@pytest.mark.slow
 def test_a_name_registered_already_is_refused_with_the_fix(agent_server, tiny_workload, tmp_path):
     """A job re-run under its name right after a kill (the agent holds it until --expire-silent-jobs) was told only
     that it was "registered already under another token": the user had chosen no token."""
@@ -125,6 +126,7 @@ def _signalled_child(tmp_path: Path, **popen) -> tuple[subprocess.Popen, Path, i
     return proc, got, int(ready.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_signal_to_tensile_run_reaches_the_command_which_it_waits_for(tmp_path, sent):
     """`kill` of `tensile run` left the training running with no parent (PPID 1) and its memory held."""
@@ -138,6 +140,7 @@ def test_a_signal_to_tensile_run_reaches_the_command_which_it_waits_for(tmp_path
         os.kill(child, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("to", ["command", "tensile run"])
 def test_sigterm_ends_a_hooked_training_through_the_hooks_exit(tmp_path, to):
     """A pod's termination, `kill` of the training or of `tensile run` (passed on) send SIGTERM, whose default ended the
@@ -178,6 +181,7 @@ print("trained to the end", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_sigterm_swallowed_by_a_callback_still_ends_the_training(tmp_path):
     """Python runs a signal's handler inside whatever Python code runs, a weakref callback too (the hook's storage
     registry runs hundreds an iteration), where its SystemExit is printed and ignored: the training went on to its end."""
@@ -191,6 +195,7 @@ def test_a_sigterm_swallowed_by_a_callback_still_ends_the_training(tmp_path):
     assert RunTotals.of(json.loads(report.read_text())).iterations == 5, said  # ended at the step after the callback
 
 
+@pytest.mark.slow
 def test_sigkill_of_tensile_run_ends_the_command_with_sigterm(tmp_path):
     """No handler sees SIGKILL, so nothing passed it on: the training went on with no parent (PPID 1), its memory held.
     The kernel sends the command SIGTERM instead (the parent-death signal), which the hook's exit handling sees."""
@@ -210,6 +215,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_the_terminal_reaches_the_command_once(tmp_path):
     """The terminal sends SIGINT to the whole foreground group, the command included: passed on too, the command
     got two, and a second KeyboardInterrupt can cut the hook's exit short (its last report, unregistering)."""
@@ -229,6 +235,7 @@ def test_ctrl_c_at_the_terminal_reaches_the_command_once(tmp_path):
         os.close(terminal)
 
 
+@pytest.mark.slow
 def test_a_command_killed_by_sigkill_is_said_killed_with_what_its_report_holds(tmp_path):
     """It printed the stale report's summary as if the training had finished, and exited 247."""
     report = tmp_path / "report.json"
@@ -309,6 +316,7 @@ def test_a_long_runs_omitted_iterations_keep_their_plans_and_budgets():
     assert totals.under_plan.over_budget == [30 * MIB, 25 * MIB]
 
 
+@pytest.mark.slow
 def test_a_budget_lowered_mid_run_is_each_iterations_own(agent_server):
     """Through a real agent: the iterations before an operator lowered the budget ran under the higher one, and
     the summary no longer says they went over the lower one."""
@@ -342,6 +350,7 @@ def test_a_budget_lowered_mid_run_is_each_iterations_own(agent_server):
 # -- 5. --gpu ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_agent_with_several_gpus_takes_the_job_on_the_one_given_with_gpu(agent_server, tmp_path):
     """Its refusal named only the request's 'gpu' field, which `tensile run` had no option for. Both runs name no job:
     each registers under a name of its own (both were `local`, and the second was refused as "registered already")."""
@@ -396,6 +405,7 @@ def test_tensile_run_refuses_a_bad_setting_from_the_environment_before_the_comma
 CLUSTER_PARTS = ("jsonschema", "fastapi", "uvicorn", "kopf", "kubernetes", "kubernetes_validate")
 
 
+@pytest.mark.slow
 def test_tensile_run_needs_none_of_the_cluster_parts(tmp_path: Path) -> None:
     """`tensile run` runs in the training's environment, which may hold only what the hook needs: building the CLI's
     parsers imported every command's module, `tensile local`'s reader of TrainingJob files among them, which imports

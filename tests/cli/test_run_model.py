@@ -50,6 +50,7 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return _train(tmp_path_factory.mktemp("plain"), "plain")[0]
 
 
+@pytest.mark.slow
 def test_a_model_traced_before_the_run_is_planned_and_its_plan_applied(tmp_path: Path, plain: dict) -> None:
     plot = tmp_path / "plots" / "iterations.png"
     # files an earlier run left in the environment, gone since: --model's stand in for them (the hook, given these,
@@ -71,6 +72,7 @@ def test_a_model_traced_before_the_run_is_planned_and_its_plan_applied(tmp_path:
     assert f"tensile:plot:{plot}" in said.replace(" ", "") and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 20_000
 
 
+@pytest.mark.slow
 def test_a_model_traced_at_another_batch_size_leaves_the_job_to_plan_from_the_live_iteration(tmp_path: Path,
                                                                                               plain: dict) -> None:
     """A budget given as a share of the vanilla peak is this workload's share, not one of the peak forecast at the
@@ -82,6 +84,7 @@ def test_a_model_traced_at_another_batch_size_leaves_the_job_to_plan_from_the_li
     assert report["memory_budget_bytes"] == int(0.8 * report["vanilla_peak_bytes"]), report
 
 
+@pytest.mark.slow
 def test_a_zoo_model_traced_before_the_run_holds_a_0_6_budget_at_its_forecast(tmp_path: Path) -> None:
     """examples/train_zoo.py trains ResNet-50 as `--model resnet50` traces it: the forecast's plan applies, the peak
     under it is the scheduled one (within 5%) and under 60% of the vanilla peak plus the guard's slack."""
@@ -98,6 +101,7 @@ def test_a_zoo_model_traced_before_the_run_holds_a_0_6_budget_at_its_forecast(tm
         assert it["peak_bytes"] <= 0.6 * report["vanilla_peak_bytes"] + report["guard_slack_bytes"], it
 
 
+@pytest.mark.slow
 def test_with_an_agent_the_traced_model_is_what_the_job_registers(agent_server, tmp_path: Path, plain: dict) -> None:
     """No plan is made here: the node agent plans from the workload the job registers at its start, the traced one,
     not from a plan file the environment names (one of another run, gone since: the hook would stand down)."""
@@ -133,6 +137,7 @@ def test_tensile_run_refuses_a_model_it_cannot_trace_before_the_command_starts(c
     assert not ran.exists()
 
 
+@pytest.mark.slow
 def test_a_run_that_reports_no_iteration_writes_no_plot_and_says_so(capsys, tmp_path: Path) -> None:
     plot = tmp_path / "iterations.png"
     assert main(["run", "--plot", str(plot), "--report", str(tmp_path / "r.json"), "--", sys.executable, "-c", "pass"]) == 0
@@ -170,6 +175,7 @@ def test_the_iterations_plot_draws_each_iterations_figures(monkeypatch, tmp_path
     assert times["recomputing"] == [0.0, 0.0, 4.0, 0.0, 4.0]
 
 
+@pytest.mark.slow
 def test_on_a_gpu_machine_the_forecast_is_cudas_with_the_gpus_preset(capsys, monkeypatch, tmp_path: Path) -> None:
     """The CUDA branch without a GPU: the trace is for the device the command will run on, on the meta device, and the
     plan takes the latencies of this machine's GPU (NVML's name, as `tensile calibrate` keys its model), not the A6000's."""
@@ -206,6 +212,7 @@ CHECKING_LAUNCHER = ("-c", "import subprocess, sys, torch\nwith torch.no_grad():
                            "subprocess.run([sys.executable, *sys.argv[1:]], check=True)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
 def test_the_process_that_trains_is_the_job_not_the_one_that_starts_it(launcher: str, tmp_path: Path,
                                                                        plain: dict) -> None:
@@ -217,6 +224,7 @@ def test_the_process_that_trains_is_the_job_not_the_one_that_starts_it(launcher:
     assert "no optimizer step" not in said, said
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", [LAUNCHERS["a script"], CHECKING_LAUNCHER], ids=["a script", "one that checks the model"])
 def test_with_an_agent_the_process_that_trains_registers_not_the_one_that_starts_it(launcher: tuple[str, ...], agent_server,
                                                                                    tmp_path: Path, plain: dict) -> None:
@@ -234,6 +242,7 @@ def test_with_an_agent_the_process_that_trains_registers_not_the_one_that_starts
     assert agent.agent.state.jobs == {}, agent.agent.state.jobs  # the training unregistered; the starter had nothing
 
 
+@pytest.mark.slow
 def test_a_leading_torchrun_is_this_pythons(tmp_path: Path, plain: dict) -> None:
     """As a leading `python` is: the `torchrun` on PATH may be another Python's, without Tensile (here one that
     exits 7), whose workers would have run without the hook."""
@@ -244,6 +253,7 @@ def test_a_leading_torchrun_is_this_pythons(tmp_path: Path, plain: dict) -> None
     assert report is not None and len(report["iterations"]) == STEPS and report["plan_source"] == "local", report
 
 
+@pytest.mark.slow
 def test_a_job_of_several_processes_runs_without_the_hook_and_says_why(tmp_path: Path, plain: dict) -> None:
     """Each process has its own GPU's memory to plan, and they would share the job's report and its registration."""
     ranks = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN))

@@ -202,6 +202,7 @@ def recomputed_natively(forecast: Workload, monkeypatch: pytest.MonkeyPatch) -> 
     return executor.report, replayed
 
 
+@pytest.mark.slow
 def test_a_forecast_whose_batch_norm_runs_cudnns_ops_applies_and_recomputes_it(forecast: Workload, cudnn_on_cpu: int,
                                                                                monkeypatch: pytest.MonkeyPatch):
     report, replayed = recomputed_natively(forecast, monkeypatch)
@@ -209,6 +210,7 @@ def test_a_forecast_whose_batch_norm_runs_cudnns_ops_applies_and_recomputes_it(f
     assert CUDNN in replayed and NATIVE not in replayed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cudnn_on_cpu", [64], indirect=True)
 def test_with_a_reserve_the_live_iteration_plans_and_batch_norm_is_recomputed(forecast: Workload, cudnn_on_cpu: int,
                                                                                monkeypatch: pytest.MonkeyPatch):

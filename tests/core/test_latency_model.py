@@ -52,6 +52,7 @@ def synthetic_model(key: str) -> LatencyModel:
     return LatencyModel(key, "test cpu", "cpu", ROOF, families, view_seconds=1e-6, meta={"threads": 1})
 
 
+@pytest.mark.slow
 def test_training_recovers_a_known_function():
     rng = np.random.default_rng(1)
     x = rng.uniform(-2, 2, size=(600, 4))
@@ -454,6 +455,7 @@ def test_family_ensemble_averages_its_members_and_round_trips(tmp_path):
     assert len(loaded["conv"].members) == 1  # a single MLP's dict reads as a one-member ensemble
 
 
+@pytest.mark.slow
 def test_a_zoo_model_is_measured_in_a_fresh_process_as_its_trace_records_it():
     """Calibration's zoo path: the model trains in a spawned process of its own (a fresh heap, as a job's), and
     what comes back is the iteration a trace of the same job records, every op timed."""

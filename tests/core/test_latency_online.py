@@ -57,6 +57,7 @@ def test_corrected_sum_drives_the_replan_rule_and_apply_writes_latencies():
         LatencyEWMA(w, alpha=0.0)
 
 
+@pytest.mark.slow
 def test_quick_calibrate_end_to_end(tmp_path, traced):
     assert main(["calibrate", "--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
     path = model_path(cpu_key(), tmp_path)

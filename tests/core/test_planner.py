@@ -215,6 +215,7 @@ def test_a_budget_is_a_fraction_of_the_vanilla_peak_or_an_amount_of_memory():
         resolve("lots", 1000)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ZOO)
 def test_invariants_on_zoo_models(model, traced):
     from tensile.latency import assign_latencies

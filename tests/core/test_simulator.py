@@ -64,6 +64,7 @@ def test_latencies_drifted_past_the_threshold_call_for_a_new_plan():
     assert not drifted(1.0, 0.0)  # no latencies planned with yet: nothing to drift from
 
 
+@pytest.mark.slow
 def test_simulate_cli_json(capsys, tmp_path):
     code = main(["simulate", "--job", "resnet50:2", "--job", "resnet50:2", "--max-swap-rate", "2=0.5", "--json", "--plot", str(tmp_path)])
     assert code == 0
@@ -86,6 +87,7 @@ def test_simulate_cli_names_a_bad_batch_not_an_unknown_model(capsys, job):
     assert f"--job '{job}': the batch '{job.rpartition(':')[2]}' must be a positive integer" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_simulate_json_says_whether_the_plan_fits_as_the_text_does(capsys, tmp_path):
     """--json had gpu, latencies, rows and plan_seconds only: no word that the plan could not fit, nor its budget,
     nor where --plot wrote; the text said "cannot fit: the lowest reachable peak is ... above the budget of ..."."""

@@ -30,6 +30,7 @@ def test_round_trip_is_exact(tmp_path, mlp, name):
         assert gzip.decompress(path.read_bytes()).startswith(b"{")
 
 
+@pytest.mark.slow
 def test_resnet50_file_is_compact(tmp_path, traced):
     path = tmp_path / "r50.json.gz"
     save_workload(traced("resnet50", 16), path)

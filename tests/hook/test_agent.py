@@ -48,6 +48,7 @@ def _finish(proc: subprocess.Popen) -> None:
     assert proc.returncode == 0, err.decode()[-3000:]
 
 
+@pytest.mark.slow
 def test_the_job_registers_gets_the_agents_plan_and_shows_its_peak(agent_server, tmp_path):
     agent = agent_server()
     report = tmp_path / "report.json"
@@ -145,6 +146,7 @@ def test_the_link_posts_what_tells_the_peak_under_plan_from_the_others(agent_ser
         link.close()
 
 
+@pytest.mark.slow
 def test_the_agent_dies_mid_run_training_is_unharmed_and_registers_again(tmp_path):
     plain, hooked, report = tmp_path / "plain.pt", tmp_path / "hooked.pt", tmp_path / "report.json"
     steps = ["--steps", "80", "--pause", "0.05"]
@@ -252,6 +254,7 @@ def test_a_job_running_guarded_takes_the_agents_plan_when_it_comes(agent_server)
     assert modes[-1] == "planned" and modes == sorted(modes) and report.plan_source == "agent", modes  # guarded, then planned
 
 
+@pytest.mark.slow
 def test_a_failed_round_after_an_upload_gives_no_plan_for_the_forecast_workload(agent_server):
     """Registered with a stale forecast, the job uploads its live workload and the agent's round for it fails:
     the response keeps the plan made for the forecast, which the hook applied (its events name the other
@@ -283,6 +286,7 @@ def test_a_failed_round_after_an_upload_gives_no_plan_for_the_forecast_workload(
     assert any("gave no plan (planning failed" in m for m in report.messages), report.messages
 
 
+@pytest.mark.slow
 def test_a_budget_the_operator_lowers_while_the_job_runs_holds_the_hooks_guard(agent_server):
     """A TrainingJob's budget annotation lowered mid-run reaches the agent as a knob: its re-plan carries the
     budget, and the hook's guard holds the job to it from the next iteration (the agent re-planned and said the
@@ -318,6 +322,7 @@ def _train_mlp(steps: int, batch_size: int = 64) -> None:
         optimizer.step()
 
 
+@pytest.mark.slow
 def test_the_agents_plan_for_the_forecast_is_applied_to_the_same_tensors_of_the_live_iteration(agent_server):
     """A forecast traced on the meta device has the live iteration's signature but numbers its tensors in its own
     order (and leaves out Adam's step counters): the agent's plan for it, bound with the live iteration's ids,

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("deterministic")
 CPU = torch.device("cpu")
 
 
+@pytest.mark.slow
 def test_the_agents_cannot_fit_verdict_is_said_once_with_the_guards_budget(agent_server):
     """A GPU too small for the job: the agent plans the best it can (fits false) and holds the job to its share; the
     hook says so in its report and log, once, with the budget its guard keeps. Before, only /v1/jobs said it."""

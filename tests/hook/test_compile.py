@@ -30,6 +30,7 @@ def compiled_blocks(batch_size: int) -> tuple:
     return model, batch, compiled_loss, make_optimizer
 
 
+@pytest.mark.slow
 def test_a_compiled_model_trains_eagerly_under_the_hook_and_the_report_says_so():
     import torch._dynamo
 

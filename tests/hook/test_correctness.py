@@ -68,6 +68,7 @@ def _run_amp_two_optimizers(hooked: bool) -> tuple[dict, HookReport | None]:
             deactivate()
 
 
+@pytest.mark.slow
 def test_amp_with_skipped_steps_and_two_optimizers_is_bit_identical():
     plain, _ = _run_amp_two_optimizers(False)
     hooked, report = _run_amp_two_optimizers(True)
@@ -76,6 +77,7 @@ def test_amp_with_skipped_steps_and_two_optimizers_is_bit_identical():
     assert any(it.mode == "planned" for it in report.iterations)
 
 
+@pytest.mark.slow
 def test_tensile_run_trains_an_unmodified_script_bit_identically(tmp_path):
     import json
     import subprocess
@@ -111,6 +113,7 @@ ZOO_INPUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", list(ZOO_INPUTS))
 def test_zoo_models_train_bit_identically_under_an_aggressive_plan(model):
     from tensile.zoo import build_zoo_parts

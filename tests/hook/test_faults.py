@@ -63,6 +63,7 @@ def test_a_planners_plan_for_another_workload_is_refused():
     assert all(it.mode in ("recording", "guarded") for it in report.iterations)
 
 
+@pytest.mark.slow
 def test_a_stale_plan_is_replaced_by_one_from_the_live_iteration():
     from tensile.forecast import trace_workload
     from tensile_hook import activate, deactivate
@@ -188,6 +189,7 @@ def test_tensile_run_refuses_bad_input_before_starting_the_command(capsys, optio
     assert named in " ".join(capsys.readouterr().err.split())
 
 
+@pytest.mark.slow
 def test_a_plan_file_that_cannot_belong_to_its_workload_is_refused_naming_the_event(capsys, tmp_path, tiny_workload):
     """A plan with events on a tensor the workload lacks, triggers past its last op and negative delays ran as far
     as it went, taking the job 22% over its vanilla peak with no word (helper-38's finding)."""
@@ -231,6 +233,7 @@ def test_tensile_run_names_a_command_that_cannot_start(capsys, tmp_path):
     assert f"cannot start '{script}': Exec format error" in " ".join(capsys.readouterr().err.split())
 
 
+@pytest.mark.slow
 def test_tensile_run_takes_a_quantity_budget_and_makes_the_reports_folder(tmp_path):
     """A report in a missing folder made the hook stand down: training ran without Tensile."""
     report = tmp_path / "new" / "folder" / "report.json"
@@ -238,6 +241,7 @@ def test_tensile_run_takes_a_quantity_budget_and_makes_the_reports_folder(tmp_pa
     assert report.parent.is_dir()
 
 
+@pytest.mark.slow
 def test_tensile_run_runs_a_leading_python_as_the_python_with_tensile(tmp_path, monkeypatch):
     """`tensile run -- python train.py` as the README writes it: the `python` on PATH may lack Tensile (no
     venv activated), and the hook was not active; `tensile local` runs this Python, and so does `tensile run`."""
@@ -325,6 +329,7 @@ def test_a_reports_run_totals_count_the_omitted_iterations_too():
     assert RunTotals.of(HookReport("job", "cpu").to_dict()).iterations == 0
 
 
+@pytest.mark.slow
 def test_the_summary_says_where_the_peak_under_plan_went_over_the_budget(tmp_path, capfd):
     """A 1 MB budget on a job whose one op needs more than that at once ended 14x over it, and the summary named
     neither the budget nor the guard's slack that allows it (helper-38's finding)."""

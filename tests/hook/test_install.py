@@ -19,6 +19,7 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 SITE = Path(tensile_hook.__file__).parent / "site"
 
 
+@pytest.mark.slow
 def test_installed_hook_runs_a_training_script(tmp_path):
     hook_dir = tmp_path / "hook"
     assert main(["install-hook", str(hook_dir)]) == 0

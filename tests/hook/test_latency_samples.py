@@ -63,6 +63,7 @@ def _train(steps: int, after_step: Callable[[int], None] | None = None) -> dict:
     return state_of(model, [optimizer])
 
 
+@pytest.mark.slow
 def test_sampled_op_latencies_reach_the_agent_and_a_slowdown_replans_for_drift(agent_server):
     """Native iterations (the agent's plan for a roomy GPU), every third one sampled on the dispatch path (from the first
     under the plan, there anyway); the agent folds the samples into its EWMA at its workload's op indices, and when the
@@ -135,6 +136,7 @@ def test_the_link_posts_samples_only_for_the_workload_the_agent_plans_with(agent
         link.close()
 
 
+@pytest.mark.slow
 def test_a_sampling_iteration_applies_the_native_plan_as_a_native_one_does():
     """Activation swaps carried natively (tests/support/plans.py's pooled_swaps); every third iteration sampled on the
     dispatch path swaps the same tensors out and back, times every op of the workload, and the training stays

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.usefixtures("deterministic")
 CASES = {"resnet50": (4, None), "bert_base": (1, (32,))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", list(CASES))
 def test_budget_0_6_holds_and_the_forecast_is_what_runs(model):
     batch_size, input_shape = CASES[model]
@@ -65,6 +66,7 @@ def _native_plans_observed(model, batch, loss_fn, make_optimizer) -> tuple[HookR
     return report, [it for it in report.iterations if it.path == "native" and it.mode == "planned"]
 
 
+@pytest.mark.slow
 def test_with_native_plans_the_forecast_is_what_the_native_path_measures():
     """CUDA's default plans (native events only), carried natively and measured there (observe_native):
     the peak the job is admitted by is what its native iterations reach. These plans used to swap gradients
@@ -93,6 +95,7 @@ def test_a_native_plan_counts_no_release_pytorch_does_not_make_there():
         ([it.peak_bytes for it in native], report.scheduled_peak_bytes)
 
 
+@pytest.mark.slow
 def test_a_plan_carried_out_exactly_never_measures_above_its_forecast():
     """`tensile forecast --memory-budget 0.8` on the tiny MLP's workload, then training under that plan: the
     forecast allocates a swap-in (or a recompute) after its trigger op's inputs that nothing reads later are freed,
@@ -111,6 +114,7 @@ def test_a_plan_carried_out_exactly_never_measures_above_its_forecast():
         ([it.peak_bytes for it in planned], plan.forecast.scheduled_peak_bytes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("own_budget", [None, 0.9])
 def test_a_plan_file_holds_the_job_to_its_budget_unless_the_job_has_its_own(own_budget):
     """`tensile forecast --memory-budget 0.8 --save-plan` wrote no budget, so `tensile run --plan` ran the plan with

@@ -24,6 +24,7 @@ from tests.support.training import fit
 pytestmark = pytest.mark.usefixtures("deterministic")
 
 
+@pytest.mark.slow
 def test_recomputes_are_carried_natively_and_train_bit_identically():
     plain = fit(blocks, 4, STEPS)
     state, report = hooked(blocks, feature_recomputes)
@@ -32,6 +33,7 @@ def test_recomputes_are_carried_natively_and_train_bit_identically():
     assert_blocks_recomputed_natively(report)
 
 
+@pytest.mark.slow
 def test_the_replays_time_is_the_recomputes_not_the_hooks_own(monkeypatch):
     """`recompute_seconds` holds the recomputes' replays (the forward's ops run again), apart from `hook_seconds`, the
     hook's own logic, on both paths: each replay made to last 1,000 s longer lands in the first, not in the second.
@@ -68,6 +70,7 @@ def test_the_replays_time_is_the_recomputes_not_the_hooks_own(monkeypatch):
         assert 0 <= it.hook_seconds < slow, (it.path, it.hook_seconds)
 
 
+@pytest.mark.slow
 def test_recomputes_and_swaps_together_lower_the_measured_peak():
     """A recompute reads a tensor the same iteration swapped out (batch norm's input, a convolution's output):
     it comes back first. Measured (an observed native iteration), the peak stays below both plans' parts."""

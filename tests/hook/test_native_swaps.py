@@ -26,6 +26,7 @@ from tests.support.training import fit
 pytestmark = pytest.mark.usefixtures("deterministic")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_activation_swaps_are_carried_natively_and_train_bit_identically(micro_batches):
     plain = fit(blocks, 4, STEPS, micro_batches)
@@ -284,6 +285,7 @@ def stem_output_swap(workload: Workload, budget: int | None = None) -> Plan:
                                                 Event("job", "swap_in", tensor, backward[0] - 1)])
 
 
+@pytest.mark.slow
 def test_a_node_of_the_main_path_is_hooked_from_a_boundary_it_is_behind():
     """The main path's first conv reads the swapped input in backward: its node is hooked from a
     boundary whose root it is behind, not from the shortcut's exit (newer, but a walk back from it
@@ -313,6 +315,7 @@ def test_a_tensor_still_absent_when_its_node_runs_is_fetched_there():
     assert all(it.stall_seconds > 0 for it in native)
 
 
+@pytest.mark.slow
 def test_a_storage_the_mover_refuses_on_the_native_path_stays_on_the_device(monkeypatch):
     """A storage that cannot be resized (from numpy) is refused by the mover: on the native path the carrier calls
     the mover itself, and such a tensor stays where it is, without standing the hook down or counting a swap."""
@@ -378,6 +381,7 @@ def carriers_of(monkeypatch) -> list:  # type: ignore[no-untyped-def]
     return made
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_node_hooks_wait_for_the_top_level_call_to_return_and_anchor_on_acting_boundaries(monkeypatch, micro_batches):
     """Hooking each node where it is found runs right after large kernels, at ten times the cost:
@@ -468,6 +472,7 @@ def train_step(batch_size: int) -> tuple:
     return TrainStep(), batch, lambda model, batch: model(batch), make_optimizer
 
 
+@pytest.mark.slow
 def test_a_backward_inside_the_top_level_call_hooks_the_nodes_where_they_are_found(monkeypatch):
     made = carriers_of(monkeypatch)
     plain = fit(train_step, 4, STEPS)

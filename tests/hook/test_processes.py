@@ -33,6 +33,7 @@ def _train(tmp_path: Path, start_method: str, hooked: bool) -> tuple[dict, dict 
     return flat, json.loads(report.read_text()) if hooked else None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
 def test_dataloader_workers_leave_the_training_to_the_trainer(tmp_path, start_method):
     """Spawned workers used to start a hook of their own (sitecustomize) and each wrote the job's report at

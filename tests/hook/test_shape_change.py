@@ -108,6 +108,7 @@ def trained_and_planned_again(loop, budget: float, change: str) -> None:  # type
     planned_again(report, 4, change)
 
 
+@pytest.mark.slow
 def test_a_batch_doubled_mid_run_is_planned_again_within_the_budget() -> None:
     """CUDA's default plans (activation swaps, native), for a budget of the vanilla peak: the plan for batch 16 has
     no event. At batch 32 it ran native every other iteration, 1.17 MB against a budget of 0.64 MB and a slack of
@@ -116,6 +117,7 @@ def test_a_batch_doubled_mid_run_is_planned_again_within_the_budget() -> None:
     trained_and_planned_again(shaped_loop(DOUBLED), 1.0, "[16, 3, 8, 8] float32 -> [32, 3, 8, 8] float32")
 
 
+@pytest.mark.slow
 def test_bf16_autocast_from_a_step_on_is_planned_again() -> None:
     """The input keeps its shape and dtype; the autocast dtype in force tells the workload changed. Before, the fp32
     plan's ops left the iterations from the first op cast to bf16: three ran diverged, guarded, before the next was
@@ -124,6 +126,7 @@ def test_bf16_autocast_from_a_step_on_is_planned_again() -> None:
                               "[16, 3, 8, 8] float32 -> [16, 3, 8, 8] float32, bfloat16 autocast")
 
 
+@pytest.mark.slow
 def test_a_smaller_last_batch_each_epoch_is_planned_once() -> None:
     """Four epochs of batches 8, 8, 8, 5: each shape set is planned once. An epoch's short batch runs under its own
     plan, on the dispatch path (the step before it prepared the other plan's native hooks), and so does the full

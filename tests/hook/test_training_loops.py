@@ -136,6 +136,7 @@ VALIDATIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("validation", list(VALIDATIONS))
 def test_a_validation_pass_between_steps(validation: str, path: str) -> None:
@@ -158,6 +159,7 @@ def test_a_validation_pass_that_forgot_no_grad(path: str) -> None:
 
 # -- 2. batch sizes ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_the_last_batch_of_an_epoch_is_smaller(path: str) -> None:
     """The same ops on other shapes for one step in four."""
@@ -167,6 +169,7 @@ def test_the_last_batch_of_an_epoch_is_smaller(path: str) -> None:
             paths_and_modes(report)
 
 
+@pytest.mark.slow
 def test_the_native_path_comes_back_after_every_epochs_short_batch() -> None:
     """Every epoch ends with a short batch: each costs one native iteration, not the native path."""
     _, report = run_hooked(losses_loop(EPOCHS), "native")
@@ -174,6 +177,7 @@ def test_the_native_path_comes_back_after_every_epochs_short_batch() -> None:
     assert all(it.path == "native" or it.iteration == 12 for it in last_epoch), paths_and_modes(report)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ("dispatch", "native"))
 def test_the_batch_size_changes_every_step(path: str) -> None:
     """A batch size of its own at every step (dynamic batching): the first shape sets are planned for
@@ -207,6 +211,7 @@ def clipped_loop() -> Results:
     return {"norms": norms, "rates": rates, "state": final(model, optimizer)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_gradient_clipping_and_a_step_lr_schedule(path: str) -> None:
     """clip_grad_norm_ writes every gradient in place between backward and the step (foreach ops on
@@ -258,6 +263,7 @@ def checkpointing_loop(save: Save = state_dicts, resume: Resume = resume_from_st
     return loop
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_checkpoints_saved_mid_training_are_bit_identical(path: str) -> None:
     """state_dict() reads storages outside the dispatcher: everything the plan moved must be back."""
@@ -273,6 +279,7 @@ def resume_whole_objects(checkpoint_: dict) -> Results:
     return final(checkpoint_["model"], checkpoint_["optimizer"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_checkpoints_of_the_whole_model_and_optimizer(path: str) -> None:
     """torch.save of the objects, not of state_dict(): pickling reads each storage's bytes with no op
@@ -321,6 +328,7 @@ def ema_loop(update: str) -> Loop:
     return loop
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ("dispatch", "native"))
 @pytest.mark.parametrize("update", ["foreach", "loop", "AveragedModel"])
 def test_an_ema_copy_made_and_remade_mid_training(update: str, path: str) -> None:
@@ -331,6 +339,7 @@ def test_an_ema_copy_made_and_remade_mid_training(update: str, path: str) -> Non
     check(ema_loop(update), path, at_least=1 if update == "AveragedModel" else 2)
 
 
+@pytest.mark.slow
 def test_an_ema_copy_made_under_a_memory_budget() -> None:
     """The buffer (read once per forward) is the least recently used tensor when the step ends."""
     check_in_child("ema_loop('foreach')", "budget")
@@ -415,6 +424,7 @@ def gradient_hooks_loop(kind: str) -> Loop:
     return loop
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["backward hook", "backward pre-hook", "tensor hook"])
 @pytest.mark.parametrize("path", PATHS)
 def test_gradient_norms_logged_from_backward_hooks(kind: str, path: str) -> None:
@@ -423,6 +433,7 @@ def test_gradient_norms_logged_from_backward_hooks(kind: str, path: str) -> None
     check(gradient_hooks_loop(kind), path, plan_events="native" if path == "native" else "auto")
 
 
+@pytest.mark.slow
 def test_reading_the_weights_out_after_the_last_step_is_no_warning(caplog: pytest.LogCaptureFixture) -> None:
     """Code after the last step (the loop's final read of the state) does not start as a training
     iteration does: the report says so, logged at INFO, not as a plan that failed."""
@@ -482,6 +493,7 @@ def activation_logging_loop() -> Results:
     return {"logged": logged, "state": final(model, optimizer)}
 
 
+@pytest.mark.slow
 def test_an_activation_read_between_forward_and_backward_every_few_steps_on_the_dispatch_path() -> None:
     """The read is code between forward and backward that the recorded iteration did not run, on a
     tensor the plan swaps: the dispatch path checks it before use."""
@@ -500,6 +512,7 @@ def kept_activation_stays_on_the_device() -> None:
     assert any(it.mode == "planned" and moved(it) for it in report.iterations)
 
 
+@pytest.mark.slow
 def test_an_activation_a_forward_hook_keeps_is_not_swapped_natively() -> None:
     run_in_child("t.kept_activation_stays_on_the_device()")
 
@@ -558,6 +571,7 @@ def held_activation_stays_on_the_device(keep: str) -> None:
     assert_planned(report, "native")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", ["attribute", "view", "returned"])
 def test_an_activation_the_script_holds_is_not_swapped_natively(keep: str) -> None:
     run_in_child(f"t.held_activation_stays_on_the_device({keep!r})")
@@ -718,6 +732,7 @@ def flat_loop(where: str) -> Loop:
     return loop
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["script", "function"])
 def test_a_loop_of_top_level_module_calls_swaps_natively_from_its_first_native_iteration(where: str) -> None:
     """`x = model.stem(x); x = model.rest(x)`: at each top-level exit the loop's `x` and PyTorch's module
@@ -733,12 +748,14 @@ def test_a_loop_of_top_level_module_calls_swaps_natively_from_its_first_native_i
     assert native[0].swap_out_bytes == max(it.swap_out_bytes for it in report.iterations)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", list(SOMETIMES))
 @pytest.mark.parametrize("keep", ["attribute", "detached", "dict"])
 def test_an_activation_the_script_holds_only_in_some_steps_comes_back(keep: str, when: str) -> None:
     run_in_child(f"t.sometimes_kept_comes_back({keep!r}, {when!r})")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["once", "kept", "global", "global_logging"])
 def test_a_forward_hook_the_native_path_did_not_align_with_is_seen(kind: str) -> None:
     run_in_child(f"t.late_hook_is_seen({kind!r})")
@@ -749,6 +766,7 @@ def test_a_forward_hook_the_native_path_did_not_align_with_is_seen(kind: str) ->
 checkpointed_loop = losses_loop([4] * STEPS, make=lambda: net(checkpointed=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_non_reentrant_activation_checkpointing_inside_the_forward(path: str) -> None:
     """The block's forward runs again inside backward (module calls and ops under an autograd node,
@@ -760,6 +778,7 @@ def test_non_reentrant_activation_checkpointing_inside_the_forward(path: str) ->
 reentrant_loop = losses_loop([4] * STEPS, make=lambda: net(checkpointed="reentrant"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_reentrant_activation_checkpointing_inside_the_forward(path: str) -> None:
     """`use_reentrant=True` (older Hugging Face models' default): the recomputation runs a nested
@@ -807,6 +826,7 @@ def gan_loop() -> Results:
     return {"losses": losses, "g": final(generator, g_optimizer), "d": final(discriminator, d_optimizer)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_two_models_with_two_optimizers(path: str) -> None:
     """The native path learns one kind of iteration and meets the other: it must fall back. The other kind
@@ -830,6 +850,7 @@ def detour_every_third_step(model: Net, step: int) -> None:
 branching_loop = losses_loop([4] * 10, before_step=detour_every_third_step)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_a_forward_that_branches_on_the_step(path: str) -> None:
     """The dispatch path diverges at the extra module's op, the native one at its module call."""
@@ -894,6 +915,7 @@ def auxiliary_loop() -> Results:
     return {"state": final(model, optimizer)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_an_auxiliary_loss_added_every_few_steps(path: str) -> None:
     """Same module calls, another backward: a node the learnt backward never ran reads a tensor the
@@ -923,6 +945,7 @@ def skipping_loop() -> Results:
     return {"losses": losses, "state": final(model, optimizer)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_a_step_skipped_after_a_non_finite_loss(path: str) -> None:
     """Two forwards within one iteration: the skipped one's graph dies with its swapped tensors."""
@@ -971,6 +994,7 @@ def out_of_memory_loop(where: str) -> Loop:
     return loop
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["forward", "backward"])
 @pytest.mark.parametrize("path", PATHS)
 def test_steps_skipped_after_running_out_of_memory(where: str, path: str) -> None:
@@ -1000,11 +1024,13 @@ def amp_loop(init_scale: float) -> Loop:
     return loop
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_mixed_precision_with_a_grad_scaler(path: str) -> None:
     check(amp_loop(2.0**16), path)
 
 
+@pytest.mark.slow
 def test_mixed_precision_steps_the_scaler_skips_leave_the_native_path_safely() -> None:
     """A skipped step joins two forwards in one iteration: the native iteration leaves the learnt module
     calls, brings its tensors back and falls back, bit-identical."""
@@ -1044,6 +1070,7 @@ def backward_calls_loop(call: str) -> Loop:
     return loop
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("call", ["retain_graph", "inputs", "autograd.grad"])
 @pytest.mark.parametrize("path", PATHS)
 def test_backward_run_other_ways(call: str, path: str) -> None:
@@ -1073,6 +1100,7 @@ def closure_loop(optimizer_of: Callable[[nn.Module], torch.optim.Optimizer] = sg
     return loop
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_a_step_that_runs_a_closure(path: str) -> None:
     """What the closure runs counts as outside the step, where iterations start and the native path acts. Inside
@@ -1104,6 +1132,7 @@ def ddp_loop(accumulate: int) -> Loop:
     return loop
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_distributed_data_parallel_with_gradient_accumulation(path: str, tmp_path: Path) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -1124,6 +1153,7 @@ class ScaledSGD(torch.optim.SGD):
             group["lr"] /= scale
 
 
+@pytest.mark.slow
 def test_a_steps_argument_that_is_no_closure_is_handed_on_as_it_was() -> None:
     def halved() -> Results:
         model = net()
@@ -1137,6 +1167,7 @@ def test_a_steps_argument_that_is_no_closure_is_handed_on_as_it_was() -> None:
     check(halved, "dispatch")
 
 
+@pytest.mark.slow
 def test_lbfgs_steps_are_iterations_of_several_evaluations() -> None:
     """Each LBFGS step evaluates the closure up to `max_iter` times and runs ops of its own that grow with its
     history: its iterations diverge from their plans and are planned again, which costs time, never correctness.
@@ -1164,6 +1195,7 @@ def two_views_loop() -> Results:
     return {"losses": losses, "state": final(model, optimizer)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_two_forwards_per_step(path: str) -> None:
     check(two_views_loop, path)
@@ -1184,6 +1216,7 @@ def penalty_loop() -> Results:
     return {"state": final(model, optimizer)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_a_gradient_penalty_through_a_double_backward(path: str) -> None:
     """The second backward's nodes are made by the first backward, after the last module call: no
@@ -1241,6 +1274,7 @@ def by_hand_loop() -> Results:
     return {"state": final(model)}
 
 
+@pytest.mark.slow
 def test_a_loop_without_an_optimizer_step_is_said_not_planned() -> None:
     """It ran to the end with an empty report, no message, `0 iterations ... peak 0.0 MiB`, as if measured."""
     plain = by_hand_loop()

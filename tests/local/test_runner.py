@@ -61,6 +61,7 @@ def _run_to_the_end(runner: LocalRunner, agent: LocalAgent, watch: Callable[[], 
         agent.stop()
 
 
+@pytest.mark.slow
 def test_two_jobs_share_a_gpu_too_small_for_both_one_waits_queued(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the container commands run from the repository, as in the quickstart
     workload = trace_workload("examples/tiny_mlp.py:build", 64, optimizer=None, device="cpu")
@@ -184,6 +185,7 @@ def test_the_view_shows_the_peak_under_plan_beside_the_peak_of_every_iteration(t
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_the_command_line_refuses_a_bad_file_before_starting_anything(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(JOB.format(name="bad", script="examples/train_mlp.py").replace("batchSize: 64", "batchSize: -1"))
@@ -264,6 +266,7 @@ def test_a_jobs_annotations_override_its_budget_and_swap_rate_as_in_the_cluster(
     assert tuned.spec.max_swap_rate == 0.5 != plain.spec.max_swap_rate
 
 
+@pytest.mark.slow
 def test_a_job_with_a_max_swap_rate_is_admitted_at_the_peak_its_plan_reaches(tmp_path, monkeypatch):
     """The agent plans a job with its max swapping rate; admission must too, or the job's memory budget (its
     admitted peak) lies below what its plan can reach and every iteration runs guarded, evicting: mlp-wide

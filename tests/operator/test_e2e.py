@@ -24,6 +24,7 @@ NODES = ("node-a", "node-b")
 JOBS = ("mlp-one", "mlp-two")
 
 
+@pytest.mark.slow
 def test_two_agents_two_jobs_train_under_their_agents_plans(tmp_path):
     logs: dict[str, str] = {}
     seen: dict[str, set[str]] = {node: set() for node in NODES}  # node -> jobs its agent ever hosted

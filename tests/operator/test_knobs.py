@@ -266,6 +266,7 @@ def _cli(args: list[str], tmp_path: Path, env: dict[str, str] | None = None) -> 
     return subprocess.run([sys.executable, *args], cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount/token"), reason="runs in a pod")
 def test_the_operator_without_credentials_prints_one_line_naming_the_fix(tmp_path):
     """It printed a 54-line traceback from Kopf's start-up handler."""
@@ -280,6 +281,7 @@ def test_the_operator_without_credentials_prints_one_line_naming_the_fix(tmp_pat
     assert done.returncode == 1 and len(lines) == 1 and "fix $KUBECONFIG" in lines[0], done
 
 
+@pytest.mark.slow
 def test_python_m_tensile_operator_main_takes_the_options_and_help(tmp_path):
     """The form docs/operator.md gives ignored --help and started the operator."""
     done = _cli(["-m", "tensile_operator.main", "--help"], tmp_path)

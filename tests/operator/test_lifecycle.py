@@ -172,6 +172,7 @@ def test_a_rebuild_ends_a_job_whose_pod_ended_or_went_unseen_instead_of_booking_
     assert "while the operator was down" in dict(api.statuses)["gone"]["message"]
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 def test_a_job_whose_pod_went_while_no_operator_ran_is_not_run_again(tmp_path: Path) -> None:
     """On resume every placed, booked job got its pod made: a job whose pod was deleted, or ended and was cleaned

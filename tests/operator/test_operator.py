@@ -33,6 +33,7 @@ def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster):
     async def scenario():  # type: ignore[no-untyped-def]
@@ -210,6 +211,7 @@ def test_forecast_failure_and_budget_only_jobs(tmp_path, forecaster):
     run(scenario())
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 def test_sixty_jobs_two_nodes_with_restart(tmp_path, forecaster):
     """60 mixed jobs at once onto 2 nodes x 2 simulated GPUs; the operator restarts mid-way."""
@@ -344,6 +346,7 @@ def test_webhook_rejects_invalid_specs_naming_the_field(tmp_path, forecaster):
     run(scenario())
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 def test_end_to_end_training_run_under_the_hook(tmp_path, forecaster):
     """apply -> admitted by budget -> pod -> the test kubelet runs the init container and examples/train_mlp.py."""
