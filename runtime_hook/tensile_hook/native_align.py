@@ -75,9 +75,12 @@ def user_forward_hooks(module: torch.nn.Module) -> int:
     return len(module._forward_pre_hooks) + len(module._forward_hooks)
 
 
+OWN_PACKAGE = __name__.partition(".")[0]  # tensile_hook: the package whose bound methods are the hook's own hooks
+
+
 def foreign_global_hooks() -> int:
     """Global module forward (pre-)hooks that are not the hook's own: each sees every module call."""
-    return sum(not type(getattr(hook, "__self__", None)).__module__.startswith("tensile.")
+    return sum(type(getattr(hook, "__self__", None)).__module__.partition(".")[0] != OWN_PACKAGE
                for hooks in (_global_forward_pre_hooks, _global_forward_hooks) for hook in hooks.values())
 
 

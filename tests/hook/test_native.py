@@ -187,3 +187,21 @@ def test_iterations_go_on_being_counted_while_a_users_dispatch_mode_holds_the_st
     assert any("another dispatch mode is active" in m for m in executor.report.messages)
     assert all(it.events["swap_out"] == 0 for it in iterations[4:])  # the newer plan was never applied
     assert_identical(fit(tracing_models.views, 4, steps), hooked)
+
+
+def test_only_global_hooks_of_other_packages_count_as_foreign():
+    """The native path stands aside while someone else's global module hook sees every call; its own do not count (a
+    prefix test that still named the package's earlier import path counted them, and no native swap ran)."""
+    from tensile_hook.native_align import foreign_global_hooks
+    from tensile_hook.shapes import ShapeSet
+
+    before = foreign_global_hooks()
+    shapes = ShapeSet.__new__(ShapeSet)  # any bound method of a tensile_hook class stands for the hook's own
+    own = torch.nn.modules.module.register_module_forward_pre_hook(shapes.__repr__)  # type: ignore[arg-type]
+    users = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+    try:
+        assert foreign_global_hooks() == before + 1
+    finally:
+        own.remove()
+        users.remove()
+    assert foreign_global_hooks() == before
