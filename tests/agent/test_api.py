@@ -460,7 +460,7 @@ def test_a_failing_planner_fails_the_round_not_the_agent(agent_server, tiny_work
 
 def test_an_external_job_silent_for_too_long_is_dropped_and_comes_back_when_it_calls(agent_server, tiny_workload):
     """A hook that registered by itself and was killed (SIGKILL) before it could unregister left its job, and the
-    job's scheduled peak on the GPU, for the agent's life (helper-30's finding). Now an external job silent for
+    job's scheduled peak on the GPU, for the agent's life. Now an external job silent for
     `expire_silent` seconds is dropped; a live hook's polls keep it, the operator's jobs are never dropped so,
     and a hook that was only silent registers again at its next call."""
     agent = agent_server(expire_silent=0.4)

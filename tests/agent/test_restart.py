@@ -87,7 +87,7 @@ def test_agent_restart_is_survived(tiny_workload):
 def test_knobs_the_operator_changed_hold_after_an_agent_restart(tiny_workload):
     """The operator PATCHes a running job's knobs (an annotation); the agent restarts and the hook registers
     again: with the knobs that hold now (the plan response carries them), not with those it started with, which
-    gave a job whose user had turned recompute off plans with recomputes again (helper-30's finding)."""
+    would give a job whose user had turned recompute off plans with recomputes again."""
     agent = AgentProcess().start()
     client = AgentClient(agent.url, "train/knobbed", timeout=1.0, retries=1, backoff=0.02, max_backoff=0.3)
     try:

@@ -188,8 +188,8 @@ def test_no_agent_at_all_falls_back_to_the_local_planner_at_once():
 
 def test_a_plan_the_agent_made_while_the_job_recorded_is_taken_at_the_match(agent_server):
     """Registered with its forecast workload (so in the cluster and in local mode), the job has the agent's plan
-    before its first iterations end. Until the nineteenth session the listener took it at iteration 0's end, where
-    the executor, not matched yet, dropped it; the match then waited out agent_wait for a newer version and planned
+    before its first iterations end. Taken at iteration 0's end, where the executor, not matched yet, dropped it, the
+    plan was lost: the match then waited out agent_wait for a newer version and planned
     locally (`tensile local`'s second job said so at every run)."""
     plain, _ = train(tracing_models.views, 4)
     device, agent = torch.device("cpu"), agent_server()
@@ -290,7 +290,7 @@ def test_a_failed_round_after_an_upload_gives_no_plan_for_the_forecast_workload(
 def test_a_budget_the_operator_lowers_while_the_job_runs_holds_the_hooks_guard(agent_server):
     """A TrainingJob's budget annotation lowered mid-run reaches the agent as a knob: its re-plan carries the
     budget, and the hook's guard holds the job to it from the next iteration (the agent re-planned and said the
-    guard would evict, but the hook never learnt the budget: helper-30's finding)."""
+    guard would evict, but the hook never learnt the budget)."""
     steps = STEPS + 3
     plain = fit(tracing_models.views, 4, steps)
     live, agent = _live_workload(tracing_models.views, 4), agent_server()

@@ -112,8 +112,8 @@ def test_knobs_reach_the_agent_and_release_unregisters(tmp_path, tiny_workload):
 
 def test_knobs_changed_before_the_hook_registers_reach_the_agent_once_it_has(tmp_path, tiny_workload):
     """A job's annotations can change while its pod starts, before its hook registers: the agent answers 404.
-    Until the nineteenth session that was said as "no agent reachable" and the knobs were never sent again, so the
-    hook registered with its pod's environment and ran under the old knobs (helper-34's finding)."""
+    Said as "no agent reachable" and never sent again, the knobs would miss the hook, which would register with its
+    pod's environment and run under the old knobs."""
     workload = tiny_workload()
 
     async def scenario() -> None:
