@@ -10,6 +10,13 @@ also declares the resources Kopf needs before it starts. Deletions take DeleteOp
 gone (`unreachable`), `gracePeriodSeconds`: deleted with one, it is only marked terminating (no kubelet
 confirms it); with 0 it is removed at once. Any other pod is removed at once, as if its kubelet
 confirmed straight away.
+
+It also plays the scheduler's part of Dynamic Resource Allocation (resource.k8s.io/v1; the rules are in
+`tests.support.dra_allocator`): a pod created with `spec.resourceClaims` has its claims allocated at once and is bound
+to their devices' node (`spec.nodeName`, each claim's `status.reservedFor`), or, when they cannot be, stays unbound
+with PodScheduled False (Unschedulable) and the scheduler's message; such pods are tried again whenever a claim is
+freed. A claim is deallocated, as the resource claim controller does, once no pod it is reserved for is left
+unfinished. `device_overcommits` lists any device whose consumed capacity exceeds what it has.
 """
 
 from __future__ import annotations
@@ -24,9 +31,15 @@ import aiohttp
 import attrs
 import jsonpatch
 import yaml
+from tests.support.dra_allocator import Allocator, Unallocatable, consumption, devices_of
+from tensile.admission import parse_quantity
 from kmock import KubernetesEmulator, KubernetesError, ResourceInfo, action, resource
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+RESOURCE_SLICES = "resource.k8s.io/v1/resourceslices"
+DEVICE_CLASSES = "resource.k8s.io/v1/deviceclasses"
+RESOURCE_CLAIMS = "resource.k8s.io/v1/resourceclaims"
+PODS = "v1/pods"
 
 
 @attrs.define(kw_only=True)
@@ -47,6 +60,9 @@ class KubeEmulator(KubernetesEmulator):
         self.declare("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", namespaced=False)
         self.declare("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", namespaced=False)
         self.declare("kopf.dev/v1/kopfpeerings", "KopfPeering", namespaced=True)
+        self.declare(RESOURCE_SLICES, "ResourceSlice", namespaced=False)
+        self.declare(DEVICE_CLASSES, "DeviceClass", namespaced=False)
+        self.declare(RESOURCE_CLAIMS, "ResourceClaim", namespaced=True, subresources=("status",))
         for path in sorted((ROOT / "crds").glob("*.yaml")):
             self.declare_crd(yaml.safe_load(path.read_text()))
 
@@ -95,7 +111,12 @@ class KubeEmulator(KubernetesEmulator):
                 return await self._render_error(exc)
             if request.action == action.DELETE and (terminating := await self._unconfirmed(request)) is not None:
                 return aiohttp.web.json_response(terminating)
-            return await super()._handle(request)
+            if request.action == action.CREATE and request.resource == resource(PODS):
+                await self._schedule(request.data)
+            response = await super()._handle(request)
+            if request.resource in (resource(PODS), resource(RESOURCE_CLAIMS)):
+                await self._release_claims(request.action == action.DELETE and request.resource == resource(RESOURCE_CLAIMS))
+            return response
 
     def _refuse(self, request) -> None:  # type: ignore[no-untyped-def]
         status = self._refused.get((request.resource, request.action))
@@ -186,6 +207,76 @@ class KubeEmulator(KubernetesEmulator):
             async with self._lock:
                 await self._buses[request.resource].put({"type": "MODIFIED", "object": copy.deepcopy(current.raw)})
         return copy.deepcopy(current.raw)
+
+    # ---- dynamic resource allocation --------------------------------------------------------------
+    async def _schedule(self, pod: dict) -> bool:
+        """Allocates the claims of an unbound pod and binds it to their node (`pod` is changed in place), else marks it
+        Unschedulable with the scheduler's message. Whether it was bound."""
+        spec = pod.setdefault("spec", {})
+        names = [c.get("resourceClaimName") for c in spec.get("resourceClaims") or []]
+        if spec.get("nodeName") or not names:
+            return False
+        namespace = pod["metadata"]["namespace"]
+        claims = {n: self.get(RESOURCE_CLAIMS, namespace, n) for n in names if n}
+        allocator = Allocator(self.items(RESOURCE_SLICES), self.items(DEVICE_CLASSES), self.items(RESOURCE_CLAIMS))
+        try:
+            missing = [n for n, c in claims.items() if c is None]
+            if missing:
+                raise Unallocatable(f'resourceclaim "{missing[0]}" not found')
+            allocations = {n: c["status"]["allocation"] if (c.get("status") or {}).get("allocation")
+                           else allocator.allocate(c) for n, c in claims.items() if c is not None}
+        except Unallocatable as exc:
+            pod["status"] = {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+                                                                 "reason": "Unschedulable", "message": str(exc)}]}
+            return False
+        node = ""
+        for name, allocation in allocations.items():
+            node = allocation["nodeSelector"]["nodeSelectorTerms"][0]["matchFields"][0]["values"][0]
+            claim = self.objects[resource(RESOURCE_CLAIMS), namespace, name]
+            reserved = list((claim.raw.get("status") or {}).get("reservedFor") or [])
+            reserved.append({"resource": "pods", "name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"]})
+            await self._write(RESOURCE_CLAIMS, claim, {"status": {"allocation": allocation, "reservedFor": reserved}})
+        spec["nodeName"] = node
+        pod["status"] = {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]}
+        return True
+
+    async def _write(self, plural_key: str, obj: Any, patch: dict) -> None:
+        """An object changed by the emulator's own controllers, with its new resourceVersion and a MODIFIED event."""
+        obj.patch(patch | {"metadata": {"resourceVersion": self._next_rv()}})
+        async with self._lock:
+            await self._buses[resource(plural_key)].put({"type": "MODIFIED", "object": copy.deepcopy(obj.raw)})
+
+    async def _release_claims(self, freed: bool = False) -> None:
+        """Claims reserved for pods that are gone or finished are released (deallocated when none is left), and the
+        unbound pods that wait for claims are scheduled again once anything was."""
+        live = {p["metadata"]["uid"] for p in self.items(PODS)
+                if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")}
+        for (res, _, _), obj in list(self.objects.items()):
+            status = (obj.raw.get("status") or {}) if res == resource(RESOURCE_CLAIMS) and not obj.deleted else {}
+            reserved = status.get("reservedFor") or []
+            kept = [r for r in reserved if r.get("uid") in live]
+            if len(kept) != len(reserved):
+                freed = freed or not kept
+                await self._write(RESOURCE_CLAIMS, obj, {"status": {"reservedFor": kept or None} | (
+                    {} if kept else {"allocation": None})})
+        if freed:
+            await self.schedule_waiting()
+
+    async def schedule_waiting(self) -> None:
+        """Unbound pods with claims tried again (as the scheduler retries them when resources free)."""
+        for (res, _, _), obj in list(self.objects.items()):
+            if res != resource(PODS) or obj.deleted or (obj.raw.get("spec") or {}).get("nodeName"):
+                continue
+            pod = copy.deepcopy(obj.raw)
+            if await self._schedule(pod):
+                await self._write(PODS, obj, {"spec": {"nodeName": pod["spec"]["nodeName"]}, "status": pod["status"]})
+
+    def device_overcommits(self) -> list[str]:
+        """Devices whose allocated claims consume more of a capacity than the device has (never, if DRA holds)."""
+        used = consumption(self.items(RESOURCE_CLAIMS))
+        return [f"{d.name}: {name} {amount} > {d.capacity[name]['value']}" for d in devices_of(self.items(RESOURCE_SLICES))
+                for name, amount in used.get(d.key, {}).items()
+                if name in d.capacity and amount > parse_quantity(d.capacity[name]["value"])]
 
     # ---- reads ----------------------------------------------------------------------------------
     async def _serve_list(self, request):  # type: ignore[no-untyped-def]
