@@ -13,7 +13,9 @@ import os
 from tensile import trainingjob_spec as model
 from tensile_operator.agent import NodeAgentClient
 from tensile_operator.capacity import CapacityLedger
+from tensile_operator.claims import GpuAccess, JobClaims
 from tensile_operator.completion import JobCompletion
+from tensile_operator.dra_inventory import DraInventory
 from tensile_operator.edits import JobEdits
 from tensile_operator.events import EventRecorder
 from tensile_operator.following import PodFollower
@@ -37,8 +39,9 @@ class OperatorApp:
 
     def __init__(self, forecaster: Forecaster | None = None, planner: JointPlanner | None = None,
                  image: str | None = None, token_key: bytes | None = None, queueing: QueueConfig | None = None,
-                 kube: Kube | None = None, agents: NodeAgentClient | None = None) -> None:
+                 kube: Kube | None = None, agents: NodeAgentClient | None = None, access: GpuAccess | None = None) -> None:
         queueing = queueing or QueueConfig.from_env()  # a bad setting stops the operator before it starts
+        self.access = access or GpuAccess.from_env()
         self.kube = kube or Kube()
         self.events = EventRecorder(self.kube)
         self.forecaster = forecaster or Forecaster()
@@ -48,13 +51,15 @@ class OperatorApp:
         tokens = JobTokens(token_key)
         self.statuses = JobStatuses(self.kube, self.events)
         self.metrics = OperatorMetrics(self.statuses.phase_snapshot)
-        self.capacity = CapacityLedger(self.kube, self.forecaster)
+        dra = self.access.dra
+        self.capacity = CapacityLedger(self.kube, self.forecaster, DraInventory(self.kube, self.access) if dra else None)
         self.queue = JobQueue()
+        claims = JobClaims(self.kube, self.access) if dra else None
         self.completion = JobCompletion(self.capacity, self.queue, self.statuses, self.agents, self.forecaster, tokens,
-                                        self.background)
+                                        self.background, claims)
         image = image or os.environ.get("TENSILE_IMAGE", DEFAULT_IMAGE)
         self.pods = PodLauncher(self.kube, self.capacity, self.statuses, self.events, self.agents, tokens,
-                                self.completion, self.background, image)
+                                self.completion, self.background, image, claims)
         self.intake = JobIntake(self.capacity, self.queue, self.statuses, self.pods, self.completion, self.forecaster,
                                 self.metrics)
         self.scheduler = Scheduler(self.kube, self.capacity, self.queue, self.statuses, self.pods, self.completion,

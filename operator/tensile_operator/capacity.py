@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from tensile import trainingjob_spec as model
 from tensile_operator import timing
+from tensile_operator.dra_inventory import DraInventory
 from tensile_operator.forecasting import Forecaster
 from tensile_operator.kube import Kube
 from tensile_operator.placement import Booking, Gpu, Ledger, gpus_from_tensilenode
@@ -49,9 +50,11 @@ class CapacityLedger:
     task: two jobs never take the same memory) and a predecessor's placement seen late is adopted; a job's end, deletion
     or re-placement releases, and a rebuild replaces the bookings."""
 
-    def __init__(self, kube: Kube, forecaster: Forecaster) -> None:
+    def __init__(self, kube: Kube, forecaster: Forecaster, dra: DraInventory | None = None) -> None:
         self.kube = kube
         self.forecaster = forecaster  # a rebuilt booking's forecast is the cached one of its status's signature
+        self.dra = dra  # `dra` mode: the GPUs are the ResourceSlices' devices, TensileNodes add their agents' view
+        self._dra_gpus: list[Gpu] = []
         self.ledger = Ledger()
         self.inventory: dict[str, list[Gpu]] = {}
         self.unlisted: set[str] = set()  # TensileNodes whose GPUs are not published yet (they say nothing of them)
@@ -63,7 +66,15 @@ class CapacityLedger:
     # ---- inventory ------------------------------------------------------------------------------
     @property
     def gpus(self) -> list[Gpu]:
+        if self.dra is not None:
+            return self._dra_gpus
         return [g for gpus in self.inventory.values() for g in gpus]
+
+    async def refresh_dra(self) -> None:
+        """`dra` mode: the devices and claims read again (before each scheduling pass)."""
+        if self.dra is not None:
+            await self.dra.refresh()
+            self._dra_gpus = self.dra.gpus(self.inventory)
 
     def gpu_of(self, booking: Booking) -> Gpu | None:
         """The booked GPU as its node's TensileNode now lists it (None: the node or its agent is gone)."""
@@ -88,6 +99,8 @@ class CapacityLedger:
                 self.unlisted.discard(name)
             else:  # created, its status not written yet (its agent writes it next)
                 self.unlisted.add(name)
+        if self.dra is not None:
+            self._dra_gpus = self.dra.gpus(self.inventory)
 
     def lists(self, node: str) -> bool:
         """Whether the node's TensileNode says which GPUs it has (created again, it says nothing of them until its
@@ -96,7 +109,11 @@ class CapacityLedger:
 
     def gone(self, booking: Booking) -> Gone | None:
         """Why a job's booked GPU left the inventory; None while it is listed, or while its TensileNode has not
-        published its GPUs yet (created again, it says nothing of them until its agent writes its status)."""
+        published its GPUs yet (created again, it says nothing of them until its agent writes its status). In `dra` mode
+        the GPU is the claim's: Kubernetes ends a pod whose device went, and a claim it cannot allocate re-places the job
+        (`Replacement.claim_unallocatable`)."""
+        if self.dra is not None:
+            return None
         if booking.node not in self.inventory:
             return Gone(NODE_REMOVED, f"TensileNode {booking.node} was removed (its node drained or deleted, or its "
                                       "agent uninstalled)")
@@ -195,9 +212,11 @@ class CapacityLedger:
             budget, rate = applied.get("memoryBudgetBytes"), applied.get("maxSwapRate")
             recompute = applied.get("recompute", True)
         profile = (spec.get("workload") or {}).get("profile") if forecast is None else None
+        claim_bytes = placement.get("claimBytes")
         return Booking(job_key(body), placement["gpu"], placement["node"],
                        int(fstatus.get("reservedBytes") or 0), forecast, budget, rate, profile,
-                       placement.get("planEvents", "auto"), recompute)
+                       placement.get("planEvents", "auto"), recompute,
+                       int(claim_bytes) if claim_bytes is not None else None, placement.get("claim", ""))
 
     def adopt(self, body: dict) -> None:
         """A placement seen in a status but missing from the ledger (a predecessor's write that landed after

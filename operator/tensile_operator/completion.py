@@ -13,6 +13,7 @@ from tensile.agent_contract import utc_timestamp
 from tensile_operator import timing
 from tensile_operator.agent import NodeAgentClient
 from tensile_operator.capacity import CapacityLedger
+from tensile_operator.claims import JobClaims
 from tensile_operator.forecasting import Forecaster
 from tensile_operator.placement import Booking
 from tensile_operator.pods import JobTokens
@@ -28,7 +29,8 @@ class JobCompletion:
     """Ends jobs and releases their room: one end per job, written before its room is given away."""
 
     def __init__(self, capacity: CapacityLedger, queue: JobQueue, statuses: JobStatuses, agents: NodeAgentClient,
-                 forecaster: Forecaster, tokens: JobTokens, background: Background) -> None:
+                 forecaster: Forecaster, tokens: JobTokens, background: Background,
+                 claims: JobClaims | None = None) -> None:
         self.capacity = capacity
         self.queue = queue
         self.statuses = statuses
@@ -36,6 +38,7 @@ class JobCompletion:
         self.forecaster = forecaster
         self.tokens = tokens
         self.background = background
+        self.claims = claims  # `dra` mode: a released job's claim is deleted
         self._ending: dict[str, asyncio.Event] = {}  # key -> set once the end `finish` is writing has been written
         self._freed: dict[str, asyncio.Event] = {}  # key -> set when a deleted job's booking is released
         self._profiling: set[str] = set()  # jobs whose live workload is being fetched
@@ -78,6 +81,11 @@ class JobCompletion:
         self.queue.poke()
         if booking is None:
             return
+        if self.claims is not None:
+            try:  # its pod has ended or is gone: the claim holds nothing any more (its owner reference deletes it too)
+                await self.claims.delete(booking)
+            except Exception as exc:  # noqa: BLE001 - the release goes on; the garbage collector deletes it with the job
+                log.warning("%s: its ResourceClaim %s was not deleted: %s", key, booking.claim, exc)
         await self._store_profile(key, booking)  # not fetched while it ran (or the operator restarted)
         # its node's agent when its GPU is no longer listed: it still holds the job (and the forecast registered for it)
         await self.agents.unregister(self.capacity.agent_of(booking), key, self.tokens.forget(key))

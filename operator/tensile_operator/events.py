@@ -58,6 +58,9 @@ EVENTS: dict[tuple[str, str], tuple[str, str]] = {
     ("NodeAvailable", "TensileNodePublished"): (NORMAL, "TensileNodePublished"),
     ("NodeAvailable", "GPURemoved"): (WARNING, "GPURemoved"),
     ("NodeAvailable", "GPUPublished"): (NORMAL, "GPUPublished"),
+    ("Admitted", "ClaimUnallocatable"): (WARNING, "ClaimUnallocatable"),
+    ("Admitted", "DeviceClassNotFound"): (WARNING, "DeviceClassNotFound"),
+    ("Admitted", "NoMemoryCapacity"): (WARNING, "NoMemoryCapacity"),
     # a job whose pod had not started, placed again after its node or GPU went (as Kueue's requeued workloads)
     ("Admitted", "TensileNodeRemoved"): (NORMAL, "Requeued"),
     ("Admitted", "GPURemoved"): (NORMAL, "Requeued"),

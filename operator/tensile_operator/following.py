@@ -12,7 +12,7 @@ from tensile_operator.capacity import CapacityLedger
 from tensile_operator.completion import JobCompletion
 from tensile_operator.kube import Kube, NotFound
 from tensile_operator.pod_creation import PodDeletion, PodLauncher
-from tensile_operator.pod_state import pod_end, pod_holder, waiting
+from tensile_operator.pod_state import pod_end, pod_holder, unschedulable, waiting
 from tensile_operator.pods import JobTokens, owner_of, pod_name
 from tensile_operator.queueing import JobQueue
 from tensile_operator.replacement import Replacement
@@ -54,6 +54,11 @@ class PodFollower:
                 await self.statuses.write(namespace, job, {"message": said})
             return
         if phase == "Pending":
+            booking = self.capacity.booking(key)
+            refused = unschedulable(pod)
+            if refused is not None and booking is not None and booking.claim:
+                self.replacement.claim_unallocatable(booking, refused)
+                return
             cannot_start = waiting(pod)
             if cannot_start is not None and self.capacity.booked(key):
                 await self._pod_waiting(namespace, job, meta["name"], *cannot_start)

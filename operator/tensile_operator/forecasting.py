@@ -26,8 +26,10 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
+from tensile.admission import allocator_slack
 from tensile.lru import Lru
 from tensile_operator.heap import freeze_long_lived
 from tensile.trainingjob_spec import PlanScope, WorkloadSpec
@@ -53,6 +55,11 @@ class JobForecast:
     predicted_iteration_seconds: float
     source: str  # "traced" or "profile"
     scope: PlanScope  # the events it was planned with, as the job's hook will plan
+
+    @cached_property
+    def allocator_slack_bytes(self) -> int:
+        """What the caching allocator reserves beyond its tensors' peak (tensile.admission.allocator_slack)."""
+        return allocator_slack(self.workload)
 
     def to_status(self) -> dict:
         return {

@@ -18,6 +18,7 @@ from tensile_operator import GROUP, VERSION
 from tensile_operator.rbac import allowed
 
 T = TypeVar("T")
+DRA = "resource.k8s.io"  # Dynamic Resource Allocation's API group
 
 
 class KubeError(Exception):
@@ -168,6 +169,34 @@ class Kube:
 
     async def create_event(self, namespace: str, event: dict) -> dict:
         return await self.call("create", "", "v1", "events", namespace=namespace, body=event)
+
+    async def create_resourceclaim(self, namespace: str, claim: dict) -> dict:
+        return await self.call("create", DRA, "v1", "resourceclaims", namespace=namespace, body=claim)
+
+    async def find_resourceclaim(self, namespace: str, name: str) -> dict | None:
+        try:
+            return await self.call("get", DRA, "v1", "resourceclaims", namespace=namespace, name=name)
+        except NotFound:
+            return None
+
+    async def delete_resourceclaim(self, namespace: str, name: str) -> None:
+        """A claim already gone is no error."""
+        try:
+            await self.call("delete", DRA, "v1", "resourceclaims", namespace=namespace, name=name)
+        except NotFound:
+            pass
+
+    async def list_resourceclaims(self) -> list[dict]:
+        return (await self.call("list", DRA, "v1", "resourceclaims")).get("items", [])
+
+    async def list_resourceslices(self) -> list[dict]:
+        return (await self.call("list", DRA, "v1", "resourceslices")).get("items", [])
+
+    async def find_deviceclass(self, name: str) -> dict | None:
+        try:
+            return await self.call("get", DRA, "v1", "deviceclasses", name=name)
+        except NotFound:
+            return None
 
     async def delete_pod(self, namespace: str, name: str, options: dict | None = None) -> None:
         """`options`: DeleteOptions fields (`gracePeriodSeconds`, `preconditions`: a pod changed since is answered

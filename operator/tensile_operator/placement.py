@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from tensile.admission import RequestPolicy
 from tensile.knobs import memory_text
 from tensile.lru import Lru
 from tensile_operator.forecasting import DEFAULT_BANDWIDTH, JobForecast
@@ -34,6 +35,8 @@ class Gpu:
     bandwidth: float = DEFAULT_BANDWIDTH
     agent: str | None = None  # the node agent's URL
     hosted: tuple[tuple[str, int], ...] = ()  # (job, scheduled peak) of every job the agent hosts on it
+    policy: RequestPolicy | None = None  # its memory capacity's request policy (a device a ResourceSlice publishes)
+    claimed: tuple[tuple[str, int], ...] = ()  # (owning job or "", bytes) of every allocated claim on it
 
 
 def gpus_from_tensilenode(body: dict) -> list[Gpu]:
@@ -74,6 +77,8 @@ class Booking:
     profile: str | None = None  # admitted by budget: the profile its live workload is stored under
     plan_events: str = "auto"  # the job's spec.scheduling.planEvents at admission: its pod's TENSILE_PLAN_EVENTS
     recompute: bool = True  # spec.scheduling.recompute (or its annotation): its pod's TENSILE_RECOMPUTE
+    claim_bytes: int | None = None  # what its ResourceClaim requests (`dra` mode): fixed at admission
+    claim: str = ""  # its ResourceClaim's name (`dra` mode)
 
 
 @dataclass
@@ -84,6 +89,7 @@ class Decision:
     shortfall_bytes: int = 0
     planned: bool = False  # whether the joint planner ran (rather than a shortcut)
     too_large: bool = False  # the job fits no matching GPU even alone: only a larger GPU joining can place it
+    claim_bytes: int | None = None  # the size its claim requests (`dra` mode)
 
 
 @dataclass(frozen=True)
@@ -153,10 +159,11 @@ class Ledger:
         return sum(b.reserved_bytes for b in jobs) + gpu.context_bytes * len(jobs) + self.external(gpu)
 
     def external(self, gpu: Gpu) -> int:
-        """What the jobs the GPU's agent hosts and no booking holds commit (e.g. `tensile run --agent`).
-        By job name, not the agent's `external` flag: the hook registers every job as external, and a
-        job placed here is already counted by its booking."""
-        return sum(peak for job, peak in gpu.hosted if job not in self.bookings)
+        """What the jobs the GPU's agent hosts and no booking holds commit (e.g. `tensile run --agent`), and the
+        allocated claims no booking holds (other workloads'). By job name, not the agent's `external` flag: the hook
+        registers every job as external, and a job placed here is already counted by its booking."""
+        return sum(peak for job, peak in gpu.hosted if job not in self.bookings) + \
+            sum(size for job, size in gpu.claimed if job not in self.bookings)
 
     def book(self, booking: Booking) -> None:
         if booking.job in self.bookings and self.bookings[booking.job].gpu != booking.gpu:

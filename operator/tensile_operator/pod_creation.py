@@ -13,6 +13,7 @@ from typing import Any
 from tensile_operator import timing
 from tensile_operator.agent import NodeAgentClient
 from tensile_operator.capacity import CapacityLedger
+from tensile_operator.claims import JobClaims
 from tensile_operator.completion import JobCompletion
 from tensile_operator.events import NORMAL, EventRecorder, Said
 from tensile_operator.kube import Conflict, Kube, KubeError, retried, transient
@@ -49,7 +50,7 @@ class PodLauncher:
 
     def __init__(self, kube: Kube, capacity: CapacityLedger, statuses: JobStatuses, events: EventRecorder,
                  agents: NodeAgentClient, tokens: JobTokens, completion: JobCompletion, background: Background,
-                 image: str) -> None:
+                 image: str, claims: JobClaims | None = None) -> None:
         self.kube = kube
         self.capacity = capacity
         self.statuses = statuses
@@ -59,6 +60,7 @@ class PodLauncher:
         self.completion = completion
         self.background = background
         self.image = image
+        self.claims = claims  # `dra` mode: each pod's ResourceClaim
         self._creating: dict[str, asyncio.Task] = {}  # key -> the task creating the job's pod
         # uid of an unstarted pod deleted to place its job again -> set at its DELETED event (not the job's end)
         self.deleting: dict[str, asyncio.Event] = {}
@@ -97,12 +99,23 @@ class PodLauncher:
             log.info("%s: registered with the agent of %s with its forecast", booking.job, gpu.node)
 
     async def ensure_pod(self, body: dict, booking: Booking) -> None:
+        """The job's pod (after its claim, in `dra` mode: no pod runs without the claim it names)."""
         meta = body["metadata"]
+        claim = None
+        if self.claims is not None and booking.claim_bytes is not None:
+            try:
+                claim = await self.claims.ensure(body, booking)
+            except KubeError as exc:
+                await self.completion.finish(
+                    meta["namespace"], meta["name"], "Failed", "ClaimRejected", f"the API server did not make the "
+                    f"job's ResourceClaim ({exc}): resource.k8s.io/v1 with consumable capacity needs Kubernetes 1.36+ "
+                    "(else install the chart with gpuAccess.mode=legacy); then create the TrainingJob again")
+                return
         gpu = self.capacity.gpu_of(booking)
         signature = booking.forecast.signature if booking.forecast else None
         pod = build_pod(body, booking.node, booking.gpu, gpu.agent if gpu else None, self.tokens.issue(body),
                         pod_budget(booking), booking.max_swap_rate, signature, self.image, booking.plan_events,
-                        booking.recompute)
+                        booking.recompute, claim)
         namespace, name = meta["namespace"], pod["metadata"]["name"]
 
         async def retrying(exc: Exception, delay: float) -> None:

@@ -41,7 +41,18 @@ def pinned_elsewhere(pod: dict, booking: Booking) -> bool:
     spec = pod.get("spec") or {}
     gpus = {e.get("value") for c in spec.get("containers") or [] for e in c.get("env") or []
             if e.get("name") == "TENSILE_GPU"}
-    return spec.get("nodeName") != booking.node or gpus != {booking.gpu}
+    # a pod with a claim is bound by the scheduler, to its claim's node
+    node = spec.get("nodeName") or (booking.node if spec.get("resourceClaims") else None)
+    return node != booking.node or gpus != {booking.gpu}
+
+
+def unschedulable(pod: dict) -> str | None:
+    """The scheduler's message for an unbound pod it cannot place (PodScheduled False, Unschedulable: for a pod with
+    a claim, the claim cannot be allocated); None when it is not said to be."""
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
+            return str(cond.get("message") or "unschedulable")
+    return None
 
 
 def started(pod: dict) -> bool:

@@ -1,4 +1,7 @@
-"""The training pod of an admitted TrainingJob: the user's template, pinned to its node and GPU, hooked.
+"""The training pod of an admitted TrainingJob: the user's template, given its GPU, hooked.
+
+Its GPU comes from its ResourceClaim (`claim`: the scheduler binds the pod where the claim is allocated and the DRA
+driver makes the GPU visible), or, in legacy mode, from `spec.nodeName` and NVIDIA_VISIBLE_DEVICES/CUDA_VISIBLE_DEVICES.
 
 The hook reaches the user's image without changing it: an init container from the Tensile image
 copies the hook (and the core it needs) into a shared emptyDir, and every container gets that
@@ -20,6 +23,7 @@ HOOK_VOLUME = "tensile-hook"
 HOOK_MOUNT = "/tensile"
 DEFAULT_IMAGE = "ghcr.io/tensile/tensile:0.1.0"
 JOB_LABEL = "tensile.dev/job"
+CLAIM = "tensile-gpu"  # the pod's name for its job's ResourceClaim (spec.resourceClaims, resources.claims)
 # The init container passes PodSecurity "restricted" (and baseline): no privilege escalation, no capabilities, a
 # non-root user (the image's USER is the numeric 10001, which the kubelet can check; no runAsUser is set, so
 # platforms that assign user ids, such as OpenShift, still can), the runtime's default seccomp profile, and a
@@ -100,12 +104,12 @@ class JobTokens:
 
 def hook_env(job: str, gpu_uuid: str, agent: str | None, token: str, budget: int | None,
              max_swap_rate: float | None, signature: str | None, existing_path: str | None, plan_events: str,
-             recompute: bool) -> list[dict]:
+             recompute: bool, visible_devices: bool = True) -> list[dict]:
+    """`visible_devices`: the GPU named by environment variables (legacy mode; with a claim, the driver does it)."""
     env = {
         "TENSILE_JOB": job,
         "TENSILE_GPU": gpu_uuid,
-        "NVIDIA_VISIBLE_DEVICES": gpu_uuid,
-        "CUDA_VISIBLE_DEVICES": gpu_uuid,
+        **({"NVIDIA_VISIBLE_DEVICES": gpu_uuid, "CUDA_VISIBLE_DEVICES": gpu_uuid} if visible_devices else {}),
         "TENSILE_TOKEN": token,
         # the budget and rate it was admitted with, the events admission planned with (the hook's own plans and its
         # agent's keep to the same) and spec.scheduling.recompute (the hook registers with it, so the agent plans
@@ -122,8 +126,9 @@ def hook_env(job: str, gpu_uuid: str, agent: str | None, token: str, budget: int
 
 def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, token: str, budget: int | None,
               max_swap_rate: float | None, signature: str | None, image: str = DEFAULT_IMAGE, plan_events: str = "auto",
-              recompute: bool = True) -> dict:
-    """The pod manifest for the TrainingJob `body` placed on (node, gpu_uuid)."""
+              recompute: bool = True, claim: str | None = None) -> dict:
+    """The pod manifest for the TrainingJob `body` placed on (node, gpu_uuid); with `claim`, its GPU is that
+    ResourceClaim's (the pod names no node and no device)."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     template = copy.deepcopy(body["spec"].get("template") or {})
@@ -131,7 +136,12 @@ def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, token: st
     spec = template.get("spec") or {}
     labels = dict(pod_meta.get("labels") or {})
     labels[JOB_LABEL] = job_label(namespace, name, meta.get("uid", ""))
-    spec["nodeName"] = node
+    if claim is None:
+        spec["nodeName"] = node
+    else:
+        spec.pop("nodeName", None)
+        claims = [c for c in spec.get("resourceClaims") or [] if c.get("name") != CLAIM]
+        spec["resourceClaims"] = claims + [{"name": CLAIM, "resourceClaimName": claim}]
     spec.setdefault("restartPolicy", "Never")
     volumes = [v for v in spec.get("volumes") or [] if v.get("name") != HOOK_VOLUME]
     spec["volumes"] = volumes + [{"name": HOOK_VOLUME, "emptyDir": {}}]
@@ -139,7 +149,11 @@ def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, token: st
     job = f"{namespace}/{name}"
     for container in spec.get("containers") or []:
         existing = next((e.get("value") for e in container.get("env") or [] if e.get("name") == "PYTHONPATH"), None)
-        ours = hook_env(job, gpu_uuid, agent, token, budget, max_swap_rate, signature, existing, plan_events, recompute)
+        ours = hook_env(job, gpu_uuid, agent, token, budget, max_swap_rate, signature, existing, plan_events, recompute,
+                        visible_devices=claim is None)
+        if claim is not None:
+            resources = container.setdefault("resources", {})
+            resources["claims"] = [c for c in resources.get("claims") or [] if c.get("name") != CLAIM] + [{"name": CLAIM}]
         names = {e["name"] for e in ours}
         container["env"] = [e for e in container.get("env") or [] if e.get("name") not in names] + ours
         container["volumeMounts"] = [m for m in container.get("volumeMounts") or [] if m.get("name") != HOOK_VOLUME] + [mount]

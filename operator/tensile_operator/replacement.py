@@ -26,6 +26,7 @@ from tensile_operator.tasks import Background
 
 log = logging.getLogger("tensile_operator")
 # conditions about a job's placement and its pod: dropped when the job is placed again (its next pod is made anew)
+CLAIM_UNALLOCATABLE = "ClaimUnallocatable"
 PLACED_CONDITIONS = frozenset({"PodRunning", "NodeAvailable", "SpecApplied", "PlanEventsApplied", "KnobsApplied"})
 
 
@@ -81,6 +82,16 @@ class Replacement:
                     and (said is None or said["reason"] != gone.reason):  # a job being deleted: `deleted` has it
                 self.checking[booking.job] = self.background.spawn(self._booked_gpu_gone(booking, gone))
         await asyncio.gather(*(self._say_node(b, None) for b in back))
+
+    def claim_unallocatable(self, booking: Booking, message: str) -> None:
+        """A job whose pod the scheduler cannot bind because its claim cannot be allocated (its GPU filled up between
+        placement and allocation, e.g. with another workload's claim): placed again, as a job whose GPU went is, on a
+        task of its own (once at a time)."""
+        if booking.job in self.checking or self.completion.being_deleted(booking.job):
+            return
+        gone = Gone(CLAIM_UNALLOCATABLE, f"the scheduler could not allocate ResourceClaim {booking.claim} on "
+                                         f"{booking.node} GPU {booking.gpu} ({message})")
+        self.checking[booking.job] = self.background.spawn(self._booked_gpu_gone(booking, gone))
 
     def check_of(self, key: str) -> asyncio.Task | None:
         """The task looking at the job (its GPU went), while it runs."""

@@ -11,6 +11,8 @@ import time
 from tensile.agent_contract import utc_timestamp
 from tensile.knobs import memory_text
 from tensile_operator.capacity import CapacityLedger
+from tensile_operator.claim_fit import choose_claimed, too_large_for_claims
+from tensile_operator.claims import claim_name
 from tensile_operator.completion import JobCompletion
 from tensile_operator.kube import Kube
 from tensile_operator.metrics import OperatorMetrics
@@ -106,6 +108,8 @@ class Scheduler:
         """One pass in the queue's order (priority, then creation). A job whose PriorityClass does not exist is not
         ordered, nor placed: Kubernetes would refuse its pod, and the class may be created later."""
         walk = Walk(self.queueing, time.time())
+        await self.capacity.refresh_dra()
+        problem = self.capacity.dra.problem() if self.capacity.dra is not None else None
         ranked: list[tuple[Priority, Pending]] = []
         for pending in list(self.queue.pending.values()):
             priority = self.priorities.of(pending.body.get("spec") or {})
@@ -118,6 +122,10 @@ class Scheduler:
                 await self.statuses.write(pending.namespace, pending.name, {}, condition(
                     "PriorityResolved", True, "PriorityClassFound",
                     f"PriorityClass {priority.class_name} exists now: queued with priority {priority.value}"))
+            if problem is not None:  # the cluster can allocate no claim at all: said on every waiting job
+                await self._say_waiting(pending, priority, Decision(None, reason=problem[1]), "", (), [], [],
+                                        problem[0])
+                continue
             await self.place(pending, walk, priority)
         if self._hold_timer is not None:
             self._hold_timer.cancel()
@@ -156,30 +164,34 @@ class Scheduler:
         usable = matching(self.capacity.gpus, candidate)
         free = walk.free([g.uuid for g in usable])
         gpus = [g for g in usable if g.uuid in free]
-        decision = fit_unchanged(gpus, self.capacity.ledger, candidate)
+        dra = self.capacity.dra is not None
+        alone_fits = too_large_for_claims if dra else too_large
+        decision = None if dra else fit_unchanged(gpus, self.capacity.ledger, candidate)
         if decision is None and gpus:  # the joint planner may run: off the event loop, on a snapshot of the ledger
-            decision = await asyncio.to_thread(choose, gpus, self.capacity.snapshot(), candidate, self.planner)
+            decision = await asyncio.to_thread(choose_claimed if dra else choose, gpus, self.capacity.snapshot(),
+                                               candidate, self.planner)
         if decision is not None and decision.gpu is not None:
             async with self._committing:
-                await self.commit(pending, decision.gpu, decision.peaks)
+                await self.commit(pending, decision.gpu, decision.peaks, decision.claim_bytes)
             return
         held = [g.uuid for g in usable if g.uuid not in free]
         if not self.capacity.gpus:
-            decision = Decision(None, reason="no TensileNode publishes a GPU yet")
+            decision = Decision(None, reason="no ResourceSlice publishes a shared GPU with a memory capacity yet" if dra
+                                else "no TensileNode publishes a GPU yet")
         elif not usable:
             decision = Decision(None, reason="no GPU matches spec.gpuSelector")
-        elif decision is None or (decision.too_large and too_large(usable, candidate) is None):
+        elif decision is None or (decision.too_large and alone_fits(usable, candidate) is None):
             decision = Decision(None)  # only GPUs held for earlier jobs could hold it: the reason is that hold
-        alone = [g.uuid for g in usable if too_large([g], candidate) is None]  # large enough to hold it alone
+        alone = [g.uuid for g in usable if alone_fits([g], candidate) is None]  # large enough to hold it alone
         wait = walk.waiting(pending.key, alone, pending.head_since)
         await self._say_waiting(pending, priority or Priority(), decision, wait.head_since, wait.holds,
                                 walk.holders(held), held)
 
     async def _say_waiting(self, pending: Pending, priority: Priority, decision: Decision, head_since: str,
-                           holds: tuple[str, ...], behind: list[str], held: list[str]) -> None:
+                           holds: tuple[str, ...], behind: list[str], held: list[str], cluster_problem: str = "") -> None:
         """`status.queue` and the `Admitted` condition of a job that waits: its shortfall, its priority, since when it
-        is the head of the queue, the GPUs held for it, and the earlier jobs it waits behind. Written when it
-        changes."""
+        is the head of the queue, the GPUs held for it, and the earlier jobs it waits behind (or, as the condition's
+        reason, what keeps the cluster from allocating any claim: `cluster_problem`). Written when it changes."""
         pending.head_since = head_since
         reason = decision.reason
         if behind:
@@ -197,7 +209,9 @@ class Scheduler:
         if queue == pending.said:
             return
         self._said_queued(pending, queue)
-        if decision.too_large:  # kept queued, as Kubernetes keeps an unschedulable pod Pending: a larger GPU may join
+        if cluster_problem:
+            admitted = condition("Admitted", False, cluster_problem, f"{reason}; retried when the cluster changes")
+        elif decision.too_large:  # kept queued, as Kubernetes keeps an unschedulable pod Pending: a larger GPU may join
             fix = "reduce spec.workload.batchSize" if pending.forecast is not None \
                 else f"lower {pending.spec.budget_field}"
             admitted = condition("Admitted", False, "NoGpuLargeEnough",
@@ -208,7 +222,7 @@ class Scheduler:
         queued = {"phase": "Queued", "message": reason, "queue": queue}
         await self.statuses.write(pending.namespace, pending.name, queued, admitted)
 
-    async def commit(self, pending: Pending, gpu: Gpu, peaks: dict[str, int]) -> None:
+    async def commit(self, pending: Pending, gpu: Gpu, peaks: dict[str, int], claim_bytes: int | None = None) -> None:
         """Books the placement `place` decided, unless the job left the queue meanwhile (deleted while the joint
         planner ran on its thread, or while a write awaited): booked anyway, it got a pod and kept its GPU."""
         key = pending.key
@@ -227,18 +241,24 @@ class Scheduler:
             return
         spec = pending.spec
         profile = spec.workload.profile if pending.forecast is None else None
+        meta = pending.body["metadata"]
+        claim = claim_name(meta["namespace"], meta["name"], meta.get("uid", "")) if claim_bytes is not None else ""
         booking = Booking(key, gpu.uuid, gpu.node, reserved, pending.forecast, spec.memory_budget, spec.max_swap_rate,
-                          profile, spec.plan_events, spec.recompute)
+                          profile, spec.plan_events, spec.recompute, claim_bytes, claim)
         self.capacity.book(booking)
         fstatus = (pending.forecast.to_status() if pending.forecast else {"source": "budget"}) | {
             "scheduledPeakBytes": reserved, "reservedBytes": reserved, "plannedWith": sum(1 for j in peaks if j != key)}
         placement = {"node": gpu.node, "gpu": gpu.uuid, "gpuName": gpu.name, "simulated": gpu.simulated,
                      "agent": gpu.agent or "", "planEvents": pending.spec.plan_events, "admittedAt": utc_timestamp()}
+        held = f"{memory_text(reserved)} reserved"
+        if claim_bytes is not None:
+            placement |= {"claim": claim, "claimBytes": claim_bytes}
+            held += f", claiming {memory_text(claim_bytes)} (ResourceClaim {claim})"
         await self.statuses.write(pending.namespace, pending.name, {
             "phase": "Admitted", "message": f"placed on {gpu.node} GPU {gpu.uuid}", "placement": placement,
             "forecast": fstatus, "queue": None}, condition(
                 "Admitted", True, "Placed",
-                f"placed on {gpu.node} GPU {gpu.uuid} with {memory_text(reserved)} reserved"))
+                f"placed on {gpu.node} GPU {gpu.uuid} with {held}"))
         self.admitted_at[key] = asyncio.get_running_loop().time()
         self.metrics.admissions.labels("admitted").inc()
         self.queue.pending.pop(key, None)

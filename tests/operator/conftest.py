@@ -13,3 +13,10 @@ def forecaster():  # type: ignore[no-untyped-def]
     f = Forecaster()
     yield f
     f.close()
+
+
+@pytest.fixture(autouse=True)
+def legacy_access_unless_given(monkeypatch):  # type: ignore[no-untyped-def]
+    """An operator built without a GPU access mode runs `legacy` (node names and TensileNodes), as these tests were
+    written for; the tests of `dra` mode give OperatorApp theirs."""
+    monkeypatch.setenv("TENSILE_GPU_ACCESS", "legacy")

@@ -57,6 +57,14 @@ class Cluster:
         status = {"gpus": gpus, "agentAddress": agent, "updatedAt": "2026-01-01T00:00:00Z"}
         await self.request("PATCH", f"/apis/tensile.dev/v1alpha1/tensilenodes/{name}/status", {"status": status})
 
+    async def create(self, plural_key: str, body: dict) -> dict:
+        """Any object, by its resource key ("group/version/plural", "v1/plural" for the core group)."""
+        group_version, plural = plural_key.rsplit("/", 1)
+        prefix = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+        namespace = body["metadata"].get("namespace")
+        return await self.request("POST", f"{prefix}/namespaces/{namespace}/{plural}" if namespace else f"{prefix}/{plural}",
+                                  body)
+
     async def priority_class(self, name: str, value: int, global_default: bool = False) -> None:
         """A PriorityClass (scheduling.k8s.io/v1), as `kubectl create priorityclass NAME --value=N` makes it."""
         await self.request("POST", "/apis/scheduling.k8s.io/v1/priorityclasses", {
@@ -191,9 +199,11 @@ async def start_operator(forecaster: Forecaster, webhook=None, metrics_port: int
     return op
 
 
-async def serve_pods(c: Cluster, lifecycle: Callable[[dict], Awaitable[None]], reraise: bool = False) -> None:
+async def serve_pods(c: Cluster, lifecycle: Callable[[dict], Awaitable[None]], reraise: bool = False,
+                     bound_only: bool = False) -> None:
     """A kubelet's loop: one `lifecycle` task per new pod until cancelled (then the tasks are cancelled too);
-    with `reraise`, a lifecycle that failed fails the kubelet."""
+    with `reraise`, a lifecycle that failed fails the kubelet; with `bound_only`, a pod waits until the scheduler has
+    bound it to a node (a pod with claims: once they are allocated)."""
     started: set[str] = set()
     tasks: list[asyncio.Task] = []
     try:
@@ -202,6 +212,8 @@ async def serve_pods(c: Cluster, lifecycle: Callable[[dict], Awaitable[None]], r
                 for t in [t for t in tasks if t.done() and not t.cancelled() and t.exception()]:
                     raise t.exception()  # type: ignore[misc]
             for pod in c.emu.new_items("v1/pods", started):
+                if bound_only and not pod["spec"].get("nodeName"):
+                    continue
                 if pod["metadata"]["uid"] not in started:
                     started.add(pod["metadata"]["uid"])
                     tasks.append(asyncio.create_task(lifecycle(pod)))
@@ -212,7 +224,8 @@ async def serve_pods(c: Cluster, lifecycle: Callable[[dict], Awaitable[None]], r
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def fake_kubelet(c: Cluster, run_seconds: Callable[[dict], float] = lambda pod: 0.3, fail: set[str] = frozenset()) -> None:
+async def fake_kubelet(c: Cluster, run_seconds: Callable[[dict], float] = lambda pod: 0.3, fail: set[str] = frozenset(),
+                       bound_only: bool = False) -> None:
     """Marks each new pod Running, then Succeeded (or Failed) after `run_seconds(pod)`."""
 
     async def lifecycle(pod: dict) -> None:
@@ -224,7 +237,7 @@ async def fake_kubelet(c: Cluster, run_seconds: Callable[[dict], float] = lambda
         await c.set_pod_status(pod, {"phase": "Failed" if failed else "Succeeded", "containerStatuses": [
             {"name": "train", "state": {"terminated": {"exitCode": 1 if failed else 0, "reason": "Error" if failed else "Completed"}}}]})
 
-    await serve_pods(c, lifecycle, reraise=True)
+    await serve_pods(c, lifecycle, reraise=True, bound_only=bound_only)
 
 
 async def process_kubelet(c: Cluster, workdir: Path, root: Path, logs: dict[str, str]) -> None:

@@ -1,0 +1,103 @@
+"""Where a job fits when GPUs are handed out by Dynamic Resource Allocation (`dra` mode): by claims.
+
+A ResourceClaim's request cannot change once made, and the scheduler keeps every device's consumed sum within its
+capacity. So a GPU's room for a newcomer is its memory capacity less what every claim on it takes: the claims of the
+jobs booked there (allocated or not yet), other workloads' allocated claims, and what its agent hosts outside any
+claim. The newcomer is admitted with `tensile.admission.admitted_bytes` of its vanilla peak where that fits; else the
+GPU's jobs are planned together with it, each neighbour within the peak it holds now (its claim does not grow) and the
+newcomer within the room left, and admitted with its planned peak where that fits. Best fit: the GPU left with the
+least room. Co-located jobs keep their peaks (and claims): nobody's claim is raised, none is lowered behind its back.
+"""
+
+from __future__ import annotations
+
+from tensile.admission import admitted_bytes
+from tensile.knobs import memory_text
+from tensile_operator.forecasting import JobForecast
+from tensile_operator.placement import Candidate, Decision, Gpu, JointPlanner, Ledger, matching
+
+
+def claim_room(gpu: Gpu, ledger: Ledger) -> int:
+    """What the GPU's memory capacity has left for another claim."""
+    held = sum(b.claim_bytes if b.claim_bytes is not None else b.reserved_bytes + gpu.context_bytes
+               for b in ledger.on_gpu(gpu.uuid))
+    return gpu.memory_bytes - held - ledger.external(gpu)
+
+
+def _slack(new: Candidate) -> int:
+    return new.forecast.allocator_slack_bytes if new.forecast is not None else 0
+
+
+def _least(new: Candidate) -> int:
+    """The smallest peak the job can run at: its budget (admitted by it), else its lowest reachable peak."""
+    if new.forecast is None:
+        return new.fixed_bytes or 0
+    peak = new.forecast.min_peak_bytes
+    return min(peak, new.budget_bytes) if new.budget_bytes is not None else peak
+
+
+def size_on(gpu: Gpu, new: Candidate, peak: int) -> int | None:
+    """The claim `new` asks for on `gpu` when admitted at `peak` (None: the device takes no claim that large)."""
+    return admitted_bytes(peak, _slack(new), gpu.context_bytes, gpu.policy, gpu.memory_bytes)
+
+
+def fit_claim(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
+    """Whether `new` fits on `gpu` beside the claims there, at which peak and with which claim."""
+    room = claim_room(gpu, ledger)
+    where = f"{gpu.node}/{gpu.uuid}"
+    if new.forecast is None:
+        peak = new.fixed_bytes or 0
+    else:
+        vanilla = new.forecast.vanilla_peak_bytes
+        peak = min(vanilla, new.budget_bytes) if new.budget_bytes is not None else vanilla
+    size = size_on(gpu, new, peak)
+    if size is not None and size <= room:
+        return Decision(gpu, {new.job: peak}, claim_bytes=size)
+    lowest = size_on(gpu, new, _least(new))
+    if new.forecast is None or lowest is None or lowest > room:
+        short = (lowest if lowest is not None else _least(new) + _slack(new) + gpu.context_bytes) - room
+        return Decision(None, reason=f"{where}: {memory_text(max(short, 0))} short of the claim it needs "
+                                     f"({memory_text(room)} unclaimed)", shortfall_bytes=max(short, 1))
+    entries: list[tuple[str, JobForecast, float | None, int | None]] = [
+        (b.job, b.forecast, b.max_swap_rate, b.reserved_bytes) for b in ledger.on_gpu(gpu.uuid) if b.forecast is not None]
+    own = room - _slack(new) - gpu.context_bytes
+    own = own if new.budget_bytes is None else min(own, new.budget_bytes)
+    entries.append((new.job, new.forecast, new.max_swap_rate, own))
+    _, peaks = planner.plan(entries, sum(e[3] or 0 for e in entries), gpu.bandwidth)
+    peak = min(peaks[new.job], own)
+    size = size_on(gpu, new, peak)
+    if size is None or size > room:
+        short = (size or peak) - room
+        return Decision(None, reason=f"{where}: planned beside its jobs, its claim is {memory_text(short)} over the "
+                                     f"{memory_text(room)} unclaimed", shortfall_bytes=max(short, 1), planned=True)
+    return Decision(gpu, {new.job: peak}, planned=True, claim_bytes=size)
+
+
+def choose_claimed(gpus: list[Gpu], ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
+    """Best fit by claims among the GPUs `new` may use; else why it waits (too large for any GPU said so)."""
+    candidates = matching(gpus, new)
+    if not candidates:
+        return Decision(None, reason="no GPU matches spec.gpuSelector")
+    decisions = [fit_claim(g, ledger, new, planner) for g in candidates]
+    fitting = [d for d in decisions if d.gpu is not None]
+    if fitting:
+        return min(fitting, key=lambda d: claim_room(d.gpu, ledger) - (d.claim_bytes or 0))  # type: ignore[arg-type]
+    alone = too_large_for_claims(candidates, new)
+    if alone is not None:
+        return alone
+    closest = min(decisions, key=lambda d: d.shortfall_bytes)
+    return Decision(None, reason=f"no GPU has room: the closest is {closest.reason}",
+                    shortfall_bytes=closest.shortfall_bytes)
+
+
+def too_large_for_claims(gpus: list[Gpu], new: Candidate) -> Decision | None:
+    """The refusal of a job whose smallest claim exceeds every GPU's whole memory capacity; None when one could hold
+    it alone."""
+    sizes = [size_on(g, new, _least(new)) for g in gpus]
+    if any(s is not None and s <= g.memory_bytes for s, g in zip(sizes, gpus)):
+        return None
+    largest = max(gpus, key=lambda g: g.memory_bytes)
+    need = _least(new) + _slack(new) + largest.context_bytes
+    return Decision(None, reason=f"its smallest claim ({memory_text(need)}) is more than the largest GPU has "
+                                 f"({largest.node}/{largest.uuid}: {memory_text(largest.memory_bytes)}): waits for a "
+                                 "larger GPU", shortfall_bytes=need - largest.memory_bytes, too_large=True)

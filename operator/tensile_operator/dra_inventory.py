@@ -1,0 +1,99 @@
+"""The GPUs as Kubernetes knows them in `dra` mode: devices from ResourceSlices, what claims consume of them.
+
+Read fresh (three LISTs) before each scheduling pass: a device's UUID, node, memory capacity and request policy from
+the ResourceSlices of the drivers the configured DeviceClass selects; the memory every allocated ResourceClaim consumes
+on it (`status.allocation.devices.results[].consumedCapacity`), Tensile's and everyone else's; and the agents' view
+from the TensileNodes (their address, per-process context and host-link bandwidth, the jobs they host). What makes
+the cluster unable to take any claim is said as a `problem` for every waiting job: a DeviceClass that does not exist,
+or GPUs that publish no memory capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from tensile.admission import RequestPolicy, parse_quantity
+from tensile_operator.claims import GpuAccess, claim_owner
+from tensile_operator.kube import Kube
+from tensile_operator.placement import Gpu
+
+DEFAULT_CONTEXT_BYTES = 600 * 1024**2  # per process, where no agent measured it (tensile.devices' presets: 600-700 MiB)
+
+
+class DraInventory:
+    """The last read of ResourceSlices, ResourceClaims and the DeviceClass."""
+
+    def __init__(self, kube: Kube, access: GpuAccess) -> None:
+        self.kube = kube
+        self.access = access
+        self.slices: list[dict] = []
+        self.claims: list[dict] = []
+        self.class_found = True
+
+    async def refresh(self) -> None:
+        self.class_found = await self.kube.find_deviceclass(self.access.device_class) is not None
+        self.slices = await self.kube.list_resourceslices()
+        self.claims = await self.kube.list_resourceclaims()
+
+    def problem(self) -> tuple[str, str] | None:
+        """(condition reason, message) when no claim of the configured class can be allocated at all."""
+        name = self.access.device_class
+        if not self.class_found:
+            return "DeviceClassNotFound", (
+                f"DeviceClass {name} does not exist: install a DRA driver that provides it (e.g. NVIDIA's, "
+                "gpu.nvidia.com), or set the chart's gpuAccess.deviceClass to one that exists")
+        devices = self._devices()
+        if devices and not any("memory" in (d.get("capacity") or {}) for _, d in devices):
+            return "NoMemoryCapacity", (
+                f"the {len(devices)} GPU(s) of DeviceClass {name} publish no memory capacity: enable the driver's "
+                "consumable shares in memory mode (allowMultipleAllocations with a memory capacity), or use the "
+                "chart's gpuAccess.mode=legacy")
+        return None
+
+    def _devices(self) -> list[tuple[dict, dict]]:
+        """(slice, device) of every device with a UUID in the configured attribute domain."""
+        return [(s, d) for s in self.slices for d in s["spec"].get("devices") or []
+                if _attribute(d, self.access.attribute_domain, "uuid")]
+
+    def gpus(self, agents: Mapping[str, list[Gpu]]) -> list[Gpu]:
+        """Every shared GPU with a memory capacity, with what claims consume of it and its agent's view of it."""
+        consumed = self._consumed()
+        by_uuid = {g.uuid: g for gpus in agents.values() for g in gpus}
+        result = []
+        for slice_, device in self._devices():
+            memory = (device.get("capacity") or {}).get("memory")
+            if memory is None or not device.get("allowMultipleAllocations"):
+                continue
+            uuid = str(_attribute(device, self.access.attribute_domain, "uuid"))
+            agent = by_uuid.get(uuid)
+            size = parse_quantity(memory["value"])
+            key = (slice_["spec"]["driver"], slice_["spec"]["pool"]["name"], device["name"])
+            result.append(Gpu(
+                node=slice_["spec"].get("nodeName", ""), uuid=uuid,
+                name=str(_attribute(device, self.access.attribute_domain, "productName") or ""),
+                memory_bytes=size, capacity_bytes=size,
+                context_bytes=agent.context_bytes if agent and agent.context_bytes else DEFAULT_CONTEXT_BYTES,
+                simulated=agent.simulated if agent else False,
+                **({"bandwidth": agent.bandwidth} if agent else {}),
+                agent=agent.agent if agent else None, hosted=agent.hosted if agent else (),
+                policy=RequestPolicy.from_capacity(memory), claimed=tuple(consumed.get(key, ()))))
+        return result
+
+    def _consumed(self) -> dict[tuple[str, str, str], list[tuple[str, int]]]:
+        """Per device: (owning job or "", memory consumed) of each allocated claim."""
+        consumed: dict[tuple[str, str, str], list[tuple[str, int]]] = {}
+        for claim in self.claims:
+            allocation = (claim.get("status") or {}).get("allocation") or {}
+            for result in (allocation.get("devices") or {}).get("results") or []:
+                memory = (result.get("consumedCapacity") or {}).get("memory")
+                if memory is not None:
+                    consumed.setdefault((result["driver"], result["pool"], result["device"]), []).append(
+                        (claim_owner(claim), parse_quantity(memory)))
+        return consumed
+
+
+def _attribute(device: Mapping, domain: str, name: str) -> object:
+    """A device attribute's value, by qualified name or (in the driver's own domain) its plain name."""
+    attributes = device.get("attributes") or {}
+    entry = attributes.get(f"{domain}/{name}") or attributes.get(name)
+    return next(iter(entry.values())) if entry else None
