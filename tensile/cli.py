@@ -11,7 +11,7 @@ from tensile.console import print_user_error
 from tensile.errors import TensileUserError
 
 # Each module defines `add_parser(subparsers)` and a `run(args) -> int` set as the parser's default.
-COMMANDS = ("forecast", "run", "install-hook", "calibrate", "operator", "simulate", "agent", "local")
+COMMANDS = ("forecast", "run", "install-hook", "calibrate", "operator", "simulate", "agent", "local", "render")
 
 
 def build_parser() -> argparse.ArgumentParser:
