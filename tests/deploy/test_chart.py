@@ -55,6 +55,8 @@ CASES: dict[str, tuple[dict, tuple[str, ...]]] = {
                                   "nodeSelector": {"nvidia.com/gpu.present": None}, "headroom": 0.1}}, ()),
     "no-agent": ({"agent": {"enabled": False}}, (MONITORING,)),
     "own-token-secret": ({"tokenKey": {"existingSecret": "my-token"}, "image": {"tag": "dev"}}, ()),
+    "legacy-gpu-access": ({"gpuAccess": {"mode": "legacy"}}, ()),
+    "own-device-class": ({"gpuAccess": {"deviceClass": "gpus.example.com", "attributeDomain": "example.com"}}, ()),
 }
 
 
@@ -162,6 +164,9 @@ def test_rbac_is_exactly_the_call_lists(chart: Chart) -> None:
     assert granted(operator_role) == {(g, r, v) for g, r, verbs, _ in RULES for v in verbs}
     assert granted(agent_role) == {(g, r, v) for g, r, verbs in RBAC for v in verbs}
     assert len(find(objs, "ClusterRole")) == 2 and not find(objs, "Role")
+    # legacy mode makes no resource.k8s.io call, and is granted none
+    legacy = one(case(chart, "legacy-gpu-access"), "ClusterRole", "operator")
+    assert granted(legacy) == {(g, r, v) for g, r, verbs, _ in RULES for v in verbs if g != "resource.k8s.io"}
     for component in ("operator", "agent"):
         binding = one(objs, "ClusterRoleBinding", component)
         pods = one(objs, "Deployment" if component == "operator" else "DaemonSet", component)
@@ -172,6 +177,19 @@ def test_rbac_is_exactly_the_call_lists(chart: Chart) -> None:
 
 
 # ---- operator ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "mode", "device_class"), [("defaults", "dra", "gpu.nvidia.com"),
+                                                             ("legacy-gpu-access", "legacy", "gpu.nvidia.com"),
+                                                             ("own-device-class", "dra", "gpus.example.com")])
+def test_the_gpu_access_mode_reaches_the_operator(chart: Chart, name: str, mode: str, device_class: str) -> None:
+    from tensile_operator.claims import GpuAccess
+
+    env = env_of(container(one(case(chart, name), "Deployment", "operator")))
+    access = GpuAccess.from_env({k: v["value"] for k, v in env.items() if "value" in v})
+    assert (access.mode, access.device_class) == (mode, device_class)
+    notes = render(chart, CASES[name][0])["tensile/templates/NOTES.txt"]
+    assert ("with consumable capacity" in notes) == (mode == "dra")
 
 
 @pytest.mark.parametrize("values", ["defaults", "custom-placement"])
