@@ -5,11 +5,13 @@ and written to its status before its pod is made."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
 from tensile.agent_contract import utc_timestamp
 from tensile.knobs import memory_text
+from tensile_operator import timing
 from tensile_operator.capacity import CapacityLedger
 from tensile_operator.claim_fit import choose_claimed, too_large_for_claims
 from tensile_operator.claims import claim_name
@@ -89,7 +91,12 @@ class Scheduler:
 
     async def run(self) -> None:
         while True:
-            await self.queue.next_poke()
+            if self.capacity.dra is not None and self.queue.pending:
+                # `dra` mode: no watch on devices, claims and DeviceClasses, so waiting jobs are looked at again
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.queue.next_poke(), timing.CLAIMS_SECONDS)
+            else:
+                await self.queue.next_poke()
             if not self.queue.pending:
                 continue
             try:

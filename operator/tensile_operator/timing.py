@@ -14,3 +14,6 @@ POD_CHECK_SECONDS = 5.0
 # seconds between attempts at a pod creation or a job's end refused by the API server's trouble (5xx, 429): about a
 # minute
 RETRY_DELAYS: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
+# `dra` mode: while jobs wait, the ResourceSlices, ResourceClaims and DeviceClass are read again at least this often
+# (claims of other workloads come and go unseen: the operator does not watch them)
+CLAIMS_SECONDS = 10.0

@@ -75,3 +75,99 @@ def test_an_admitted_job_gets_a_claim_of_its_admitted_size_and_a_pod_that_names_
                 await op.stop()
 
     asyncio.run(scenario())
+
+
+def admitted(job: dict | None) -> dict:
+    return next((c for c in ((job or {}).get("status") or {}).get("conditions") or [] if c["type"] == "Admitted"), {})
+
+
+def event_reasons(c: Cluster, name: str) -> set[str]:
+    return {e.get("reason") for e in c.emu.items("v1/events") if (e.get("involvedObject") or {}).get("name") == name}
+
+
+def test_placement_goes_around_other_workloads_claims(tmp_path, forecaster):
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            await dra_cluster(c, {"node-a": [("GPU-a0", 8)], "node-b": [("GPU-b0", 8)]})
+            # another workload holds 6 GiB of GPU-a0
+            await c.create(RESOURCE_CLAIMS, foreign_claim("inference", 6 * GIB, "GPU-a0"))
+            await c.create("v1/pods", claim_pod("inference", "inference"))
+            op = await start_operator(forecaster, access=GpuAccess())
+            try:
+                await c.apply(trainingjob("big", None, profile="p", memoryBudget="3Gi"))
+                await c.wait(lambda: phase(c.job("big")) == "Admitted", 20, "big admitted")
+                assert c.job("big")["status"]["placement"]["gpu"] == "GPU-b0"
+                await c.apply(trainingjob("small", None, profile="p", memoryBudget="1Gi"))
+                await c.wait(lambda: phase(c.job("small")) == "Admitted", 20, "small admitted")
+                # best fit: the 1 GiB job (+ context, rounded: 1792 MiB) fits in the 2 GiB GPU-a0 leaves
+                assert c.job("small")["status"]["placement"]["gpu"] == "GPU-a0"
+                assert c.emu.device_overcommits() == []
+            finally:
+                await op.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_claim_the_scheduler_cannot_allocate_places_the_job_again(tmp_path, forecaster):
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            await dra_cluster(c, {"node-a": [("GPU-a0", 8)]})
+            op = await start_operator(forecaster, access=GpuAccess())
+            kubelet = asyncio.create_task(fake_kubelet(c, lambda pod: 0.5, bound_only=True))
+            try:
+                c.emu.refuse("v1/pods", 503)  # the job's pod is held back after its claim is made
+                await c.apply(trainingjob("late", None, profile="p", memoryBudget="3Gi"))
+                await c.wait(lambda: c.emu.items(RESOURCE_CLAIMS), 20, "the job's claim")
+                # meanwhile another workload's claim takes 6 GiB of the GPU (the scheduler allocates it first)
+                from tests.support.dra_allocator import Allocator
+
+                other = await c.create(RESOURCE_CLAIMS, foreign_claim("grab", 6 * GIB, "GPU-a0"))
+                allocation = Allocator(c.emu.items(RESOURCE_SLICES), c.emu.items(DEVICE_CLASSES),
+                                       c.emu.items(RESOURCE_CLAIMS)).allocate(other)
+                await c.request("PATCH", "/apis/resource.k8s.io/v1/namespaces/other/resourceclaims/grab/status",
+                                {"status": {"allocation": allocation}})
+                c.emu.refuse("v1/pods", None)
+                await c.wait(lambda: "ClaimUnallocatable" in event_reasons(c, "late"), 20, "the unallocatable claim noticed")
+                await c.wait(lambda: phase(c.job("late")) == "Queued" and admitted(c.job("late"))["reason"] == "Queued",
+                             20, "late queued again")
+                assert not [p for p in c.pods() if p["metadata"]["namespace"] == "default"]  # no pod without its claim
+                assert c.emu.items(RESOURCE_CLAIMS) == [c.emu.get(RESOURCE_CLAIMS, "other", "grab")]
+                # the other workload's claim goes: the job is placed and runs
+                await c.request("DELETE", "/apis/resource.k8s.io/v1/namespaces/other/resourceclaims/grab")
+                await c.wait(lambda: phase(c.job("late")) == "Succeeded", 30, "late succeeded")
+            finally:
+                kubelet.cancel()
+                await op.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("slices", "with_class", "reason", "fix"), [
+    ({"node-a": [("GPU-a0", 8)]}, False, "DeviceClassNotFound", "gpuAccess.deviceClass"),
+    ({"node-a": [("GPU-a0", 8)]}, True, "NoMemoryCapacity", "consumable shares"),
+    ({"node-a": [("GPU-a0", 8)], "node-b": [("GPU-b0", 16)]}, True, "NoGpuLargeEnough", "lower spec.memoryBudget"),
+])
+def test_a_cluster_or_job_that_cannot_be_served_is_said_on_the_job(tmp_path, forecaster, monkeypatch, slices,
+                                                                    with_class, reason, fix):
+    from tensile_operator import timing
+
+    monkeypatch.setattr(timing, "CLAIMS_SECONDS", 0.2)
+
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            await dra_cluster(c, slices, with_class, memory=reason != "NoMemoryCapacity")
+            op = await start_operator(forecaster, access=GpuAccess())
+            try:
+                await c.apply(trainingjob("job", None, profile="p", memoryBudget="20Gi" if reason == "NoGpuLargeEnough"
+                                          else "1Gi"))
+                await c.wait(lambda: admitted(c.job("job")).get("reason") == reason, 20, reason)
+                assert phase(c.job("job")) == "Queued"
+                assert fix in admitted(c.job("job"))["message"]
+                await c.wait(lambda: reason in event_reasons(c, "job"), 10, f"a {reason} event")
+                if reason == "DeviceClassNotFound":  # the driver is installed: the job is placed
+                    await c.create(DEVICE_CLASSES, device_class())
+                    await c.wait(lambda: phase(c.job("job")) == "Admitted", 20, "admitted once the class exists")
+            finally:
+                await op.stop()
+
+    asyncio.run(scenario())
