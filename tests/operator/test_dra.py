@@ -171,3 +171,71 @@ def test_a_cluster_or_job_that_cannot_be_served_is_said_on_the_job(tmp_path, for
                 await op.stop()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_sixty_jobs_beside_other_workloads_with_a_restart_never_overfill_a_gpu(tmp_path, forecaster, monkeypatch):
+    """60 TrainingJobs of mixed sizes on 2 nodes x 2 GPUs of 8 GiB, other workloads' claims holding part of two GPUs,
+    and the operator restarted mid-way: at no moment is a device's claimed memory over its capacity (the emulated
+    scheduler's sums) nor do the placements the statuses hold add up to more than a GPU has; in the end every job has
+    Succeeded, but for the two larger than any GPU, Queued saying so."""
+    from tensile_operator import timing
+
+    monkeypatch.setattr(timing, "CLAIMS_SECONDS", 0.5)
+    sizes = ["1Gi", "1536Mi", "2Gi", "3Gi", "512Mi"]
+    names = [f"job-{i:02d}" for i in range(60)]
+    too_large = {"job-17", "job-44"}
+    capacity = 8 * GIB
+    foreign = {"GPU-a0": 2 * GIB, "GPU-b1": 1 * GIB}
+    problems: list[str] = []
+
+    def check(c: Cluster) -> None:
+        problems.extend(c.emu.device_overcommits())
+        held: dict[str, int] = dict(foreign)
+        for job in c.jobs():
+            status = job.get("status") or {}
+            if status.get("phase") in ("Admitted", "Running") and status.get("placement"):
+                gpu = status["placement"]["gpu"]
+                held[gpu] = held.get(gpu, 0) + status["placement"]["claimBytes"]
+        problems.extend(f"{gpu}: {n} booked" for gpu, n in held.items() if n > capacity)
+
+    async def watch(c: Cluster) -> None:
+        while True:
+            check(c)
+            await asyncio.sleep(0.02)
+
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            await dra_cluster(c, {"node-a": [("GPU-a0", 8), ("GPU-a1", 8)], "node-b": [("GPU-b0", 8), ("GPU-b1", 8)]})
+            for gpu, size in foreign.items():
+                await c.create(RESOURCE_CLAIMS, foreign_claim(f"serve-{gpu.lower()}", size, gpu))
+                await c.create("v1/pods", claim_pod(f"serve-{gpu.lower()}", f"serve-{gpu.lower()}"))
+            kubelet = asyncio.create_task(fake_kubelet(
+                c, lambda pod: 3600 if pod["metadata"]["namespace"] == "other" else 0.3, bound_only=True))
+            watcher = asyncio.create_task(watch(c))
+            op = await start_operator(forecaster, access=GpuAccess())
+            try:
+                for i, name in enumerate(names):
+                    budget = "10Gi" if name in too_large else sizes[i % len(sizes)]
+                    await c.apply(trainingjob(name, None, profile="p", memoryBudget=budget))
+                await c.wait(lambda: sum(phase(j) == "Succeeded" for j in c.jobs()) >= 20, 60, "20 jobs done")
+                await op.stop()
+                op = await start_operator(forecaster, access=GpuAccess())
+                await c.wait(lambda: sum(phase(j) == "Succeeded" for j in c.jobs()) == 58, 90, "58 jobs done")
+                await c.wait(lambda: all(admitted(c.job(n)).get("reason") == "NoGpuLargeEnough" for n in too_large), 20,
+                             "the two too large said so")
+                assert {phase(c.job(n)) for n in too_large} == {"Queued"}
+                check(c)
+                assert problems == []
+                pods = [p for p in c.pods() if p["metadata"]["namespace"] == "default"]
+                assert len(pods) == 58 and len({p["metadata"]["name"] for p in pods}) == 58  # one pod per job run
+                # no finished job's claim holds memory (one whose deletion a restart cut short is deallocated, and goes
+                # with its TrainingJob)
+                assert not [cl for cl in c.emu.items(RESOURCE_CLAIMS) if cl["metadata"]["namespace"] == "default"
+                            and (cl.get("status") or {}).get("allocation")]
+            finally:
+                watcher.cancel()
+                kubelet.cancel()
+                await op.stop()
+
+    asyncio.run(scenario())
