@@ -14,7 +14,7 @@ from __future__ import annotations
 from tensile.admission import admitted_bytes
 from tensile.knobs import memory_text
 from tensile_operator.forecasting import JobForecast
-from tensile_operator.placement import Candidate, Decision, Gpu, JointPlanner, Ledger, matching
+from tensile_operator.placement import Booking, Candidate, Decision, Gpu, JointPlanner, Ledger, matching
 
 
 def claim_room(gpu: Gpu, ledger: Ledger) -> int:
@@ -101,3 +101,25 @@ def too_large_for_claims(gpus: list[Gpu], new: Candidate) -> Decision | None:
     return Decision(None, reason=f"its smallest claim ({memory_text(need)}) is more than the largest GPU has "
                                  f"({largest.node}/{largest.uuid}: {memory_text(largest.memory_bytes)}): waits for a "
                                  "larger GPU", shortfall_bytes=need - largest.memory_bytes, too_large=True)
+
+
+def knobs_outgrow_claim(booking: Booking, gpu: Gpu | None, max_swap_rate: float | None, recompute: bool) -> str | None:
+    """Why knobs a placed job is given would need more than its claim (a lower max swap rate, or no recomputes, keeps
+    more memory resident than it was admitted with), as a message with the fix; None when its claim still holds them.
+    Its claim cannot grow, and its hook keeps the job within it, so such knobs are refused rather than run over it."""
+    forecast = booking.forecast
+    if booking.claim_bytes is None or forecast is None or gpu is None:
+        return None
+    from tensile.planner import plan_job
+
+    planned = plan_job(forecast.workload, gpu.bandwidth, 0, activations_only=forecast.scope.activations_only,
+                       recompute=recompute, max_swap_rate=min(1.0, max_swap_rate or 1.0))
+    lowest = min(forecast.vanilla_peak_bytes, planned.forecast_of("job").scheduled_peak_bytes)
+    if booking.budget_bytes is not None:
+        lowest = min(lowest, booking.budget_bytes)
+    need = admitted_bytes(lowest, forecast.allocator_slack_bytes, gpu.context_bytes, gpu.policy)
+    if need is None or need <= booking.claim_bytes:
+        return None
+    return (f"with these knobs the job needs at least {memory_text(need)}, more than its ResourceClaim "
+            f"{booking.claim} requests ({memory_text(booking.claim_bytes)}); a claim cannot grow: keep the earlier "
+            "knobs, or delete and create the TrainingJob again to be admitted with them")

@@ -11,6 +11,7 @@ import asyncio
 from tensile import trainingjob_spec as model
 from tensile_operator.agent import FORWARDED, UNREGISTERED, NodeAgentClient
 from tensile_operator.capacity import CapacityLedger
+from tensile_operator.claim_fit import knobs_outgrow_claim
 from tensile_operator.intake import JobIntake
 from tensile_operator.pods import JobTokens
 from tensile_operator.queueing import JobQueue, Pending
@@ -65,6 +66,13 @@ class JobEdits:
         # a knob forwarded before that neither annotation nor spec sets now goes back to its default: the agent
         # reads a missing knob as unchanged, so an annotation removed from a job whose spec has no value held for good
         forwarded_before = (body.get("status") or {}).get("knobs") or {}
+        gpu = self.capacity.gpu_of(booking)
+        outgrown = await asyncio.to_thread(knobs_outgrow_claim, booking, gpu, spec.max_swap_rate, spec.recompute) \
+            if (spec.max_swap_rate, spec.recompute) != (booking.max_swap_rate, booking.recompute) else None
+        if outgrown is not None:  # its hook keeps to the knobs it has (the agent is not told)
+            await self.statuses.write(meta["namespace"], meta["name"], {},
+                                      condition("KnobsApplied", False, "ClaimTooSmall", outgrown), *noted)
+            return
         knobs: dict = {"recompute": spec.recompute}
         if spec.max_swap_rate is not None or "maxSwapRate" in forwarded_before:
             knobs["maxSwapRate"] = spec.max_swap_rate or 1.0  # 1.0: no cap, as the planner reads none
@@ -73,7 +81,6 @@ class JobEdits:
         booking.recompute = spec.recompute
         booking.max_swap_rate = spec.max_swap_rate
         booking.budget_bytes = spec.memory_budget
-        gpu = self.capacity.gpu_of(booking)
         agent, token = gpu.agent if gpu else None, self.tokens.issue(body)
         outcome = await self.agents.update_knobs(agent, key, token, knobs)
         if outcome == UNREGISTERED:

@@ -59,6 +59,7 @@ EVENTS: dict[tuple[str, str], tuple[str, str]] = {
     ("NodeAvailable", "GPURemoved"): (WARNING, "GPURemoved"),
     ("NodeAvailable", "GPUPublished"): (NORMAL, "GPUPublished"),
     ("Admitted", "ClaimUnallocatable"): (WARNING, "ClaimUnallocatable"),
+    ("KnobsApplied", "ClaimTooSmall"): (WARNING, "KnobsNotApplied"),
     ("Admitted", "DeviceClassNotFound"): (WARNING, "DeviceClassNotFound"),
     ("Admitted", "NoMemoryCapacity"): (WARNING, "NoMemoryCapacity"),
     # a job whose pod had not started, placed again after its node or GPU went (as Kueue's requeued workloads)

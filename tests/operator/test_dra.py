@@ -239,3 +239,29 @@ def test_sixty_jobs_beside_other_workloads_with_a_restart_never_overfill_a_gpu(t
                 await op.stop()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_knobs_that_would_need_more_than_the_claim_are_refused(tmp_path, forecaster):
+    """ResNet-50 (batch 16) admitted on a GPU its vanilla peak does not fit: planned down, its claim is smaller than
+    its vanilla size. Annotations that swap less and recompute nothing would need more than the claim: refused with
+    the reason, and its agent is not told (its hook keeps it within its claim)."""
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            await dra_cluster(c, {"node-a": [("GPU-a0", 1.75)]})
+            op = await start_operator(forecaster, access=GpuAccess())
+            try:
+                await c.apply(trainingjob("resnet", "resnet50", 16))
+                await c.wait(lambda: phase(c.job("resnet")) == "Admitted", 60, "resnet admitted")
+                status = c.job("resnet")["status"]
+                assert status["forecast"]["scheduledPeakBytes"] < status["forecast"]["vanillaPeakBytes"]
+                await c.annotate("resnet", {"tensile.dev/max-swap-rate": "0.01", "tensile.dev/recompute": "false"})
+                knobs = lambda: next((k for k in c.job("resnet")["status"].get("conditions") or []  # noqa: E731
+                                      if k["type"] == "KnobsApplied"), {})
+                await c.wait(lambda: knobs().get("reason") == "ClaimTooSmall", 30, "the knobs refused")
+                assert "delete and create the TrainingJob again" in knobs()["message"]
+                assert "knobs" not in c.job("resnet")["status"]
+            finally:
+                await op.stop()
+
+    asyncio.run(scenario())
