@@ -30,7 +30,7 @@ def parse_quantity(value: object) -> int:
 
 
 def quantity(nbytes: int) -> str:
-    """`nbytes` as the canonical Kubernetes quantity the API server would write back: Gi or Mi where whole, else bytes."""
+    """`nbytes` as the canonical Kubernetes quantity the API server writes back: Gi or Mi where whole, else bytes."""
     for unit, size in (("Gi", GIB), ("Mi", MIB), ("Ki", 1024)):
         if nbytes and nbytes % size == 0:
             return f"{nbytes // size}{unit}"

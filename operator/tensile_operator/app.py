@@ -35,11 +35,13 @@ from tensile_operator.tasks import Background
 
 
 class OperatorApp:
-    """`kube`, `agents`: the clients of the API server and of the node agents (tests give their own)."""
+    """`kube`, `agents`: the clients of the API server and of the node agents (tests give their own); `access`: the GPU
+    access mode (default: from the environment, `GpuAccess.from_env`)."""
 
     def __init__(self, forecaster: Forecaster | None = None, planner: JointPlanner | None = None,
                  image: str | None = None, token_key: bytes | None = None, queueing: QueueConfig | None = None,
-                 kube: Kube | None = None, agents: NodeAgentClient | None = None, access: GpuAccess | None = None) -> None:
+                 kube: Kube | None = None, agents: NodeAgentClient | None = None,
+                 access: GpuAccess | None = None) -> None:
         queueing = queueing or QueueConfig.from_env()  # a bad setting stops the operator before it starts
         self.access = access or GpuAccess.from_env()
         self.kube = kube or Kube()
@@ -52,7 +54,8 @@ class OperatorApp:
         self.statuses = JobStatuses(self.kube, self.events)
         self.metrics = OperatorMetrics(self.statuses.phase_snapshot)
         dra = self.access.dra
-        self.capacity = CapacityLedger(self.kube, self.forecaster, DraInventory(self.kube, self.access) if dra else None)
+        inventory = DraInventory(self.kube, self.access) if dra else None
+        self.capacity = CapacityLedger(self.kube, self.forecaster, inventory)
         self.queue = JobQueue()
         claims = JobClaims(self.kube, self.access) if dra else None
         self.completion = JobCompletion(self.capacity, self.queue, self.statuses, self.agents, self.forecaster, tokens,

@@ -110,8 +110,8 @@ class CapacityLedger:
     def gone(self, booking: Booking) -> Gone | None:
         """Why a job's booked GPU left the inventory; None while it is listed, or while its TensileNode has not
         published its GPUs yet (created again, it says nothing of them until its agent writes its status). In `dra` mode
-        the GPU is the claim's: Kubernetes ends a pod whose device went, and a claim it cannot allocate re-places the job
-        (`Replacement.claim_unallocatable`)."""
+        the GPU is the claim's: Kubernetes ends a pod whose device went, and a claim it cannot allocate re-places the
+        job (`Replacement.claim_unallocatable`)."""
         if self.dra is not None:
             return None
         if booking.node not in self.inventory:

@@ -59,7 +59,8 @@ def fit_claim(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) -
         return Decision(None, reason=f"{where}: {memory_text(max(short, 0))} short of the claim it needs "
                                      f"({memory_text(room)} unclaimed)", shortfall_bytes=max(short, 1))
     entries: list[tuple[str, JobForecast, float | None, int | None]] = [
-        (b.job, b.forecast, b.max_swap_rate, b.reserved_bytes) for b in ledger.on_gpu(gpu.uuid) if b.forecast is not None]
+        (b.job, b.forecast, b.max_swap_rate, b.reserved_bytes)
+        for b in ledger.on_gpu(gpu.uuid) if b.forecast is not None]
     own = room - _slack(new) - gpu.context_bytes
     own = own if new.budget_bytes is None else min(own, new.budget_bytes)
     entries.append((new.job, new.forecast, new.max_swap_rate, own))

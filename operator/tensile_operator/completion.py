@@ -84,7 +84,7 @@ class JobCompletion:
         if self.claims is not None:
             try:  # its pod has ended or is gone: the claim holds nothing any more (its owner reference deletes it too)
                 await self.claims.delete(booking)
-            except Exception as exc:  # noqa: BLE001 - the release goes on; the garbage collector deletes it with the job
+            except Exception as exc:  # noqa: BLE001 - the release goes on; garbage collection deletes it with the job
                 log.warning("%s: its ResourceClaim %s was not deleted: %s", key, booking.claim, exc)
         await self._store_profile(key, booking)  # not fetched while it ran (or the operator restarted)
         # its node's agent when its GPU is no longer listed: it still holds the job (and the forecast registered for it)

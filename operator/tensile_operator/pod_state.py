@@ -50,7 +50,7 @@ def unschedulable(pod: dict) -> str | None:
     """The scheduler's message for an unbound pod it cannot place (PodScheduled False, Unschedulable: for a pod with
     a claim, the claim cannot be allocated); None when it is not said to be."""
     for cond in (pod.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
+        if (cond.get("type"), cond.get("status"), cond.get("reason")) == ("PodScheduled", "False", "Unschedulable"):
             return str(cond.get("message") or "unschedulable")
     return None
 

@@ -153,7 +153,8 @@ def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, token: st
                         visible_devices=claim is None)
         if claim is not None:
             resources = container.setdefault("resources", {})
-            resources["claims"] = [c for c in resources.get("claims") or [] if c.get("name") != CLAIM] + [{"name": CLAIM}]
+            others = [c for c in resources.get("claims") or [] if c.get("name") != CLAIM]
+            resources["claims"] = others + [{"name": CLAIM}]
         names = {e["name"] for e in ours}
         container["env"] = [e for e in container.get("env") or [] if e.get("name") not in names] + ours
         container["volumeMounts"] = [m for m in container.get("volumeMounts") or [] if m.get("name") != HOOK_VOLUME] + [mount]

@@ -195,7 +195,8 @@ class Scheduler:
                                 walk.holders(held), held)
 
     async def _say_waiting(self, pending: Pending, priority: Priority, decision: Decision, head_since: str,
-                           holds: tuple[str, ...], behind: list[str], held: list[str], cluster_problem: str = "") -> None:
+                           holds: tuple[str, ...], behind: list[str], held: list[str],
+                           cluster_problem: str = "") -> None:
         """`status.queue` and the `Admitted` condition of a job that waits: its shortfall, its priority, since when it
         is the head of the queue, the GPUs held for it, and the earlier jobs it waits behind (or, as the condition's
         reason, what keeps the cluster from allocating any claim: `cluster_problem`). Written when it changes."""

@@ -50,16 +50,18 @@ def test_an_admitted_job_gets_a_claim_of_its_admitted_size_and_a_pod_that_names_
                 claim = claim_of(c, job)
                 forecast = forecaster.by_signature(job["status"]["forecast"]["signature"],
                                                    op.app.capacity.booking("default/vgg").forecast.scope)
-                size = admitted_bytes(forecast.vanilla_peak_bytes, forecast.allocator_slack_bytes, DEFAULT_CONTEXT_BYTES,
-                                      POLICY)
+                size = admitted_bytes(forecast.vanilla_peak_bytes, forecast.allocator_slack_bytes,
+                                      DEFAULT_CONTEXT_BYTES, POLICY)
                 assert job["status"]["placement"]["claimBytes"] == size
                 exactly = claim["spec"]["devices"]["requests"][0]["exactly"]
                 assert exactly["deviceClassName"] == DRIVER
                 assert parse_quantity(exactly["capacity"]["requests"]["memory"]) == size
-                assert exactly["selectors"] == [{"cel": {"expression": f'device.attributes["{DRIVER}"].uuid == "GPU-a0"'}}]
+                expression = f'device.attributes["{DRIVER}"].uuid == "GPU-a0"'
+                assert exactly["selectors"] == [{"cel": {"expression": expression}}]
                 assert claim["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
                 [pod] = c.pods()
-                assert pod["spec"]["resourceClaims"] == [{"name": "tensile-gpu", "resourceClaimName": claim["metadata"]["name"]}]
+                assert pod["spec"]["resourceClaims"] == [
+                    {"name": "tensile-gpu", "resourceClaimName": claim["metadata"]["name"]}]
                 assert pod["spec"]["containers"][0]["resources"]["claims"] == [{"name": "tensile-gpu"}]
                 assert pod["spec"]["nodeName"] == "node-a"  # bound by the scheduler, where the claim was allocated
                 assert not {"NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"} & set(pod_env(pod))
@@ -127,7 +129,8 @@ def test_a_claim_the_scheduler_cannot_allocate_places_the_job_again(tmp_path, fo
                 await c.request("PATCH", "/apis/resource.k8s.io/v1/namespaces/other/resourceclaims/grab/status",
                                 {"status": {"allocation": allocation}})
                 c.emu.refuse("v1/pods", None)
-                await c.wait(lambda: "ClaimUnallocatable" in event_reasons(c, "late"), 20, "the unallocatable claim noticed")
+                await c.wait(lambda: "ClaimUnallocatable" in event_reasons(c, "late"), 20,
+                             "the unallocatable claim noticed")
                 await c.wait(lambda: phase(c.job("late")) == "Queued" and admitted(c.job("late"))["reason"] == "Queued",
                              20, "late queued again")
                 assert not [p for p in c.pods() if p["metadata"]["namespace"] == "default"]  # no pod without its claim

@@ -51,7 +51,8 @@ def test_the_consumed_sum_per_device_never_exceeds_its_capacity() -> None:
 
 
 def test_without_a_selector_the_first_device_with_room_is_taken() -> None:
-    claims = [allocated(c, Allocator(SLICES, [device_class()], []).allocate(c)) for c in [foreign_claim("big", 4 * GIB)]]
+    big = foreign_claim("big", 4 * GIB)
+    claims = [allocated(big, Allocator(SLICES, [device_class()], []).allocate(big))]
     allocation = Allocator(SLICES, [device_class()], claims).allocate(foreign_claim("next", GIB))
     assert allocation["devices"]["results"][0]["device"] == "gpu-1"
 
@@ -94,11 +95,13 @@ async def _emulated() -> None:
         assert "nodeName" not in waiting["spec"]
         assert waiting["status"]["conditions"][0]["reason"] == "Unschedulable"
         claim = emu.get(RESOURCE_CLAIMS, "other", "c0")
-        assert claim["status"]["reservedFor"] == [{"resource": "pods", "name": "p0", "uid": pods["p0"]["metadata"]["uid"]}]
+        p0 = {"resource": "pods", "name": "p0", "uid": pods["p0"]["metadata"]["uid"]}
+        assert claim["status"]["reservedFor"] == [p0]
         assert parse_quantity(claim["status"]["allocation"]["devices"]["results"][0]["consumedCapacity"]["memory"]) == \
             int(1.5 * GIB)
         # p0 finishes: its claim is deallocated and the waiting pod is bound
-        async with emu.request("PATCH", "/api/v1/namespaces/other/pods/p0/status", json={"status": {"phase": "Succeeded"}},
+        async with emu.request("PATCH", "/api/v1/namespaces/other/pods/p0/status",
+                               json={"status": {"phase": "Succeeded"}},
                                headers={"Content-Type": "application/merge-patch+json"}) as r:
             assert r.status == 200
         assert "allocation" not in (emu.get(RESOURCE_CLAIMS, "other", "c0").get("status") or {})

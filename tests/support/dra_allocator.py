@@ -5,9 +5,9 @@ exist) and CEL selectors; a device is a candidate when the class's and the reque
 device with `allowMultipleAllocations` may be allocated to many claims: each consumes of every capacity the amount its
 request names (`capacity.requests`), rounded up by that capacity's request policy (a capacity the request does not name
 consumes the policy's default, else all of it), and the consumed sums never exceed the capacities. Any other device is
-allocated to one claim at a time. The result is written as the API server keeps it: `status.allocation.devices.results[]`
-with driver, pool, device, the request's name, `consumedCapacity` and a `shareID` on a shared device, and the node the
-device is on as `status.allocation.nodeSelector`.
+allocated to one claim at a time. The result is written as the API server keeps it:
+`status.allocation.devices.results[]` with driver, pool, device, the request's name, `consumedCapacity` and a `shareID`
+on a shared device, and the node the device is on as `status.allocation.nodeSelector`.
 
 CEL is understood as far as selectors are written here: `&&`-joined comparisons `device.driver == "x"` and
 `device.attributes["domain"].name == "value"` (string, integer or boolean values).
@@ -47,7 +47,9 @@ class Device:
 
     def attribute(self, domain: str, name: str) -> object:
         """A qualified attribute's value (`domain/name`, or `name` in the driver's own domain)."""
-        entry = self.attributes.get(f"{domain}/{name}") or (self.attributes.get(name) if domain == self.driver else None)
+        entry = self.attributes.get(f"{domain}/{name}")
+        if entry is None and domain == self.driver:
+            entry = self.attributes.get(name)
         return None if entry is None else next(iter(entry.values()))
 
 

@@ -25,13 +25,14 @@ def gpu_slice(node: str, gpus: list[tuple[str, float]], policy: RequestPolicy | 
             device["capacity"] = {"memory": (policy or RequestPolicy()).to_capacity(int(gib * GIB))}
         devices.append(device)
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": f"{node}-{driver}"},
-            "spec": {"driver": driver, "nodeName": node, "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
-                     "devices": devices}}
+            "spec": {"driver": driver, "nodeName": node, "devices": devices,
+                     "pool": {"name": node, "generation": 1, "resourceSliceCount": 1}}}
 
 
 def device_class(name: str = DRIVER, driver: str = DRIVER) -> dict:
     return {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": name}, "spec": {
-        "selectors": [{"cel": {"expression": f'device.driver == "{driver}" && device.attributes["{driver}"].type == "gpu"'}}]}}
+        "selectors": [{"cel": {"expression": f'device.driver == "{driver}" && '
+                                             f'device.attributes["{driver}"].type == "gpu"'}}]}}
 
 
 def foreign_claim(name: str, memory: int | None, uuid: str | None = None, class_name: str = DRIVER,

@@ -115,7 +115,8 @@ class KubeEmulator(KubernetesEmulator):
                 await self._schedule(request.data)
             response = await super()._handle(request)
             if request.resource in (resource(PODS), resource(RESOURCE_CLAIMS)):
-                await self._release_claims(request.action == action.DELETE and request.resource == resource(RESOURCE_CLAIMS))
+                claim_deleted = request.action == action.DELETE and request.resource == resource(RESOURCE_CLAIMS)
+                await self._release_claims(claim_deleted)
             return response
 
     def _refuse(self, request) -> None:  # type: ignore[no-untyped-def]
@@ -274,8 +275,8 @@ class KubeEmulator(KubernetesEmulator):
     def device_overcommits(self) -> list[str]:
         """Devices whose allocated claims consume more of a capacity than the device has (never, if DRA holds)."""
         used = consumption(self.items(RESOURCE_CLAIMS))
-        return [f"{d.name}: {name} {amount} > {d.capacity[name]['value']}" for d in devices_of(self.items(RESOURCE_SLICES))
-                for name, amount in used.get(d.key, {}).items()
+        return [f"{d.name}: {name} {amount} > {d.capacity[name]['value']}"
+                for d in devices_of(self.items(RESOURCE_SLICES)) for name, amount in used.get(d.key, {}).items()
                 if name in d.capacity and amount > parse_quantity(d.capacity[name]["value"])]
 
     # ---- reads ----------------------------------------------------------------------------------

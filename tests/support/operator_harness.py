@@ -62,8 +62,8 @@ class Cluster:
         group_version, plural = plural_key.rsplit("/", 1)
         prefix = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
         namespace = body["metadata"].get("namespace")
-        return await self.request("POST", f"{prefix}/namespaces/{namespace}/{plural}" if namespace else f"{prefix}/{plural}",
-                                  body)
+        path = f"{prefix}/namespaces/{namespace}/{plural}" if namespace else f"{prefix}/{plural}"
+        return await self.request("POST", path, body)
 
     async def priority_class(self, name: str, value: int, global_default: bool = False) -> None:
         """A PriorityClass (scheduling.k8s.io/v1), as `kubectl create priorityclass NAME --value=N` makes it."""
