@@ -431,3 +431,17 @@ def test_tensile_run_needs_none_of_the_cluster_parts(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "asked for: []", done.stdout
     assert len(json.loads((tmp_path / "r.json").read_text())["iterations"]) == 3
+
+
+@pytest.mark.slow
+def test_the_runs_own_files_are_removed_unless_kept_or_the_command_failed(capsys, monkeypatch, tmp_path):
+    """Every run without --report left a temporary folder behind; one that failed keeps its report for the post-mortem,
+    and --keep-files keeps any."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(["run", "--", sys.executable, "-c", "pass"]) == 0
+    assert not list(tmp_path.glob("tensile-*")) and "kept in" not in capsys.readouterr().err
+    assert main(["run", "--", sys.executable, "-c", "import torch; raise SystemExit(3)"]) == 3
+    (kept,) = tmp_path.glob("tensile-*")
+    assert (kept / "report.json").exists() and f"kept in {kept}" in " ".join(capsys.readouterr().err.split())
+    assert main(["run", "--keep-files", "--", sys.executable, "-c", "import torch"]) == 0
+    assert len(list(tmp_path.glob("tensile-*"))) == 2
