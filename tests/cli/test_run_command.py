@@ -1,4 +1,4 @@
-"""`tensile run` as a user meets it (explore-57's findings): job names that never clash at the node agent, signals
+"""`tensile run` as a user meets it: job names that never clash at the node agent, signals
 passed on to the training, a command killed by a signal said so, the summary comparing each plan with its own
 forecast and each iteration with the budget in force then, and `--gpu` for an agent with several GPUs."""
 
@@ -267,7 +267,7 @@ def _report(*iterations: tuple[str, int | None, int, int | None, int | None]) ->
 
 
 def test_each_plans_peak_is_said_against_its_own_forecast_and_each_iteration_against_its_budget():
-    """explore-57 s4 and s9: a plan version 1 iteration's peak was said against version 3's forecast, and a budget the
+    """A plan version 1 iteration's peak was said against version 3's forecast, and a budget the
     agent lowered mid-run (PATCH /knobs) made the summary say the iterations before had gone over it."""
     report = _report(("recording", None, 48, None, None), ("recording", None, 48, 40, None),
                      ("planned", 1, 30, 40, 26), ("planned", 1, 23, 40, 26), ("diverged", 1, 23, 40, 26), ("planned", 1, 23, 40, 26),

@@ -194,7 +194,7 @@ def test_tensile_run_refuses_bad_input_before_starting_the_command(capsys, optio
 @pytest.mark.slow
 def test_a_plan_file_that_cannot_belong_to_its_workload_is_refused_naming_the_event(capsys, tmp_path, tiny_workload):
     """A plan with events on a tensor the workload lacks, triggers past its last op and negative delays ran as far
-    as it went, taking the job 22% over its vanilla peak with no word (helper-38's finding)."""
+    as it went, taking the job 22% over its vanilla peak with no word."""
     import dataclasses
     import json
 
