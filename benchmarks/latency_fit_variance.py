@@ -34,7 +34,7 @@ from tensile.latency.families import FAMILIES
 from tensile.latency.measure import measure_roofline
 from tensile.latency.probes import make_grid
 
-TARGET = 15.0  # median APE per family, percent (issue 4)
+TARGET = 15.0  # median APE per family, percent (docs/latency_model.md)
 
 
 def measure(device_type: str, passes: int, budget_s: float) -> dict:

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from tensile.errors import TensileUserError
+from tensile.trace_choices import DEVICES, is_user_model
 from tensile.tracer import TrainingStep, trace_step
-from tensile.user_model import CONTRACT, is_user_model, load_user_parts
+from tensile.user_model import CONTRACT, load_user_parts, user_code
 from tensile.workload import Workload
 from tensile.zoo import build_zoo_parts, zoo_entry
 
@@ -29,10 +30,6 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
 }
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEVICES = ("cuda", "cpu")
-
-
-DEFAULT_BATCH_SIZE = 16  # what --model is traced at when no --batch-size is given
 
 
 def optimizer_for(model: str, optimizer: str | None) -> str | None:
@@ -109,7 +106,7 @@ def trace_workload(
     backend = "cpu" if live else ("fake" if autocast is not None else "meta")
     user = is_user_model(model)
     name = model if user else zoo_entry(model)[0]
-    with warnings.catch_warnings(), _quiet_transformers():
+    with warnings.catch_warnings(), _quiet_transformers(), user_code(model) if user else contextlib.nullcontext():
         warnings.simplefilter("ignore", UserWarning)
         if user:
             net, batch, loss_fn, make_optimizer = load_user_parts(model, batch_size)

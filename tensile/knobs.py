@@ -108,6 +108,9 @@ def parse_swap_rate(text: object, field: str) -> float:
     return parse_number(text, field, lambda v: 0 < v <= 1, "a share of the GPU's swap traffic in (0, 1], e.g. 0.5")
 
 
+SMALLEST_BUDGET = 2**20  # a byte budget below it is a unit left off ("2" meant 2 GiB), not a plan anyone wants
+
+
 def parse_budget(text: str, field: str) -> float:
     """A memory budget as the hook and the CLI take it: '0.6' is 60% of the vanilla peak; '2e9', '2000000000',
     '12Gi' or '12GiB' is bytes. A number above 1 with a fraction ('1.5') is refused: it is a mistaken fraction,
@@ -126,6 +129,9 @@ def parse_budget(text: str, field: str) -> float:
     if value > 1 and not value.is_integer():
         raise KnobError(field, f"'{text}' is neither a fraction nor bytes: fractions of the vanilla peak must be in "
                                "(0, 1] (e.g. 0.6) and byte counts whole (e.g. 12GiB or 12000000000)")
+    if 1 < value < SMALLEST_BUDGET:
+        raise KnobError(field, f"'{text}' is {int(value):,} bytes, less than 1 MiB, which no training fits in: give a "
+                               f"unit ({text}MiB, {text}GiB) or a fraction of the vanilla peak in (0, 1] (e.g. 0.6)")
     return value
 
 
@@ -160,6 +166,14 @@ def parse_memory(value: object, field: str) -> int:
     return int(number)
 
 
+def parse_memory_budget(value: object, field: str) -> int:
+    """A TrainingJob's memory budget: bytes as `parse_memory` reads them, and no less than the CLI's smallest."""
+    budget = parse_memory(value, field)
+    if budget < SMALLEST_BUDGET:
+        raise KnobError(field, f"'{value}' is less than 1 MiB, which no training fits in; write a quantity like 6Gi")
+    return budget
+
+
 def parse_switch(value: object, field: str) -> bool:
     """A yes/no value in a TrainingJob: a boolean (the spec) or text (an annotation: true/false, yes/no, on/off,
     1/0); anything else is refused rather than guessed (a typo must not flip a knob)."""
@@ -187,7 +201,7 @@ MAX_SWAP_RATE = Knob("spec.scheduling.maxSwapRate", ANNOTATION_PREFIX + "max-swa
                      "--max-swap-rate", parse_swap_rate, parse_swap_rate)
 # bytes or a fraction of the vanilla peak where it is text; a TrainingJob's budget is bytes
 MEMORY_BUDGET = Knob("spec.memoryBudget", ANNOTATION_PREFIX + "memory-budget", "TENSILE_MEMORY_BUDGET",
-                     "--memory-budget", parse_budget, parse_memory)
+                     "--memory-budget", parse_budget, parse_memory_budget)
 RECOMPUTE = Knob("spec.scheduling.recompute", ANNOTATION_PREFIX + "recompute", "TENSILE_RECOMPUTE", "--no-recompute",
                  parse_true_false, parse_switch)
 PLAN_EVENTS = Knob("spec.scheduling.planEvents", ANNOTATION_PREFIX + "plan-events", "TENSILE_PLAN_EVENTS",

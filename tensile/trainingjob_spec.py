@@ -12,7 +12,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from tensile.forecast import DTYPES, OPTIMIZERS
+from tensile.trace_choices import DTYPE_NAMES, OPTIMIZER_NAMES
 from tensile.knobs import (ANNOTATION_PREFIX, KNOBS, MAX_SWAP_RATE, MEMORY_BUDGET, PLAN_EVENTS, RECOMPUTE, Knob,
                            KnobError, parse_memory)
 from tensile.plan import native_plan_events
@@ -176,11 +176,11 @@ def parse_spec(spec: dict, annotations: dict | None = None) -> JobSpec:
         problems.append(SpecProblem("spec.workload.inputShape", f"must be a list of positive integers, e.g. [3, 224, 224] (was {shape!r})"))
         shape = None
     optimizer = raw.get("optimizer", "adam")
-    if optimizer not in OPTIMIZERS:
-        problems.append(SpecProblem("spec.workload.optimizer", f"'{optimizer}' is not supported; use one of {', '.join(OPTIMIZERS)}"))
+    if optimizer not in OPTIMIZER_NAMES:
+        problems.append(SpecProblem("spec.workload.optimizer", f"'{optimizer}' is not supported; use one of {', '.join(OPTIMIZER_NAMES)}"))
     dtype = raw.get("dtype", "float32")
-    if dtype not in DTYPES:
-        problems.append(SpecProblem("spec.workload.dtype", f"'{dtype}' is not supported; use one of {', '.join(DTYPES)}"))
+    if dtype not in DTYPE_NAMES:
+        problems.append(SpecProblem("spec.workload.dtype", f"'{dtype}' is not supported; use one of {', '.join(DTYPE_NAMES)}"))
     device = raw.get("device", "cuda")
     if device not in ("cuda", "cpu"):
         problems.append(SpecProblem("spec.workload.device", f"'{device}' is not supported; use cuda or cpu"))

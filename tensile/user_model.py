@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import sys
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,10 +20,6 @@ from tensile.errors import TensileUserError
 from tensile.zoo import ModelParts
 
 CONTRACT = "FUNC(batch_size) must return (model, batch, loss_fn, make_optimizer)"
-
-
-def is_user_model(spec: str) -> bool:
-    return ".py:" in spec
 
 
 @contextlib.contextmanager
@@ -35,6 +32,25 @@ def _folder_on_path(path: Path) -> Iterator[None]:
         yield
     finally:
         sys.path.remove(folder)  # the first occurrence: the one put there above
+
+
+@contextlib.contextmanager
+def user_code(spec: str) -> Iterator[None]:
+    """An exception raised in the user's model file, as one line naming its type, message, function, file and line: the
+    user's mistake, not Tensile's, so Tensile's frames around it would only hide it (`tensile --debug` shows them all).
+    An exception whose traceback never passes through that file is Tensile's own and goes on as it is."""
+    path = Path(spec.rpartition(":")[0]).resolve()
+    try:
+        yield
+    except TensileUserError:
+        raise
+    except Exception as exc:
+        theirs = [frame for frame in traceback.extract_tb(exc.__traceback__) if Path(frame.filename).resolve() == path]
+        if not theirs:
+            raise
+        where = theirs[-1]
+        raise TensileUserError(f"--model {spec}: {type(exc).__name__}: {exc} (in {where.name}, {where.filename}:"
+                               f"{where.lineno}; `tensile --debug ...` shows the whole traceback)") from exc
 
 
 def load_user_parts(spec: str, batch_size: int) -> ModelParts:

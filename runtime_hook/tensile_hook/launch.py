@@ -13,7 +13,6 @@ from tensile.agent_contract import GPU_PATTERN
 from tensile.errors import TensileUserError
 from tensile.knobs import knob_variables
 from tensile.workload_io import load_workload
-from tensile_hook.plan_source import load_plan_files
 from tensile_hook.settings import HookSettings
 
 SITE_DIR = Path(__file__).parent / "site"  # its sitecustomize switches the hook on in every Python started with it
@@ -59,6 +58,8 @@ def check_environment(env: Mapping[str, str], checked: Collection[str] = ()) -> 
                              "(the agent lists its GPUs at /v1/gpus)")
         if {"TENSILE_PLAN", "TENSILE_WORKLOAD"} & {k for k, v in env.items() if v} - set(checked):
             if settings.plan_path:
+                from tensile_hook.plan_source import load_plan_files  # torch: only when there are files to check
+
                 load_plan_files(settings)
             elif settings.workload_path:
                 load_workload(settings.workload_path)

@@ -23,7 +23,7 @@ from tensile_hook.termination import default_sigterm, exit_on_sigterm
 from tensile.workload import Workload
 
 log = logging.getLogger("tensile.hook")
-# the oldest PyTorch the whole suite ran with (by hand in session 36: 2.10.0, and 2.11.0, the GPU image's). Under 2.9.1
+# the oldest PyTorch the whole suite passes with (2.10.0; and 2.11.0, the GPU image's). Under 2.9.1
 # a training under a budget crashed pickling a checkpoint (torch.save of the model object), and the native path never
 # engaged
 OLDEST_TORCH = (2, 10)

@@ -7,6 +7,10 @@ from pathlib import Path
 
 from tensile.errors import TensileUserError
 
+# exit statuses every command shares (docs/cli.md): 2 is bad input (tensile.console.print_user_error)
+CANNOT_FIT = 3  # the plan cannot bring the job(s) within the memory budget: output printed, nothing wrong with the input
+PLAN_EXIT_STATUSES = "exit status: 0 the plan fits, 2 bad input (the message names it), 3 the plan cannot fit the budget"
+
 
 def output_folder(path: str | Path, option: str) -> Path:
     """A folder to write into, created now: a bad one is named before any work, not met as a traceback

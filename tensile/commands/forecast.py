@@ -9,14 +9,12 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from tensile.commands import output_file
+from tensile.commands import CANNOT_FIT, PLAN_EXIT_STATUSES, output_file
 from tensile.devices import PRESETS, device_preset
 from tensile.console import print_note
 from tensile.errors import TensileUserError
-from tensile.forecast import DEFAULT_BATCH_SIZE, DEVICES, DTYPES, OPTIMIZERS, optimizer_for, trace_workload
-from tensile.job_forecast import make_forecast
+from tensile.trace_choices import DEFAULT_BATCH_SIZE, DEVICES, DTYPE_NAMES, OPTIMIZER_NAMES
 from tensile.knobs import MEMORY_BUDGET, PLAN_EVENTS
-from tensile.peak import analyze_plan
 from tensile.plan import PLAN_EVENTS as PLAN_EVENT_CHOICES
 from tensile.workload import ROLES, Workload
 from tensile.workload_io import load_workload, save_workload
@@ -25,16 +23,17 @@ MIB = 1024**2
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("forecast", help="forecast a training job's memory peak", description=__doc__)
+    parser = subparsers.add_parser("forecast", help="forecast a training job's memory peak", description=__doc__,
+                                   epilog=PLAN_EXIT_STATUSES)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="zoo model name (resnet50, bert_base, ...) or FILE.py:FUNC")
     source.add_argument("--workload", help="a workload saved with --save")
     parser.add_argument("--batch-size", type=int, help=f"default {DEFAULT_BATCH_SIZE}")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=None, help="default: adam (zoo) or the model's own make_optimizer")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_NAMES), default=None, help="default: adam (zoo) or the model's own make_optimizer")
     parser.add_argument("--foreach", choices=("auto", "on", "off"),
                         help="optimizer kernels, for a FILE.py:FUNC model's own optimizer too; "
                              "auto: what --device defaults to (foreach on cuda, per-parameter loops on cpu)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="bfloat16/float16: autocast mixed precision (default float32)")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="bfloat16/float16: autocast mixed precision (default float32)")
     parser.add_argument("--device", choices=DEVICES, help="the device the forecast is for (default cuda; a saved --workload keeps its own)")
     parser.add_argument("--micro-batches", type=int, help="gradient accumulation steps per optimizer step (default 1)")
     parser.add_argument("--live", action="store_true", help="trace a real CPU iteration instead of the meta device")
@@ -56,6 +55,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _load(args: argparse.Namespace) -> Workload:
+    from tensile.forecast import optimizer_for, trace_workload  # torch: once there is something to trace
+
     if args.workload:
         return load_workload(args.workload)
     optimizer = optimizer_for(args.model, args.optimizer)
@@ -119,6 +120,9 @@ def _check(args: argparse.Namespace) -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tensile.job_forecast import make_forecast  # numpy and the planner: not for --help
+    from tensile.peak import analyze_plan
+
     budget = _check(args)
     console = Console(stderr=args.json)
     started = time.perf_counter()
@@ -153,4 +157,4 @@ def run(args: argparse.Namespace) -> int:
         for path, what in ((args.save, "workload"), (args.save_plan, "plan"), (args.plot, "timeline plot")):
             if path:
                 console.print(f"{what} written to {path}")
-    return 0
+    return 0 if summary["fits"] else CANNOT_FIT

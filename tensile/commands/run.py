@@ -7,6 +7,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -21,7 +22,7 @@ from tensile.child_process import ends_with_this_process
 from tensile.commands import output_file
 from tensile.console import print_note
 from tensile.errors import TensileUserError
-from tensile.forecast import DEFAULT_BATCH_SIZE, DTYPES, OPTIMIZERS
+from tensile.trace_choices import DEFAULT_BATCH_SIZE, DTYPE_NAMES, OPTIMIZER_NAMES
 from tensile.knobs import MAX_SWAP_RATE, MEMORY_BUDGET, PLAN_EVENTS, RECOMPUTE
 from tensile.training_command import local_command
 from tensile.plan import PLAN_EVENTS as PLAN_EVENT_CHOICES, load_plan
@@ -51,9 +52,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "--model does, and (without --agent) plan from it: the plan applies from iteration 2 if the "
                              "live iteration matches it, else the hook plans from the live one")
     parser.add_argument("--batch-size", type=int, help=f"with --model: the batch size it is traced at (default {DEFAULT_BATCH_SIZE})")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS),
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_NAMES),
                         help="with --model: default adam (zoo) or the model's own make_optimizer")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="with --model: bfloat16/float16 for autocast (default float32)")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="with --model: bfloat16/float16 for autocast (default float32)")
     parser.add_argument("--micro-batches", type=int, help="with --model: gradient accumulation steps per optimizer step (1)")
     parser.add_argument("--plan", help="a plan for that workload (tensile forecast --save-plan); default: plan in-process")
     parser.add_argument("--agent", help="node agent URL; without it the hook plans in-process")
@@ -63,6 +64,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(MAX_SWAP_RATE.option, type=float,
                         help="the share of the GPU's swap traffic in (0, 1] plans may use")
     parser.add_argument("--report", help="write the hook's JSON report here")
+    parser.add_argument("--keep-files", action="store_true",
+                        help="keep the run's own files (without --report, the hook's report; with --model, the traced "
+                             "workload and its plan) in a temporary folder and say where; they are kept anyway when "
+                             "the command fails")
     parser.add_argument("--plot", metavar="PNG", help="write the iterations' measured peaks against the plan's forecast "
                                                        "and the budget, and their times, here")
     parser.add_argument(PLAN_EVENTS.option, choices=PLAN_EVENT_CHOICES,
@@ -119,11 +124,10 @@ def _check(args: argparse.Namespace) -> list[str]:
     return command
 
 
-def forecast_files(args: argparse.Namespace, console: Console) -> dict[str, str | None]:
+def forecast_files(args: argparse.Namespace, console: Console, folder: Path) -> dict[str, str | None]:
     """--model: the job's iteration traced before the command starts, for the device it will run on, and planned here
     when no node agent plans it (TENSILE's forecast, made before the job runs): the TENSILE_WORKLOAD and TENSILE_PLAN
-    of the command (None: no plan file, the agent plans), files in a folder of their own that is kept, as the
-    report's is."""
+    of the command (None: no plan file, the agent plans), files in the run's `folder`."""
     import torch
 
     from tensile import job_forecast
@@ -135,12 +139,11 @@ def forecast_files(args: argparse.Namespace, console: Console) -> dict[str, str 
         workload = trace_workload(args.model, DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size,
                                   optimizer_for(args.model, args.optimizer), args.dtype or "float32", device,
                                   micro_batches=1 if args.micro_batches is None else args.micro_batches)
-    folder = Path(tempfile.mkdtemp(prefix="tensile-"))
     saved = folder / "workload.json.gz"
     save_workload(workload, saved)
     traced = f"{args.model} at batch {workload.batch_size} ({device})"
     if args.agent:
-        console.print(f"tensile: {traced} traced; the node agent plans from it: {saved}", highlight=False)
+        console.print(f"tensile: {traced} traced; the node agent plans from it", highlight=False)
         return {"TENSILE_WORKLOAD": str(saved), "TENSILE_PLAN": None}
     with console.status("planning swaps and recomputations..."):
         # the preset of this machine's GPU (and its calibrated latency model, where one is on file)
@@ -155,8 +158,8 @@ def forecast_files(args: argparse.Namespace, console: Console) -> dict[str, str 
     plan_file.write_text(json.dumps(forecast.plan.to_dict(), indent=1))
     unfit = "" if summary["fits"] else f" ({summary['plan_message']})"
     console.print(f"tensile: forecast of {traced}: vanilla peak {summary['vanilla_peak_bytes'] / MIB:,.1f} MiB, "
-                  f"scheduled {summary['scheduled_peak_bytes'] / MIB:,.1f} MiB by {summary['plan_events']} events{unfit}; "
-                  f"workload and plan in {folder}", highlight=False)
+                  f"scheduled {summary['scheduled_peak_bytes'] / MIB:,.1f} MiB by {summary['plan_events']} events{unfit}",
+                  highlight=False)
     return {"TENSILE_WORKLOAD": str(saved), "TENSILE_PLAN": str(plan_file)}
 
 
@@ -173,8 +176,24 @@ def run(args: argparse.Namespace) -> int:
     # before --model's tracing and its files, which stand in for the environment's: a bad setting is refused before
     # anything is done or made
     check_environment(env, set(variables) | ({"TENSILE_WORKLOAD", "TENSILE_PLAN"} if args.model else set()))
+    scratch = Path(tempfile.mkdtemp(prefix="tensile-"))  # the run's own files: removed at the end unless kept
+    returncode = 1
+    try:
+        returncode = _run_in(scratch, args, command, env, named, console)
+        return returncode
+    finally:
+        if (args.keep_files or returncode != 0) and any(scratch.iterdir()):
+            console.print(f"tensile: the run's files (report, traced workload, plan) kept in {scratch}",
+                          highlight=False)
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_in(scratch: Path, args: argparse.Namespace, command: list[str], env: dict[str, str], named: bool,
+            console: Console) -> int:
+    """The command run under the hook, its own files in `scratch`; its exit status."""
     if args.model:  # with --agent no plan file: the agent plans from the traced workload, not one the environment names
-        for variable, path in forecast_files(args, console).items():
+        for variable, path in forecast_files(args, console, scratch).items():
             if path is None:
                 env.pop(variable, None)
             else:
@@ -183,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"tensile: the job registers with the node agent as {args.job} (--job names it)", highlight=False)
     report = args.report
     if report is None:
-        report = env["TENSILE_REPORT"] = str(Path(tempfile.mkdtemp(prefix="tensile-")) / "report.json")
+        report = env["TENSILE_REPORT"] = str(scratch / "report.json")
     started = time.time() - 1  # file times are coarse: a write just after this may read a few ms earlier
     returncode = _run_forwarding(command, env)
     killed = _signal_name(-returncode) if returncode < 0 else None
@@ -196,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(
             f"tensile: {totals.iterations} iterations, {totals.planned} under plan "
             f"(source: {data['plan_source'] or 'none'}), peak {totals.peak_bytes / MIB:,.1f} MiB"
-            f"{_under_plan(totals.under_plan)}; report: {report}"
+            f"{_under_plan(totals.under_plan)}{f'; report: {report}' if args.report else ''}"
         )
         over = _over_budget(totals.under_plan, data.get("guard_slack_bytes"), data.get("workspace_bytes"))
         if over:

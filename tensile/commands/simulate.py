@@ -10,21 +10,22 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from tensile.commands import CANNOT_FIT, PLAN_EXIT_STATUSES
 from tensile.compare import POLICIES, Comparison, compare
 from tensile.devices import PRESETS, device_preset
 from tensile.errors import TensileUserError
-from tensile.forecast import trace_workload
 from tensile.latency import assign_latencies
 from tensile.knobs import MAX_SWAP_RATE, MEMORY_BUDGET, KnobError, budget_bytes
 from tensile.planner import JobToPlan
-from tensile.user_model import is_user_model
+from tensile.trace_choices import is_user_model
 from tensile.workload import Workload
 
 MIB = 1024**2
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("simulate", help="simulate co-located jobs on one GPU under each policy", description=__doc__)
+    parser = subparsers.add_parser("simulate", help="simulate co-located jobs on one GPU under each policy", description=__doc__,
+                                   epilog=PLAN_EXIT_STATUSES)
     parser.add_argument("--job", action="append", required=True, metavar="MODEL[:BATCH]", help="a job (repeat for more); batch defaults to 16")
     parser.add_argument("--gpu", default="a6000", choices=sorted(k for k in PRESETS if k != "cpu"))
     parser.add_argument("--policy", default=",".join(POLICIES), help=f"comma-separated, from {','.join(POLICIES)}")
@@ -75,6 +76,8 @@ def _swap_rates(texts: list[str], names: list[str]) -> dict[str, float]:
 
 
 def _load(jobs: list[tuple[str, str, int]], gpu: str, optimizer: str, console: Console) -> tuple[dict[tuple[str, int], Workload], str]:
+    from tensile.forecast import trace_workload  # torch: once there is something to trace, not for --help
+
     traced: dict[tuple[str, int], Workload] = {}
     source = ""
     for _, model, batch in jobs:
@@ -188,9 +191,10 @@ def run(args: argparse.Namespace) -> int:
     with console.status("simulating...") as status:
         comparison = compare(specs, device, policies, args.overlap, args.iterations, budget, progress=lambda text: status.update(text + "..."))
     plots = _plot(comparison, args.plot) if args.plot else []
+    fits = comparison.gpu_plan is None or comparison.gpu_plan.fits
     if args.json:
         print(json.dumps(simulation_summary(comparison, args.gpu, source, plots)))
-        return 0
+        return 0 if fits else CANNOT_FIT
     for table in _tables(comparison, device.name):
         console.print(table)
     if comparison.gpu_plan is not None:
@@ -198,4 +202,4 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"op latencies: {source}")
     for path in plots:
         console.print(f"plot written to {path}")
-    return 0
+    return 0 if fits else CANNOT_FIT

@@ -228,7 +228,7 @@ def view_table(ops: list, seconds: list[float], preceding: list[float] | None = 
     """Median cost per view op name (`view` and `as_strided` differ, one constant for all misses both) and,
     where at least MIN_VIEW_CONTEXT samples have it, per name and size class of the op before it
     (key `name@class`): a view right after a big op finds its metadata out of the caches (a `detach`
-    7.1 us after a big op, 2.7 us after a small one). On session 6's held-out grids, from session 5's
+    7.1 us after a big op, 2.7 us after a small one). On held-out grids, fitted on a separate
     training grid: median error 10.9 / 10.1% by name, 7.1 / 5.8% by name and class."""
     by_name: dict[str, list[float]] = defaultdict(list)
     by_context: dict[str, list[float]] = defaultdict(list)

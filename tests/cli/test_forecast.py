@@ -11,6 +11,7 @@ import pytest
 from tests.support.docs_tables import documented_keys
 
 from tensile.cli import main
+from tensile.commands import CANNOT_FIT
 from tensile.recompute import NATIVE_CREATORS
 from tensile.zoo import ZOO
 
@@ -162,7 +163,7 @@ def test_save_and_save_plan_make_their_folders_as_plot_does(capsys, tmp_path):
 @pytest.mark.parametrize("option", ["--save", "--save-plan", "--plot"])
 def test_an_output_path_that_cannot_be_written_is_refused_before_tracing(capsys, tmp_path, monkeypatch, option):
     (tmp_path / "afile").write_text("")
-    monkeypatch.setattr("tensile.commands.forecast.trace_workload", lambda *a: pytest.fail("traced before the check"))
+    monkeypatch.setattr("tensile.forecast.trace_workload", lambda *a: pytest.fail("traced before the check"))
     assert main(["forecast", "--model", MLP, option, str(tmp_path / "afile" / "out")]) == 2
     assert f"{option} {tmp_path}/afile/out: {tmp_path}/afile is a file, not a folder" in " ".join(capsys.readouterr().err.split())
 
@@ -214,7 +215,8 @@ def test_cuda_plans_keep_to_activation_swaps_unless_told(capsys, tmp_path):
     assert every["scheduled_peak_bytes"] < auto["scheduled_peak_bytes"]
     # a budget between the two: "cannot fit ... even with every legal swap and recomputation" was not true of auto
     between = str((auto["scheduled_peak_bytes"] + every["scheduled_peak_bytes"]) // 2)
-    kept = run_json(capsys, "--workload", str(saved), "--memory-budget", between)
+    assert main(["forecast", "--workload", str(saved), "--memory-budget", between, "--json"]) == CANNOT_FIT
+    kept = json.loads(capsys.readouterr().out)
     assert kept["plan_message"].startswith("cannot fit") and "(native events only: --plan-events" in kept["plan_message"]
     assert run_json(capsys, "--workload", str(saved), "--memory-budget", between, "--plan-events", "all")["plan_message"].startswith("fits")
 
@@ -223,3 +225,54 @@ def test_the_json_keys_are_the_documented_ones(capsys):
     """docs/local-mode.md lists each key of `tensile forecast --json` in a table: none missing, none extra."""
     documented = documented_keys("`tensile forecast ... --json` prints")
     assert set(run_json(capsys, "--model", MLP, "--batch-size", "8")) == documented
+
+
+def test_an_error_in_the_users_model_code_is_one_line_naming_their_file_and_line(capsys, tmp_path):
+    """The user's mistake, not Tensile's: their exception, function, file and line, and no traceback through Tensile's
+    modules; `--debug` shows the whole traceback."""
+    model = tmp_path / "mistake.py"
+    model.write_text("def build(batch_size):\n    sizes = {}\n    return sizes['hidden']\n")
+    assert main(["forecast", "--model", f"{model}:build"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--model {model}:build: KeyError: 'hidden' (in build, {model}:3;" in err and "Traceback" not in err, err
+    assert main(["--debug", "forecast", "--model", f"{model}:build"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "tensile/forecast.py" in err and f"{model}\", line 3" in err, err
+
+
+def test_an_error_in_the_users_loss_is_theirs_too(capsys, tmp_path):
+    """Raised while the trace runs their loss: still their file and line, not the tracer's."""
+    model = tmp_path / "loss.py"
+    model.write_text(Path(MLP.partition(":")[0]).read_text()
+                     + "\n\ndef broken(batch_size):\n    model, batch, _, make_optimizer = build(batch_size)\n"
+                       "    def loss_fn(model, batch):\n        raise ValueError('no labels in this batch')\n"
+                       "    return model, batch, loss_fn, make_optimizer\n")
+    assert main(["forecast", "--model", f"{model}:broken"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "ValueError: no labels in this batch (in loss_fn, " in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("budget", ["2", "1000000"])
+def test_a_byte_budget_under_1_mib_is_refused_with_the_fix(capsys, budget):
+    """`--memory-budget 2` meant 2 GiB, not 2 bytes: it planned for 2 bytes in silence."""
+    assert main(["forecast", "--model", MLP, "--memory-budget", budget]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--memory-budget: '{budget}' is {int(budget):,} bytes, less than 1 MiB" in err and f"{budget}GiB" in err, err
+
+
+def test_version_is_the_packages(capsys):
+    import tensile
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"tensile {tensile.__version__}"
+
+
+@pytest.mark.parametrize("command", [[], ["forecast"], ["run"], ["simulate"], ["local"], ["agent"], ["operator"],
+                                     ["calibrate"], ["install-hook"]])
+def test_help_imports_no_torch(command):
+    """Help answers at once: torch (seconds to import) waits until a command needs it."""
+    probe = ("import sys\nfrom tensile.cli import main\ntry:\n    main(sys.argv[1:] + ['--help'])\nexcept SystemExit:\n"
+             "    pass\nprint('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe, *command], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("False"), (done.stdout[-500:], done.stderr[-2000:])

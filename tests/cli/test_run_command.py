@@ -1,4 +1,4 @@
-"""`tensile run` as a user meets it (explore-57's findings): job names that never clash at the node agent, signals
+"""`tensile run` as a user meets it: job names that never clash at the node agent, signals
 passed on to the training, a command killed by a signal said so, the summary comparing each plan with its own
 forecast and each iteration with the budget in force then, and `--gpu` for an agent with several GPUs."""
 
@@ -267,7 +267,7 @@ def _report(*iterations: tuple[str, int | None, int, int | None, int | None]) ->
 
 
 def test_each_plans_peak_is_said_against_its_own_forecast_and_each_iteration_against_its_budget():
-    """explore-57 s4 and s9: a plan version 1 iteration's peak was said against version 3's forecast, and a budget the
+    """A plan version 1 iteration's peak was said against version 3's forecast, and a budget the
     agent lowered mid-run (PATCH /knobs) made the summary say the iterations before had gone over it."""
     report = _report(("recording", None, 48, None, None), ("recording", None, 48, 40, None),
                      ("planned", 1, 30, 40, 26), ("planned", 1, 23, 40, 26), ("diverged", 1, 23, 40, 26), ("planned", 1, 23, 40, 26),
@@ -431,3 +431,17 @@ def test_tensile_run_needs_none_of_the_cluster_parts(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "asked for: []", done.stdout
     assert len(json.loads((tmp_path / "r.json").read_text())["iterations"]) == 3
+
+
+@pytest.mark.slow
+def test_the_runs_own_files_are_removed_unless_kept_or_the_command_failed(capsys, monkeypatch, tmp_path):
+    """Every run without --report left a temporary folder behind; one that failed keeps its report for the post-mortem,
+    and --keep-files keeps any."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(["run", "--", sys.executable, "-c", "pass"]) == 0
+    assert not list(tmp_path.glob("tensile-*")) and "kept in" not in capsys.readouterr().err
+    assert main(["run", "--", sys.executable, "-c", "import torch; raise SystemExit(3)"]) == 3
+    (kept,) = tmp_path.glob("tensile-*")
+    assert (kept / "report.json").exists() and f"kept in {kept}" in " ".join(capsys.readouterr().err.split())
+    assert main(["run", "--keep-files", "--", sys.executable, "-c", "import torch"]) == 0
+    assert len(list(tmp_path.glob("tensile-*"))) == 2

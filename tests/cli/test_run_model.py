@@ -57,7 +57,7 @@ def test_a_model_traced_before_the_run_is_planned_and_its_plan_applied(tmp_path:
     # would stand down)
     gone = {"TENSILE_WORKLOAD": str(tmp_path / "gone.json.gz"), "TENSILE_PLAN": str(tmp_path / "gone-plan.json")}
     hooked, report, said = _train(tmp_path, "hooked", "--model", MODEL, "--batch-size", str(BATCH), "--plot", str(plot),
-                                  env=gone)
+                                  "--keep-files", env=gone)
     assert_identical(plain, hooked)
     assert report is not None and report["plan_source"] == "file" and report["signature_match"] is True, report
     recorded = report["iterations"][1]  # the matched iteration, before any plan: the vanilla peak, measured
@@ -67,7 +67,7 @@ def test_a_model_traced_before_the_run_is_planned_and_its_plan_applied(tmp_path:
     planned = [it for it in report["iterations"] if it["mode"] == "planned"]
     assert len(planned) == STEPS - 2 and all(sum(it["events"].values()) > 0 for it in planned), planned
     assert f"forecast of {MODEL} at batch {BATCH} (cpu): vanilla peak" in said, said
-    folder = Path(said.split("workload and plan in ")[1].split(";")[0].split()[0])
+    folder = Path(said.split("the run's files (report, traced workload, plan) kept in ")[1].split()[0])
     assert json.loads((folder / "plan.json").read_text())["signature"] == report["live_signature"]
     assert f"tensile:plot:{plot}" in said.replace(" ", "") and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 20_000
 
@@ -195,8 +195,8 @@ def test_on_a_gpu_machine_the_forecast_is_cudas_with_the_gpus_preset(capsys, mon
                         or make_forecast(workload, preset, *rest))
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    assert main(["run", "--model", MODEL, "--batch-size", "8", "--report", str(tmp_path / "r.json"), "--",
-                 sys.executable, "-c", "pass"]) == 0
+    assert main(["run", "--model", MODEL, "--batch-size", "8", "--report", str(tmp_path / "r.json"), "--keep-files",
+                 "--", sys.executable, "-c", "pass"]) == 0
     said = " ".join(capsys.readouterr().err.split())
     assert f"forecast of {MODEL} at batch 8 (cuda): vanilla peak" in said and presets == ["h100"], (presets, said)
     (workload,) = tmp_path.glob("tensile-*/workload.json.gz")

@@ -12,6 +12,7 @@ from tests.support.docs_tables import documented_keys
 from tensile.baselines.capuchin import CapuchinPolicy
 from tensile.baselines.vdnn import vdnn_job
 from tensile.cli import main
+from tensile.commands import CANNOT_FIT
 from tensile.compare import compare
 from tensile.devices import device_preset
 from tensile.latency import LatencyEWMA
@@ -92,7 +93,7 @@ def test_simulate_json_says_whether_the_plan_fits_as_the_text_does(capsys, tmp_p
     """--json had gpu, latencies, rows and plan_seconds only: no word that the plan could not fit, nor its budget,
     nor where --plot wrote; the text said "cannot fit: the lowest reachable peak is ... above the budget of ..."."""
     job = "examples/tiny_mlp.py:build:8"
-    assert main(["simulate", "--job", job, "--memory-budget", "0.01", "--json", "--plot", str(tmp_path)]) == 0
+    assert main(["simulate", "--job", job, "--memory-budget", "0.01", "--json", "--plot", str(tmp_path)]) == CANNOT_FIT
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is False and out["message"].startswith("cannot fit: the lowest reachable peak is "), out["message"]
     assert 0 < out["budget_bytes"] < out["scheduled_peak_bytes"]

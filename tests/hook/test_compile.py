@@ -62,8 +62,7 @@ def test_a_model_that_is_not_compiled_hears_nothing_of_torch_compile():
 
 def test_code_compiled_in_native_iterations_compiles_and_hears_nothing():
     """A validation function compiled and first called after step 5, in native iterations, where the dispatch mode
-    is off: TorchDynamo compiles it as without Tensile, and the report does not say it ran eagerly (until session 33
-    it did say so)."""
+    is off: TorchDynamo compiles it as without Tensile, and the report does not say it ran eagerly."""
     import torch._dynamo
 
     torch._dynamo.reset()

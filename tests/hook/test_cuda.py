@@ -165,7 +165,7 @@ def test_a_training_batch_norm_runs_cudnns_op_and_the_hooks_replay_gives_its_out
     """What recomputing batch norm's outputs on CUDA rests on (`tensile.cuda_ops`): the op a training batch norm
     runs there is cuDNN's, and the hook's replay of it (without the running statistics, `recipes._replayable`) gives
     the forward's output bit for bit and leaves the module's statistics alone. The forecast says what it is worth
-    (session 33, H100 preset, default events): DenseNet-121 MSR 0.286 -> 0.55, Inception-V3 0.364 -> 0.474,
+    (H100 preset, default events): DenseNet-121 MSR 0.286 -> 0.55, Inception-V3 0.364 -> 0.474,
     ResNet-50 0.456 -> 0.471 (Table III 0.514, 0.436, 0.426)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 

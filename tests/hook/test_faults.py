@@ -134,6 +134,8 @@ def test_a_budget_in_bytes_holds_from_the_first_iteration():
     ({"TENSILE_MAX_SWAP_RATE": "-1"}, "TENSILE_MAX_SWAP_RATE: must be a share of the GPU's swap traffic in (0, 1]"),
     ({"TENSILE_MEMORY_BUDGET": "1.5"}, "TENSILE_MEMORY_BUDGET: '1.5' is neither a fraction nor bytes"),
     ({"TENSILE_MEMORY_BUDGET": "12GB!"}, "TENSILE_MEMORY_BUDGET: '12GB!' is not a number of bytes"),
+    ({"TENSILE_MEMORY_BUDGET": "2"}, "TENSILE_MEMORY_BUDGET: '2' is 2 bytes, less than 1 MiB, which no training fits in: "
+                                     "give a unit (2MiB, 2GiB)"),
 ])
 def test_bad_planning_settings_name_the_variable_and_the_fix(environ, named):
     with pytest.raises(ValueError, match=re.escape(named)):
@@ -192,7 +194,7 @@ def test_tensile_run_refuses_bad_input_before_starting_the_command(capsys, optio
 @pytest.mark.slow
 def test_a_plan_file_that_cannot_belong_to_its_workload_is_refused_naming_the_event(capsys, tmp_path, tiny_workload):
     """A plan with events on a tensor the workload lacks, triggers past its last op and negative delays ran as far
-    as it went, taking the job 22% over its vanilla peak with no word (helper-38's finding)."""
+    as it went, taking the job 22% over its vanilla peak with no word."""
     import dataclasses
     import json
 
@@ -331,19 +333,19 @@ def test_a_reports_run_totals_count_the_omitted_iterations_too():
 
 @pytest.mark.slow
 def test_the_summary_says_where_the_peak_under_plan_went_over_the_budget(tmp_path, capfd):
-    """A 1 MB budget on a job whose one op needs more than that at once ended 14x over it, and the summary named
-    neither the budget nor the guard's slack that allows it (helper-38's finding)."""
+    """A 1 MiB budget on a job whose one op needs more than that at once: the summary names the budget and the guard's
+    slack that allows going over it."""
     import json
 
     report = tmp_path / "report.json"
-    assert _tensile_run("--memory-budget", "1000000", "--report", str(report), "--", sys.executable,
+    assert _tensile_run("--memory-budget", "1MiB", "--report", str(report), "--", sys.executable,
                         str(EXAMPLES / "train_mlp.py"), "--steps", "5") == 0
     data = json.loads(report.read_text())
     peak = max(it["peak_bytes"] for it in data["iterations"] if it["mode"] == "planned")
-    assert peak > 1000000 and peak - 1000000 <= data["guard_slack_bytes"]
+    assert peak > 2**20 and peak - 2**20 <= data["guard_slack_bytes"]
     said = " ".join(capfd.readouterr().err.split())
     assert (f"the peak under plan, {peak / 2**20:,.1f} MiB, went over the memory budget of 1.0 MiB by "
-            f"{(peak - 1000000) / 2**20:,.2f} MiB: within the guard's slack of {data['guard_slack_bytes'] / 2**20:,.1f} MiB") in said, said
+            f"{(peak - 2**20) / 2**20:,.2f} MiB: within the guard's slack of {data['guard_slack_bytes'] / 2**20:,.1f} MiB") in said, said
 
 
 def test_an_op_retried_after_out_of_memory_keeps_its_own_inputs(planless):

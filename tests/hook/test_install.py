@@ -95,7 +95,7 @@ def test_a_pytorch_older_than_any_the_hook_was_checked_with_is_refused(version: 
 
 def test_under_an_older_pytorch_the_training_runs_without_the_hook_and_says_why(monkeypatch, capsys,
                                                                                   tmp_path: Path) -> None:
-    """Under PyTorch 2.9.1 (run by hand, session 36) a training under a budget crashed pickling a checkpoint, and the
+    """Under PyTorch 2.9.1 a training under a budget crashed pickling a checkpoint, and the
     native path never engaged: the sitecustomize that starts the hook says why it does not, and starts nothing."""
     import torch
     from torch.nn.modules.module import _global_forward_pre_hooks

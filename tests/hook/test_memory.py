@@ -118,7 +118,7 @@ def test_a_plan_carried_out_exactly_never_measures_above_its_forecast():
 @pytest.mark.parametrize("own_budget", [None, 0.9])
 def test_a_plan_file_holds_the_job_to_its_budget_unless_the_job_has_its_own(own_budget):
     """`tensile forecast --memory-budget 0.8 --save-plan` wrote no budget, so `tensile run --plan` ran the plan with
-    the budget guard off (helper-50's finding). The plan's budget now applies; a budget the user gave stands."""
+    the budget guard off. The plan's budget now applies; a budget the user gave stands."""
     build, seen = _import_example("tiny_mlp"), []
     train(build, 64, planner=lambda live, budget: seen.append(live))
     plan = make_forecast(seen[0], "cpu", 0.8).plan

@@ -94,7 +94,7 @@ def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster)
 @pytest.mark.cluster
 def test_a_knob_annotation_removed_goes_back_to_its_default_where_the_spec_has_none(tmp_path, forecaster):
     """The agent reads a knob left out as unchanged: a max-swap-rate or memory-budget annotation removed from a job
-    whose spec sets neither kept its value on the agent for good (helper-34's finding). Now the rate goes back to
+    whose spec sets neither kept its value on the agent for good. Now the rate goes back to
     no cap (1.0) and the budget to the job's reservation."""
     async def scenario():  # type: ignore[no-untyped-def]
         async with cluster(tmp_path) as c:
@@ -120,7 +120,7 @@ def test_a_knob_annotation_removed_goes_back_to_its_default_where_the_spec_has_n
 @pytest.mark.cluster
 def test_a_queued_job_is_placed_by_the_knobs_annotated_while_it_waits(tmp_path, forecaster):
     """A queued job's budget annotation lowered so that it fits beside the running job: it was parsed once, at
-    admission, so the job stayed queued by its old budget and its pod got the old knobs (helper-34's finding)."""
+    admission, so the job stayed queued by its old budget and its pod got the old knobs."""
     async def scenario():  # type: ignore[no-untyped-def]
         async with gpu_held_by_big(tmp_path, forecaster) as (c, _):
             await c.apply(trainingjob("waiting", None, profile="p", memoryBudget="3Gi"))
