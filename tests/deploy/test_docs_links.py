@@ -31,16 +31,16 @@ def unlinked_pages(index: Path) -> set[str]:
     return {page.name for page in index.parent.glob("*.md") if page != index and page.resolve() not in linked}
 
 
-def test_every_docs_page_is_linked_from_the_index():
+def test_every_docs_page_is_linked_from_the_index() -> None:
     assert unlinked_pages(DOCS / "index.md") == set(), "link these pages from docs/index.md"
 
 
-def test_every_relative_link_resolves():
+def test_every_relative_link_resolves() -> None:
     pages = sorted(DOCS.glob("*.md")) + [ROOT / "README.md", ROOT / "benchmarks" / "README.md"]
     assert broken_links(pages) == []
 
 
-def test_the_checks_fail_on_a_missing_page_and_a_broken_link(tmp_path: Path):
+def test_the_checks_fail_on_a_missing_page_and_a_broken_link(tmp_path: Path) -> None:
     """Both checks can fail: an index that misses a page, and a link to a file that is not there."""
     (tmp_path / "index.md").write_text("See [the guide](guide.md) and [nothing](gone.md#part).\n")
     (tmp_path / "guide.md").write_text("# Guide\n\n```\n[not a link](inside-code.md)\n```\n")
