@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
-# What docs/gpu-checklist.md asks of a lent GPU, as one prepared call of the device tool: a task that draws a machine
-# has 15 minutes of device time in all (the machine's start, a minute or two, included) and 10 minutes a call, so
-# every item runs under its own timeout and the whole ends inside 9 minutes, leaving time to rerun one item.
+# Every GPU check of docs/gpu-checklist.md in one go: each item runs under its own timeout and the whole ends inside
+# about 9 minutes.
 #
-#   run(command="bash benchmarks/gpu_session.sh", timeout_s=600)
+#   OUT=/tmp/gpu-results bash benchmarks/gpu_session.sh
 #
-# Each item's output and files land in $OUT (at most 8 files come back): the CUDA tests' log, the five
-# models' real training (MSR from max_memory_allocated, EOR, bit-identity), `tensile run --model`'s report, the
-# hook's overhead (a log and, where there is one, a JSON file each), and this script's own log: the device, each
-# item's exit status, seconds and last lines. Commit the JSON files under
-# benchmarks/results/ (named by the device) and say in docs/ what ran.
+# Each item's output and files land in $OUT: the CUDA tests' log, the five models' real training (MSR from
+# max_memory_allocated, EOR, bit-identity), `tensile run --model`'s report, the hook's overhead (a log and, where
+# there is one, a JSON file each), and this script's own log: the device, each item's exit status, seconds and last
+# lines. Commit the JSON files under benchmarks/results/ (named by the device) and update benchmarks/README.md.
 #
 # Settings (environment): PYTHON (python3), ITEMS (which items, in order: tests real_training run_model
 # hook_overhead), MODELS (real_training's, comma-separated; the paper's five by default), BATCH (16), and each item's

@@ -1,4 +1,4 @@
-"""The node agent's HTTP contract (DESIGN §7), in one place for both sides.
+"""The node agent's HTTP contract (docs/agent.md, "API"), in one place for both sides.
 
 The agent (`tensile_agent`, FastAPI) mirrors these shapes in pydantic models; the runtime hook's
 client (`tensile.agent_client`, standard library only) and the operator build and read them from

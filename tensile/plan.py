@@ -1,4 +1,4 @@
-"""Scheduling events, plans and forecasts: what the planner hands to the hook, agent and operator (DESIGN §3)."""
+"""Scheduling events, plans and forecasts: what the planner hands to the hook, agent and operator (docs/concepts.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A discrete-event simulation of one GPU running several training jobs under memory scheduling policies.
 
-What it models (DESIGN §4): each job's compute stream runs its ops in order, slowed while other jobs
+What it models (TENSILE paper, section V-A): each job's compute stream runs its ops in order, slowed while other jobs
 compute at the same time (processor sharing with a configurable overlap); one host-to-device and one
 device-to-host copy channel per GPU, shared by all jobs, each moving one tensor at a time in request
 order; the plan's events fired after their trigger op plus delay; and a *passive stall* whenever an

@@ -1,4 +1,4 @@
-"""The workload model shared by every part: one training iteration as tensors and ops (DESIGN §3).
+"""The workload model shared by every part: one training iteration as tensors and ops (docs/concepts.md).
 
 A *tensor* here is a device storage (views share it); its size is what the allocator hands out.
 An updated parameter or optimizer state is a new tensor living in the memory of the one it `reuses`

@@ -1,4 +1,4 @@
-"""The Tensile node agent (DESIGN §7): one per GPU node; plans all jobs of each GPU together, hands each
+"""The Tensile node agent (docs/agent.md): one per GPU node; plans all jobs of each GPU together, hands each
 runtime hook its plan, learns from what the hooks measure, and exports what the dashboards show.
 
 Run it with `tensile agent` or `python -m tensile_agent`. Modules: gpus (NVML inventory or

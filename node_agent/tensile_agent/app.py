@@ -326,7 +326,7 @@ def create_app(agent: Any) -> FastAPI:
             await asyncio.to_thread(agent.stop)
 
     app = FastAPI(title="Tensile node agent", version="v1", lifespan=lifespan,
-                  description="Global TENSILE planning for the GPUs of one node (DESIGN §7). Job-scoped calls "
+                  description="Global TENSILE planning for the GPUs of one node (docs/agent.md). Job-scoped calls "
                               f"need the job's token in the {TOKEN_HEADER} header.")
     token_header = APIKeyHeader(name=TOKEN_HEADER, auto_error=False, description="the job's token")
 

@@ -1,7 +1,7 @@
 """What the operator tells a node agent: a job placed (with its forecast), its knobs changed, it left; fetch a
 job's live workload.
 
-Through `tensile.agent_client` (the contract of DESIGN §7), on a worker thread (its client is blocking).
+Through `tensile.agent_client` (the contract of docs/agent.md, "API"), on a worker thread (its client is blocking).
 An agent that is unreachable or refuses never stops admission: the call is logged and reported as not
 done, and the knobs still reach the hook through the pod's environment when it (re)starts.
 """

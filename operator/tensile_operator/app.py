@@ -1,6 +1,6 @@
 """One operator run: its collaborators built and wired, started and stopped.
 
-Flow (DESIGN §8): `JobIntake` (validate, forecast, queue) -> `Scheduler` (place, book, write the placement) ->
+Flow (docs/operator.md): `JobIntake` (validate, forecast, queue) -> `Scheduler` (place, book, write the placement) ->
 `PodLauncher` (the pod) -> `PodFollower` (the pod followed, the job deleted) -> `JobCompletion` (the end written, the
 room released), all on the `CapacityLedger`; `Replacement` places again a job whose GPU went, and `JobEdits` takes a
 job's edits. The Kopf handlers (`handlers.py`) call the collaborator each event is for.

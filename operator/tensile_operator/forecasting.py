@@ -36,7 +36,7 @@ from tensile.trainingjob_spec import PlanScope, WorkloadSpec
 from tensile.workload import Workload
 
 log = logging.getLogger("tensile_operator.forecast")
-DEFAULT_BANDWIDTH = 25e9  # bytes/s per direction, DESIGN §4 default when a GPU publishes none
+DEFAULT_BANDWIDTH = 25e9  # bytes/s per direction, the A6000 preset's link, for a GPU that publishes none
 CACHED_WORKLOADS = 32  # entries per cache (see the module's docstring)
 
 

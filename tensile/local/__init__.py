@@ -1,4 +1,4 @@
-"""Local mode (DESIGN §10): TrainingJob files run on this machine, sharing one GPU (or a simulated one) by their
+"""Local mode (docs/local-mode.md): TrainingJob files run on this machine, sharing one GPU (or a simulated one) by their
 forecast scheduled peaks, with the node agent in-process and each job under the hook.
 
 Above the core and the deployables it starts (the agent, the hook), below the CLI: `tensile local` parses its

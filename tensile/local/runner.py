@@ -1,4 +1,4 @@
-"""The local runner (DESIGN §10): TrainingJobs on one machine, admitted onto one GPU by their forecast
+"""The local runner (docs/local-mode.md): TrainingJobs on one machine, admitted onto one GPU by their forecast
 scheduled peaks, each run as a subprocess under the hook and linked to the in-process node agent.
 
 Admission is first come, first served: the next job starts when the sum of the running jobs' demands

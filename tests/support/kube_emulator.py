@@ -1,4 +1,4 @@
-"""kmock 0.8's Kubernetes emulator, with the gaps that matter to a real Kopf operator closed (DESIGN §11).
+"""kmock 0.8's Kubernetes emulator, with the gaps that matter to a real Kopf operator closed (docs/operator.md, Tests).
 
 kmock 0.8 keeps objects as plain merged dicts. This subclass adds what the API server does and the
 operator relies on: metadata stamping (uid, resourceVersion, generation, creationTimestamp), optimistic
