@@ -25,14 +25,31 @@ def pyplot() -> Any:
     return plt
 
 
+# the paper's metrics as a reader meets them in a plot: expanded, with which way is better (docs/concepts.md)
+METRIC_TITLES = {"msr": "MSR: memory saving ratio\n(higher is better)",
+                 "eor": "EOR: extra overhead ratio\n(time with / without; lower is better)",
+                 "cbr": "CBR: cost-benefit ratio\n(MSR / EOR; higher is better)"}
+
+
 def save_figure(fig: Any, path: str | Path) -> Path:
-    """A finished figure written as PNG (its folder made) and closed."""
+    """A finished figure written as PNG (its folder made) and closed; legends placed outside the axes are kept in."""
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     pyplot().close(fig)
     return path
+
+
+def legend_outside(ax: Any) -> None:
+    """The legend right of the axes, where it never covers a curve."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+
+
+def limit_line(ax: Any, nbytes: int | None, label: str, style: str = "--") -> None:
+    """A horizontal line at a memory limit (the GPU's capacity, a budget), in MiB, labelled for the legend."""
+    if nbytes:
+        ax.axhline(nbytes / MIB, ls=style, color="#c44e52" if style == "-" else "black", lw=1.2, label=label)
 
 
 def phase_spans(workload: Workload) -> list[tuple[str, int, int]]:
@@ -46,8 +63,9 @@ def phase_spans(workload: Workload) -> list[tuple[str, int, int]]:
     return spans
 
 
-def plot_timeline(workload: Workload, curves: dict[str, PeakResult], path: str | Path, title: str) -> Path:
-    """Memory in use per op, one curve per analysis (vanilla, scheduled...), phases shaded."""
+def plot_timeline(workload: Workload, curves: dict[str, PeakResult], path: str | Path, title: str,
+                  budget_bytes: int | None = None) -> Path:
+    """Memory in use per op, one curve per analysis (vanilla, scheduled...), phases shaded, the budget planned for."""
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(11, 4.5))
@@ -59,12 +77,13 @@ def plot_timeline(workload: Workload, curves: dict[str, PeakResult], path: str |
         ax.plot(range(len(result.op_memory)), [b / MIB for b in result.op_memory], lw=1.2, label=f"{label} (peak {result.peak_bytes / MIB:,.0f} MiB)")
         if result.peak_op >= 0:
             ax.plot([result.peak_op], [result.peak_bytes / MIB], "v", color="black", ms=6)
+    limit_line(ax, budget_bytes, f"memory budget ({budget_bytes / MIB:,.0f} MiB)" if budget_bytes else "")
     ax.set_xlabel("op index in the iteration")
     ax.set_ylabel("device memory in use (MiB)")
     ax.set_title(title)
     ax.set_xlim(0, max(1, len(workload.ops)))
     ax.set_ylim(bottom=0)
-    ax.legend(loc="upper left", fontsize=8)
+    legend_outside(ax)
     return save_figure(fig, path)
 
 
@@ -91,13 +110,13 @@ def plot_iterations(report: dict, path: str | Path, title: str) -> Path:
         memory.axhline(report["vanilla_peak_bytes"] / MIB, ls=":", color="#888888", label="vanilla peak")
     memory.set_ylabel("memory peak (MiB)")
     memory.set_ylim(bottom=0)
-    memory.legend(loc="lower left", fontsize=8)
+    legend_outside(memory)
     memory.set_title(title, fontsize="medium")
     for field, label in (("seconds", "iteration"), ("stall_seconds", "stalls"), ("hook_seconds", "inside the hook"),
                          ("recompute_seconds", "recomputing")):
         seconds.plot(xs, [it[field] * 1e3 for it in iterations], lw=1, marker=".", label=label)
     seconds.set_yscale("symlog", linthresh=0.01)  # log above 0.01 ms, linear to 0: most iterations stall for 0
-    seconds.set_ylabel("ms per iteration")
+    seconds.set_ylabel("ms per iteration (lower is better)")
     seconds.set_xlabel("iteration")
-    seconds.legend(loc="lower left", fontsize=8)
+    legend_outside(seconds)
     return save_figure(fig, path)

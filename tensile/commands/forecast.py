@@ -149,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         plot_timeline(
             workload, {"vanilla": forecast.vanilla, "TENSILE": scheduled}, args.plot,
             f"{workload.model} batch {workload.batch_size} on {preset}: memory per op",
+            budget_bytes=summary["memory_budget_bytes"],
         )
     if args.json:
         print(json.dumps(summary))

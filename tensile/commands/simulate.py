@@ -21,6 +21,7 @@ from tensile.trace_choices import is_user_model
 from tensile.workload import Workload
 
 MIB = 1024**2
+GPU_TOTAL = "GPU total"  # the curve of the jobs' sum in the memory plots
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -112,44 +113,55 @@ def _tables(comparison: Comparison, gpu: str) -> list[Table]:
     return tables
 
 
-def _plot(comparison: Comparison, directory: str) -> list[Path]:
-    import matplotlib
+def _plot(comparison: Comparison, directory: str, capacity: int, budget: int | None) -> list[Path]:
+    """Per policy, each job's memory and the GPU's total over time against what the jobs may use (`capacity`: the
+    GPU's memory less a context per job) and the budget, on one scale for every policy; then the paper's metrics."""
+    from tensile.plots import METRIC_TITLES, legend_outside, limit_line, pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    curves = {policy: _memory_curves(result.timeline) for policy, result in comparison.simulations.items()}
+    highest = max([(budget or 0) / MIB] + [max(ys, default=0.0) for per_job in curves.values() for _, ys in per_job.values()])
+    # the capacity where it is in reach of the curves; a GPU many times larger than the jobs is said in the title instead
+    shown_capacity = capacity if capacity / MIB <= 2 * highest else None
+    highest = max(highest, (shown_capacity or 0) / MIB)
     paths = []
-    for policy, result in comparison.simulations.items():
+    for policy, per_job in curves.items():
         fig, ax = plt.subplots(figsize=(11, 4.5))
-        series: dict[str, tuple[list[float], list[float]]] = {}
-        for t, job, used in result.timeline:
-            xs, ys = series.setdefault(job, ([], []))
-            xs.append(t * 1e3)
-            ys.append(used / MIB)
-        for job, (xs, ys) in series.items():
-            ax.step(xs, ys, where="post", lw=1, label=job)
+        for job, (xs, ys) in per_job.items():
+            ax.step(xs, ys, where="post", lw=2.0 if job == GPU_TOTAL else 1.0,
+                    color="black" if job == GPU_TOTAL else None, label=job)
+        limit_line(ax, shown_capacity, f"GPU memory for the jobs ({capacity / MIB:,.0f} MiB)", style="-")
+        limit_line(ax, budget, f"memory budget ({(budget or 0) / MIB:,.0f} MiB)")
+        ax.set_ylim(0, highest * 1.05)  # one scale for every policy: their plots compare at a glance
         ax.set_xlabel("time (ms)")
         ax.set_ylabel("device memory in use (MiB)")
-        ax.set_title(f"{policy}: memory per job")
-        ax.legend(loc="upper right", fontsize=8)
-        fig.tight_layout()
-        path = out / f"memory_{policy}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        off_scale = "" if shown_capacity else f" (of {capacity / MIB:,.0f} MiB for the jobs)"
+        ax.set_title(f"{policy}: memory per job and on the GPU{off_scale}")
+        legend_outside(ax)
+        paths.append(save_figure(fig, out / f"memory_{policy}.png"))
     totals = [r for r in comparison.rows if r["job"] == "*"]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
     for ax, metric in zip(axes, ("msr", "eor", "cbr")):
         ax.bar([r["policy"] for r in totals], [r[metric] for r in totals], color="#4b8bbe")
-        ax.set_title(metric.upper())
-    fig.tight_layout()
-    path = out / "metrics.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+        ax.set_title(METRIC_TITLES[metric], fontsize="medium")
+    paths.append(save_figure(fig, out / "metrics.png"))
     return paths
+
+
+
+def _memory_curves(timeline: list[tuple[float, str, int]]) -> dict[str, tuple[list[float], list[float]]]:
+    """(ms, MiB) steps per job from the simulator's timeline, and the GPU's total: the jobs' sum at each change."""
+    curves: dict[str, tuple[list[float], list[float]]] = {}
+    used: dict[str, int] = {}
+    for t, job, nbytes in timeline:
+        used[job] = nbytes
+        for name, value in ((job, nbytes), (GPU_TOTAL, sum(used.values()))):
+            xs, ys = curves.setdefault(name, ([], []))
+            xs.append(t * 1e3)
+            ys.append(value / MIB)
+    return curves
 
 
 def simulation_summary(comparison: Comparison, gpu: str, latencies: str, plots: list[Path]) -> dict:
@@ -190,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         budget = budget_bytes(budget_value, sum(analyze_vanilla(s.workload).peak_bytes for s in specs))
     with console.status("simulating...") as status:
         comparison = compare(specs, device, policies, args.overlap, args.iterations, budget, progress=lambda text: status.update(text + "..."))
-    plots = _plot(comparison, args.plot) if args.plot else []
+    plots = _plot(comparison, args.plot, device.memory_bytes - len(specs) * device.context_bytes, budget) if args.plot else []
     fits = comparison.gpu_plan is None or comparison.gpu_plan.fits
     if args.json:
         print(json.dumps(simulation_summary(comparison, args.gpu, source, plots)))

@@ -35,7 +35,7 @@ def run_jobs(jobs: list[LocalJob], reports: Path | None, *, host: str, port: int
         console.print(f"[yellow]note:[/] {agent.note}", highlight=False)
     gpu = agent.gpu
     kind = "simulated " if gpu.simulated else ""
-    title = f"Tensile local: {kind}{gpu.name} {gpu.capacity_bytes / 2**20:,.0f} MiB for jobs; agent {agent.url}"
+    title = f"Tensile local: {kind}{gpu.name} {gpu.capacity_bytes / 2**20:,.0f} MiB for jobs"
     console.print(f"agent {agent.url} (/v1/jobs, /metrics); reports and logs in {reports}", highlight=False)
     runner = LocalRunner(jobs, agent, reports, "cuda" if cuda else "cpu", "a6000" if cuda else "cpu")
     try:

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tensile.local.runner import JobRun
-from tensile.plots import pyplot, save_figure
+from tensile.plots import legend_outside, pyplot, save_figure
 
 MIB = 2**20
 PHASE_STYLE = {"Running": "green", "Succeeded": "bold green", "Failed": "bold red", "Queued": "yellow"}
@@ -59,5 +59,5 @@ def plot_peaks(runs: list[JobRun], path: str | Path, title: str) -> Path:
     ax.set_ylabel("memory peak (MiB)")
     # the GPU and agent line is long: wrapped to the figure's width (at 60 characters a one-job chart cut it)
     ax.set_title(textwrap.fill(title, int(figure_width * 10)), fontsize="medium")
-    ax.legend()
+    legend_outside(ax)
     return save_figure(fig, path)
