@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from tensile_hook.executor import ActivePlan, PlanExecutor
 
 MAX_WALK = 4096  # autograd nodes visited from one root: a bound that a model keeping to the plan never reaches
+OWN_MODULES = __name__.rpartition(".")[0] + "."  # the hook's own classes' modules: `tensile_hook.`
 
 
 def sequence_number(node: Any) -> int | None:
@@ -77,7 +78,7 @@ def user_forward_hooks(module: torch.nn.Module) -> int:
 
 def foreign_global_hooks() -> int:
     """Global module forward (pre-)hooks that are not the hook's own: each sees every module call."""
-    return sum(not type(getattr(hook, "__self__", None)).__module__.startswith("tensile.")
+    return sum(not type(getattr(hook, "__self__", None)).__module__.startswith(OWN_MODULES)
                for hooks in (_global_forward_pre_hooks, _global_forward_hooks) for hook in hooks.values())
 
 
