@@ -25,8 +25,8 @@ from torch.utils.hooks import RemovableHandle
 from tensile.agent_client import AgentClient, AgentError
 from tensile.agent_contract import FAILED, MAX_OP_SAMPLES, ContractError, Measurements, PlanResponse
 from tensile.plan import Plan, rebind
-from tensile_hook.executor import Planner
 from tensile_hook.latency_samples import OpSamples
+from tensile_hook.plan_book import Planner
 from tensile_hook.report import HookReport, IterationStats
 from tensile_hook.settings import HookSettings, budget_bytes, native_plans
 from tensile.workload import Workload
