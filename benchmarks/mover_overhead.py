@@ -38,7 +38,7 @@ from rich.table import Table
 from tensile.latency.calibrate import local_device
 from tensile.latency.measure import HostLoad
 from tensile_hook.movers import CudaMover
-from tensile_hook.storages import Slot
+from tensile_hook.storages import StorageSlot
 
 RESULTS = Path(__file__).parent / "results"
 WARMUP_ROUNDS = 2
@@ -76,7 +76,7 @@ def spread_sizes(count: int, min_mib: float, max_mib: float) -> list[int]:
     return sizes
 
 
-def mover_round(mover: CudaMover, slots: list[Slot], storages: list[torch.UntypedStorage],
+def mover_round(mover: CudaMover, slots: list[StorageSlot], storages: list[torch.UntypedStorage],
                 busy: Busywork) -> tuple[list[float], list[float]]:
     """Seconds of each swap_out, then of each swap_in (in reverse order)."""
     outs, ins = [], []
@@ -145,7 +145,7 @@ def main() -> None:
     tensors = [torch.randn(nbytes // 4, device=device) for nbytes in sizes]
     expected = [tensor.cpu() for tensor in tensors]
     storages = [tensor.untyped_storage() for tensor in tensors]
-    slots = [Slot(id(storage), weakref.ref(storage), storage.nbytes()) for storage in storages]
+    slots = [StorageSlot(id(storage), weakref.ref(storage), storage.nbytes()) for storage in storages]
     hosts = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for nbytes in sizes]
     mover = CudaMover(device)
     side = torch.cuda.Stream(device)

@@ -41,7 +41,7 @@ from paper_tables import PAPER_TABLE_III
 from tensile.latency.calibrate import local_device, torch_device
 from tensile.plan import PLAN_EVENTS
 from tensile_hook import activate, deactivate
-from tensile_hook.executor import Planner
+from tensile_hook.plan_book import Planner
 from tensile_hook.plan_source import host_link_bandwidth, local_planner
 from tensile_hook.report import HookReport
 from tensile_hook.settings import HookSettings

@@ -35,7 +35,7 @@ from hook_overhead import empty_plan, timed_iterations
 from tensile.latency.calibrate import local_device, torch_device
 from tensile.latency.measure import HostLoad
 from tensile.plan import Plan
-from tensile_hook.executor import Planner
+from tensile_hook.plan_book import Planner
 from tensile_hook.plan_source import local_planner
 from tensile_hook.settings import HookSettings
 from tensile.workload import Workload

@@ -26,8 +26,8 @@ from tensile.agent_client import AgentClient, AgentError
 from tensile.agent_contract import FAILED, MAX_OP_SAMPLES, ContractError, Measurements, PlanResponse
 from tensile.knobs import budget_bytes
 from tensile.plan import Plan, rebind
-from tensile_hook.executor import Planner
 from tensile_hook.latency_samples import OpSamples
+from tensile_hook.plan_book import Planner
 from tensile_hook.report import HookReport, IterationStats
 from tensile_hook.settings import HookSettings, native_plans
 from tensile.workload import Workload

@@ -16,8 +16,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from tensile.plan import Plan
-from tensile_hook.executor import IterationListener, PlanExecutor, Planner
+from tensile_hook.executor import PlanExecutor
+from tensile_hook.iterations import IterationListener
 from tensile_hook.outside_reads import guard_outside_reads
+from tensile_hook.plan_book import Planner
 from tensile_hook.settings import HookSettings
 from tensile_hook.termination import default_sigterm, exit_on_sigterm
 from tensile.workload import Workload

@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import torch
 
-from tensile_hook.storages import Slot
+from tensile_hook.storages import StorageSlot
 
 
 class PinnedBufferPool:
@@ -53,7 +53,7 @@ class CpuMover:
         self.hands_over = hands_over
         self.spare: list[torch.UntypedStorage] = []  # host storages of 0 bytes, given back by swap-ins
 
-    def swap_out(self, slot: Slot, storage: torch.UntypedStorage) -> None:
+    def swap_out(self, slot: StorageSlot, storage: torch.UntypedStorage) -> None:
         if not storage.resizable():
             raise RuntimeError("the storage is not resizable")
         if self.hands_over:
@@ -65,7 +65,7 @@ class CpuMover:
             storage.resize_(0)
         slot.host = host
 
-    def swap_in(self, slot: Slot, storage: torch.UntypedStorage) -> None:
+    def swap_in(self, slot: StorageSlot, storage: torch.UntypedStorage) -> None:
         """The memory back to the storage: the tensor may change before its next swap-out. The host storage then
         holds what the storage held while away, no memory unless something resized it meanwhile: only an empty one
         waits for the next swap-out, which must leave its storage empty. A copied one goes, with its memory."""
@@ -80,10 +80,10 @@ class CpuMover:
             storage.copy_(host)
         slot.host = None
 
-    def wait(self, slot: Slot) -> None:
+    def wait(self, slot: StorageSlot) -> None:
         """Nothing is in flight on the CPU."""
 
-    def drop_host(self, slot: Slot) -> None:
+    def drop_host(self, slot: StorageSlot) -> None:
         """The host storage goes with its memory (only empty ones wait in `spare`)."""
         slot.host = None
 
@@ -115,7 +115,7 @@ class CudaMover:
         self.mark = torch.cuda.Event()
         self.returning: list[tuple[torch.cuda.Event, torch.UntypedStorage]] = []  # buffers still read by a copy
 
-    def swap_out(self, slot: Slot, storage: torch.UntypedStorage) -> None:
+    def swap_out(self, slot: StorageSlot, storage: torch.UntypedStorage) -> None:
         if storage.device != self.device:  # its copy would run on its own device's stream, not ordered by ours
             raise RuntimeError(f"a storage on {storage.device} is not moved by the mover of {self.device}")
         self._collect_returned()
@@ -126,7 +126,7 @@ class CudaMover:
         self._used_by(storage, self.d2h)  # compute goes on while the copy reads the freed block
         storage.resize_(0)
 
-    def swap_in(self, slot: Slot, storage: torch.UntypedStorage) -> None:
+    def swap_in(self, slot: StorageSlot, storage: torch.UntypedStorage) -> None:
         storage.resize_(slot.nbytes)  # allocated on the compute stream, which last freed it
         assert slot.host is not None
         self._copy(self.h2d, slot, storage, slot.host)
@@ -134,7 +134,8 @@ class CudaMover:
         self.returning.append((slot.pending, slot.host))
         slot.host = None
 
-    def _copy(self, side: torch.cuda.Stream, slot: Slot, dst: torch.UntypedStorage, src: torch.UntypedStorage) -> None:
+    def _copy(self, side: torch.cuda.Stream, slot: StorageSlot, dst: torch.UntypedStorage,
+              src: torch.UntypedStorage) -> None:
         """Queue dst.copy_(src) on `side` after the compute stream's work queued so far and after
         slot.pending, which then marks the copy's end (a new event: each slot keeps its own until it is
         waited for or its buffer returns); the current stream and device are what they were before."""
@@ -160,7 +161,7 @@ class CudaMover:
         far has run (`record_stream` takes a tensor: a 0-element one on the storage)."""
         torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage).record_stream(stream)
 
-    def drop_host(self, slot: Slot) -> None:
+    def drop_host(self, slot: StorageSlot) -> None:
         """Return the buffer once no copy reads it any more."""
         if slot.host is not None:
             self.returning.append((self.d2h.record_event(), slot.host))
@@ -180,7 +181,7 @@ class CudaMover:
                 still.append((event, buffer))
         self.returning = still
 
-    def wait(self, slot: Slot) -> None:
+    def wait(self, slot: StorageSlot) -> None:
         if slot.pending is not None:
             slot.pending.wait(torch.cuda.current_stream(self.index))
             slot.pending = None
@@ -191,3 +192,6 @@ class CudaMover:
         compute = torch.cuda.current_stream(self.index)
         compute.wait_stream(self.d2h)
         compute.wait_stream(self.h2d)
+
+
+Mover = CpuMover | CudaMover  # the device's: CUDA's, or the CPU device's (tests, GPU-less machines)

@@ -19,7 +19,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.nn.modules.module import (
@@ -30,13 +30,13 @@ from torch.nn.modules.module import (
 )
 
 from tensile.plan import Event
+from tensile_hook.active_plan import ActivePlan
 from tensile_hook.held import held_storages
+from tensile_hook.native_host import NativeHost
 from tensile_hook.native_recipes import NativeRecipe, learn
+from tensile_hook.run_state import RunState
 from tensile_hook.saved_tensors import saved_storages
 from tensile_hook.storages import tensor_paths
-
-if TYPE_CHECKING:
-    from tensile_hook.executor import ActivePlan, PlanExecutor
 
 MAX_WALK = 4096  # autograd nodes visited from one root: a bound that a model keeping to the plan never reaches
 
@@ -152,17 +152,18 @@ class Alignment:
     recipes: dict[int, NativeRecipe] = field(default_factory=dict)  # swap -> how it is recomputed (a release, no copy)
 
 
-def in_forward(executor: PlanExecutor) -> bool:
+def in_forward(state: RunState) -> bool:
     """Module calls count as boundaries outside backward (checkpointing replays them) and the optimizer."""
-    return executor.in_step == 0 and torch._C._current_autograd_node() is None
+    return state.in_step == 0 and torch._C._current_autograd_node() is None
 
 
 class SwapLearner:
     """Watches one dispatch-path iteration: its module boundaries and every backward op's node."""
 
-    def __init__(self, executor: PlanExecutor) -> None:
-        self.executor = executor
-        self.iteration = executor.iteration + 1
+    def __init__(self, host: NativeHost) -> None:
+        self.host = host
+        self.state = host.state
+        self.iteration = self.state.iteration + 1
         self.started = False
         self.boundaries: list[Boundary] = []
         self.nodes: dict[int, int] = {}  # backward op index -> sequence number of the node running it
@@ -190,9 +191,9 @@ class SwapLearner:
         self.handles = []
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        executor = self.executor
+        state = self.state
         if not self.started:  # where a native iteration starts: the first module forward after the step
-            self.started = (executor.step_done or executor.iteration == self.iteration) and torch.is_grad_enabled()
+            self.started = (state.step_done or state.iteration == self.iteration) and torch.is_grad_enabled()
             if self.started:
                 self.global_hooks = foreign_global_hooks()
         self._record(True, module, args)
@@ -201,7 +202,7 @@ class SwapLearner:
         self._record(False, module, (args, out))  # an exit sees the call's inputs and outputs
 
     def _record(self, pre: bool, module: torch.nn.Module, values: Any) -> None:
-        if self.started and self.failed is None and in_forward(self.executor):
+        if self.started and self.failed is None and in_forward(self.state):
             try:
                 self._boundary(pre, module, values)
                 self.depth += 1 if pre else -1
@@ -220,7 +221,7 @@ class SwapLearner:
                     self.references[exit, index, position] = reference_count(tensor, tensor.untyped_storage()._cdata)
 
     def _boundary(self, pre: bool, module: torch.nn.Module, values: Any) -> None:
-        executor = self.executor
+        state = self.state
         found = tensor_paths(values)
         tensors = [tensor for _, tensor in found]
         keys = [id(t.untyped_storage()) for t in tensors]
@@ -228,11 +229,11 @@ class SwapLearner:
             self.hooked[id(module) * 2 + 1] = hooks
         if self.global_hooks or (module._forward_pre_hooks if pre else module._forward_hooks):  # the user's: it may keep what it sees
             self.user_hooked.update(keys)
-        slots = executor.registry.slots
+        slots = self.host.residency.registry.slots
         nbytes = [slots[k].nbytes if k in slots else t.untyped_storage().nbytes() for k, t in zip(keys, tensors)]
         seqs = [(t.grad_fn._sequence_nr(), i) for i, t in enumerate(tensors) if t.grad_fn is not None]
         root = (max(seqs)[1], max(seqs)[0]) if seqs else None
-        op = executor.op_index if executor.iteration == self.iteration else 0
+        op = state.op_index if state.iteration == self.iteration else 0
         self._learn_recipes(tensors, keys)
         self.boundaries.append(Boundary(pre, id(module), op, keys, nbytes, [path for path, _ in found], root,
                                         tensors[root[0]].grad_fn if root is not None else None,
@@ -241,15 +242,16 @@ class SwapLearner:
     def _learn_recipes(self, tensors: list[torch.Tensor], keys: list[int]) -> None:
         """For each tensor of this boundary that the plan recomputes: its recipe with its inputs found behind its
         autograd node as it is here (`native_recipes.py`), for the native iterations that take it here."""
-        executor, active = self.executor, self.executor.active
-        if active is None or executor.iteration != self.iteration:
+        state, active = self.state, self.state.active
+        if active is None or state.iteration != self.iteration:
             return
-        native = executor._mapped(active)
+        native = active.mapped(state.say)
         if native is None or not native.recomputes:
             return
-        recomputed = {executor.keys[t] for t in native.recomputes if t in executor.keys}
+        recomputed = {state.keys[t] for t in native.recomputes if t in state.keys}
         index = len(self.boundaries)
-        recipes = {key: recipe for key in recomputed if (recipe := executor.recipes.get(key)) is not None}
+        book = self.host.residency.recipes
+        recipes = {key: recipe for key in recomputed if (recipe := book.get(key)) is not None}
         for key, recipe in recipes.items():
             self.recipe_ops[index, key] = 1 + len(recipe.then)
         for tensor, key in zip(tensors, keys):
@@ -259,25 +261,27 @@ class SwapLearner:
                     learn(recipe, tensor.grad_fn, key)
 
     def on_op(self, index: int) -> None:
-        """Called by the executor for every op of the dispatch path that keeps to the plan."""
-        executor = self.executor
+        """Called by the dispatch path for every op that keeps to the plan."""
+        state = self.state
         node = torch._C._current_autograd_node()
-        active = executor.active  # the plan this op kept to
-        if executor.iteration != self.iteration or node is None or self.failed is not None or active is None:
+        active = state.active  # the plan this op kept to
+        if state.iteration != self.iteration or node is None or self.failed is not None or active is None:
             return
         try:
             if self.wanted is None:
-                native = executor._mapped(active)
+                native = active.mapped(state.say)
                 self.wanted = {out.tensor for out, _ in native.swaps} if native is not None else set()
             if not self.nodes:  # backward starts: what the script holds now, it may read before backward
-                slots = executor.registry.slots
-                self.held = held_storages([storage for tensor in self.wanted if (slot := slots.get(executor.keys.get(tensor, -1)))
-                                           is not None and (storage := slot.storage()) is not None],
-                                          executor.recipes.containers())
+                residency = self.host.residency
+                slots, keys = residency.registry.slots, state.keys
+                self.held = held_storages([storage for tensor in self.wanted
+                                           if (slot := slots.get(keys.get(tensor, -1))) is not None
+                                           and (storage := slot.storage()) is not None],
+                                          residency.recipes.containers())
             self.nodes[index] = sequence = node._sequence_nr()
             for tensor in self.wanted.intersection(active.workload.ops[index].inputs):
                 if tensor not in self.saved:  # the plan says this op reads it: it was bound in this iteration
-                    self._find_saved(node, sequence, tensor, executor.keys[tensor])
+                    self._find_saved(node, sequence, tensor, state.keys[tensor])
         except Exception as exc:  # noqa: BLE001 - learning must never cost the user their training
             self.failed = f"{type(exc).__name__}: {exc}"
 
@@ -286,7 +290,7 @@ class SwapLearner:
         max pooling's indices, that no module returns)."""
         for name, saved in saved_storages(node):
             if saved == key:
-                self.saved[tensor] = (sequence, name, self.executor.registry.slots[key].nbytes)
+                self.saved[tensor] = (sequence, name, self.host.residency.registry.slots[key].nbytes)
                 return
 
     def align(self, plan: ActivePlan, swaps: list[tuple[Event, Event | None]], keys: dict[int, int],

@@ -12,16 +12,15 @@ nodes between two anchored boundaries, another size, a node not found) brings ev
 at once and runs the rest without events; the next iteration aligns again on the dispatch path.
 At each top-level module exit before backward, a tensor taken with more references than there in the
 aligned iteration and the native ones before (the script keeps it in some steps only) comes back for that
-iteration.
+iteration. `swap_stages.py` puts the learner and the carrier on and takes them off.
 """
 
 from __future__ import annotations
 
-import logging
 import weakref
 from functools import partial
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.nn.modules.module import (
@@ -36,28 +35,19 @@ from tensile_hook.native_align import (
     Action,
     Alignment,
     NodeHook,
-    SwapLearner,
     foreign_global_hooks,
     nodes_behind,
     reference_count,
     user_forward_hooks,
 )
+from tensile_hook.native_host import NativeHost
 from tensile_hook.native_recipes import NativeRecipe
 from tensile_hook.saved_tensors import saved_tensor
-from tensile_hook.settings import native_plans
-from tensile_hook.storages import Slot, Tensor
-
-log = logging.getLogger("tensile.hook")
-
-if TYPE_CHECKING:
-    from tensile_hook.executor import ActivePlan, PlanExecutor
-    from tensile_hook.native_map import NativeMap
+from tensile_hook.storages import StorageSlot, Tensor
 
 # one name each on the hot paths, not two or three attribute lookups
 _current_node = torch._C._current_autograd_node
 _weak = weakref.ref
-
-MAX_ABORTS = 2  # native iterations of a plan in a row that leave the learnt module calls before it stays on the dispatch path
 
 
 class _Diverged(Exception):
@@ -87,10 +77,14 @@ def _follow(root: Any, sequence: int, paths: list[HookPath]) -> list[FoundHook] 
 
 
 class SwapCarrier:
-    """Carries the aligned swaps in native iterations: global module hooks while installed."""
+    """Carries the aligned swaps in native iterations: global module hooks while installed. One idea, long: its hot
+    paths (`_boundary`, `_act`, `_node_pre`) run right after kernels, where each helper's call costs 3-5 µs, so they
+    keep their steps inline rather than in smaller collaborators."""
 
-    def __init__(self, executor: PlanExecutor, alignment: Alignment) -> None:
-        self.executor = executor
+    def __init__(self, host: NativeHost, alignment: Alignment) -> None:
+        self.host = host
+        self.state = host.state
+        self.residency = residency = host.residency
         self.expected = alignment.expected
         # per boundary index: its action or None, a list (indexing beats a dict lookup in the hot hook)
         self.actions: list[Action | None] = [alignment.actions.get(i) for i in range(len(alignment.expected))]
@@ -116,7 +110,7 @@ class SwapCarrier:
         # iteration's walks found them; native iterations follow them (a few steps, not a walk) while they hold
         self.paths: dict[int, list[HookPath]] = {
             id(hooks): [(hook.path, hook, self.callbacks.get(id(hook))) for hook in hooks] for hooks in hook_lists}
-        self.registry_slots = executor.registry.slots
+        self.registry_slots = residency.registry.slots
         self.swaps = alignment.swaps
         # per swap: how it is recomputed where it is a release and a recompute (no copies), and this iteration's
         # autograd node of its tensor, taken with it: the recipe's inputs are read behind it at the release
@@ -139,11 +133,11 @@ class SwapCarrier:
         # the mover's calls on the swaps' own slots (`_act`, `_node_pre`): transfer time, not the hook's, and bytes
         self.moving = 0.0
         self.out_bytes = self.in_bytes = 0
-        self.mover = executor.mover
+        self.mover = residency.mover
         # this iteration's slots by swap: one list, emptied in place, that the callbacks read (a node
         # of an older graph run late finds this iteration's slots: at worst it fetches one early)
-        self.slots: list[Slot | None] = [None] * self.swaps
-        self.own: list[Slot | None] = [None] * self.swaps  # each swap's own slot, reused by its takes (`_act`)
+        self.slots: list[StorageSlot | None] = [None] * self.swaps
+        self.own: list[StorageSlot | None] = [None] * self.swaps  # each swap's own slot, reused by its takes (`_act`)
         self.last_root: int | None = None
         # this iteration's tensors taken at module calls, held until backward starts, so that the references
         # to them can be counted at each top-level exit; by (exit, swap), the fewest counted there in the
@@ -197,7 +191,7 @@ class SwapCarrier:
         own slots join its figures, once, at its end: boundaries act only while it is carried, and node hooks swap
         only the slots it has until `end` forgets them (one of an older graph run late counts in the iteration whose
         slots it finds, as before)."""
-        stats = self.executor.stats
+        stats = self.state.stats
         stats.hook_seconds += self.seconds - self.moving
         stats.transfer_seconds += self.moving
         stats.swap_out_bytes += self.out_bytes
@@ -219,8 +213,8 @@ class SwapCarrier:
             return
         for swap in sorted(self.kept - self.named):
             self.named.add(swap)
-            self.executor._say(f"native swap {swap}: the script holds a reference to its tensor that earlier iterations "
-                               "did not (set in some steps only): it stays on the device in the iterations that hold it")
+            self.state.say(f"native swap {swap}: the script holds a reference to its tensor that earlier iterations "
+                           "did not (set in some steps only): it stays on the device in the iterations that hold it")
 
     def _forget(self) -> None:
         """Nothing of an iteration is carried into the next (its containers emptied in place, not made anew)."""
@@ -232,9 +226,9 @@ class SwapCarrier:
         self.counted.clear()
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        executor = self.executor
-        if executor.step_done and executor.next_path == "native":
-            executor._module_pre_hook(module, args)  # the iteration starts here, whichever global hook runs first
+        state = self.state
+        if state.step_done and state.next_path == "native":
+            self.host.start_at_module(module, args)  # the iteration starts here, whichever global hook runs first
         if self.live:
             self._boundary(id(module) * 2 + 1, args, module)
 
@@ -245,8 +239,8 @@ class SwapCarrier:
     def _boundary(self, code: int, values: Any, entered: torch.nn.Module | None = None) -> None:
         """Every module call's entry (`entered`: the module) and the learnt modules' exits: kept lean, it
         runs ~200 times an iteration on ResNet-50, often with caches a large kernel has just emptied."""
-        executor = self.executor
-        if executor.in_step or _current_node() is not None:
+        state = self.state
+        if state.in_step or _current_node() is not None:
             return
         started = perf_counter()
         index = self.index
@@ -260,7 +254,7 @@ class SwapCarrier:
                 raise _Diverged(f"a forward hook was added to a {type(entered).__name__} since they were learnt")
             action = self.actions[index]
             if action is not None:
-                if executor.in_mode:  # an observed native iteration: its copies must not pass through the mode
+                if state.in_mode:  # an observed native iteration: its copies must not pass through the mode
                     with _disable_current_modes():
                         self._act(action, values)
                 else:
@@ -269,13 +263,12 @@ class SwapCarrier:
             self._abort(str(diverged))
         except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
             self.live = False
-            executor._stand_down(exc)
+            self.host.stand_down(exc)
         self.seconds += perf_counter() - started
 
     def _act(self, action: Action, values: Any) -> None:
         """Every call runs right after the module's kernels have emptied the caches, where each
         Python step costs ten times its warm figure: it indexes straight to what it takes."""
-        executor = self.executor
         slots, taken, own, registry_slots = self.slots, self.taken, self.own, self.registry_slots
         # the index paths' steps inline: the loop's opcodes are the interpreter's own, still cached, where a helper's
         # call costs 3-5 µs and C's `reduce(getitem, path, values)` was stamped at 5 µs a take (the loop: 0.5 µs)
@@ -333,9 +326,9 @@ class SwapCarrier:
             if (recipe := recipes[swap]) is not None:
                 self.released += self._release(swap, slot, recipe)
             elif slot.counted:  # the registry's (an observed native iteration)
-                self.swapped_out += executor._swap_out(slot)
+                self.swapped_out += self.residency.swap_out(slot)
             elif not slot.pinned and (leaving := slot.ref()) is not None:
-                # the swap's own slot: the mover's call here, not through the executor's (a call costs 3-5 µs after the
+                # the swap's own slot: the mover's call here, not through the residency's (a call costs 3-5 µs after the
                 # kernels); a storage that is not resizable (from numpy) is refused by the mover and stays, as there
                 started = perf_counter()
                 try:
@@ -353,7 +346,7 @@ class SwapCarrier:
             self._hook_nodes(self.pending)
             self.pending.clear()
 
-    def _release(self, swap: int, slot: Slot, recipe: NativeRecipe) -> bool:
+    def _release(self, swap: int, slot: StorageSlot, recipe: NativeRecipe) -> bool:
         """A tensor the plan recomputes is freed, its recipe bound to this iteration's inputs first; one whose inputs
         cannot be read as learnt stays on the device, named once."""
         storage = slot.ref()
@@ -363,14 +356,14 @@ class SwapCarrier:
         if bound is None:
             if swap not in self.unbound:
                 self.unbound.add(swap)
-                self.executor._say(f"native recompute {swap}: an input of its recipe is not what autograd saved there "
-                                   "when it was learnt (a saved-tensor hook packed it, or the graph differs): it stays on "
-                                   "the device in such iterations")
+                self.state.say(f"native recompute {swap}: an input of its recipe is not what autograd saved there "
+                               "when it was learnt (a saved-tensor hook packed it, or the graph differs): it stays on "
+                               "the device in such iterations")
             return False
         storage.resize_(0)
         slot.recipe = bound
         if slot.counted:
-            self.executor.registry.mark_absent(slot)
+            self.residency.registry.mark_absent(slot)
         else:
             slot.resident = False
         return True
@@ -380,7 +373,7 @@ class SwapCarrier:
         aligned iteration and every native one before may be read by the script before backward (an
         attribute, a dict entry or an alias of it set in some steps only; held.py saw the aligned
         iteration's): it comes back now, or is not swapped out, in this iteration."""
-        fewest, counted, executor = self.fewest, self.counted, self.executor
+        fewest, counted = self.fewest, self.counted
         for swap, taken in enumerate(self.taken):
             if taken is None:
                 continue
@@ -393,7 +386,7 @@ class SwapCarrier:
                 slot = self.slots[swap]
                 if slot is not None and not slot.resident:
                     recomputing = slot.recipe is not None
-                    executor._fetch(slot)
+                    self.residency.fetch(slot)
                     if recomputing:
                         self.recomputed += 1
                     else:
@@ -403,12 +396,12 @@ class SwapCarrier:
         """Backward starts (or the iteration ends early): the graph alone decides how long the tensors live."""
         self.taken[:] = [None] * self.swaps
 
-    def _slot(self, swap: int, storage: torch.UntypedStorage, nbytes: int) -> Slot:
+    def _slot(self, swap: int, storage: torch.UntypedStorage, nbytes: int) -> StorageSlot:
         """The registry's slot when it watches the storage (an observed native iteration counts its bytes), else a new
         one of the swap's own: no registry entry, no callback when its storage dies (`_act` resets it for later takes)."""
         slot = self.registry_slots.get(id(storage))
         if slot is None:
-            slot = self.own[swap] = Slot(id(storage), _weak(storage), nbytes, counted=False)
+            slot = self.own[swap] = StorageSlot(id(storage), _weak(storage), nbytes, counted=False)
         return slot
 
     def _hook_nodes(self, roots: list[tuple[Any, int, int]]) -> None:
@@ -451,8 +444,8 @@ class SwapCarrier:
         """Before a node runs in backward: the swap-ins planned before it (the prefetch), then check before use:
         a tensor it reads that is still absent comes back now, as a stall; on CUDA an in-flight one is waited
         for. Inline: it runs right after a backward kernel, where each helper's call costs 3-5 µs."""
-        executor = self.executor
-        if executor.in_mode and not outside:  # an observed native iteration: its copies must not pass through the mode
+        residency = self.residency
+        if self.state.in_mode and not outside:  # an observed native iteration: its copies must not pass the mode
             with _disable_current_modes():
                 return self._node_pre(hook, _grad, True)
         started = perf_counter()
@@ -472,7 +465,7 @@ class SwapCarrier:
                     self.swapped_in += 1
                     continue
                 recomputing = slot.recipe is not None  # a release's recipe, or a swap's host copy
-                executor._fetch(slot)
+                residency.fetch(slot)
                 if recomputing:
                     self.recomputed += 1
                 else:
@@ -480,9 +473,9 @@ class SwapCarrier:
             for swap in hook.check:  # mostly back already: the call only when there is something to do
                 slot = slots[swap]
                 if slot is not None and (not slot.resident or slot.pending is not None):
-                    executor._ensure_slot_resident(slot)
+                    residency.ensure_slot_resident(slot)
         except Exception as exc:  # noqa: BLE001 - the hook must never cost the user their training
-            executor._stand_down(exc)
+            self.host.stand_down(exc)
             if any((slot := slots[swap]) is not None and not slot.resident for swap in hook.check):
                 raise exc  # a tensor the node reads could not come back (out of memory): never run on 0 bytes
         finally:
@@ -500,173 +493,25 @@ class SwapCarrier:
         with _disable_current_modes():
             for slot in absent:
                 try:
-                    self.executor._fetch(slot)
+                    self.residency.fetch(slot)
                 except Exception as exc:  # noqa: BLE001 - bring the others back, then say
                     failed = failed or exc
-            self.executor.mover.settle()
+            self.mover.settle()
         if failed is not None:
             raise failed
 
-    def _abort(self, reason: str) -> None:
-        """Every tensor back now; the rest of the iteration runs without events."""
+    def halt(self) -> None:
+        """Nothing more is carried in this iteration, and every tensor it swapped out comes back now."""
         self.live = False
-        self.diverged = True
         self.pending = []
         self._let_go()
         self.restore()
-        executor = self.executor
-        executor.stats.mode = "diverged"
-        executor._say(f"the native iteration left the learnt module calls ({reason}): every tensor is back, "
-                      "the rest of it runs without events and the plan is aligned again on the dispatch path")
 
-
-class NativeSwaps:
-    """The executor's side: which learner or carrier is on, and when (all at steps and
-    iteration starts, outside any op)."""
-
-    def __init__(self, executor: PlanExecutor) -> None:
-        self.executor = executor
-        self.learner: SwapLearner | None = None  # aligning a plan's swaps in this dispatch-path iteration
-        self.carrier: SwapCarrier | None = None  # its module hooks installed, for native iterations
-        self.carrying: SwapCarrier | None = None  # carrying this native iteration's swaps
-        # between a step and its `prepare`: the carrier whose hooks are still on, kept for the next iteration if
-        # that carries the same plan (removing and putting back four global hooks cost ~25 µs a step)
-        self.idle: SwapCarrier | None = None
-
-    def at_step(self) -> bool:
-        """This iteration's native swaps end (True if it left the learnt module calls: the plan is
-        aligned again), or the learning iteration aligns the plan's swaps."""
-        executor = self.executor
-        carrying = self.carrying  # kept until it ends: a stand-down meanwhile still brings its tensors back
-        diverged = carrying is not None and carrying.end()  # timed with the whole step hook
-        self.carrying = None
-        if self.carrier is not None:
-            self.idle, self.carrier = self.carrier, None  # its hooks stay on until `prepare`
-            planned = executor.active
-            native = planned.native if planned is not None else None
-            if diverged and planned is not None and native is not None:
-                native.carrier = None
-                native.aborted += 1
-                if native.aborted >= MAX_ABORTS:
-                    executor._say(f"{native.aborted} native iterations left the learnt module calls: "
-                                  "the plan's iterations run on the dispatch path")
-                    planned.native = None
-            elif carrying is not None and native is not None:
-                native.aborted = 0  # in a row: a short last batch each epoch costs one iteration each time
-        learner, self.learner = self.learner, None
-        if learner is not None:
-            learner.remove()
-            active = executor.active
-            if (not executor.disabled and active is not None and executor.stats.mode == "planned"
-                    and executor.iteration == learner.iteration and self.needs_alignment(active)
-                    and (native := active.native) is not None):
-                self._align(learner, active, native)
-        return diverged
-
-    def _align(self, learner: SwapLearner, active: ActivePlan, native: NativeMap) -> None:
-        """Swaps that do not align keep the plan on the dispatch path (exact), unless the settings prefer
-        native plans (CUDA by default): then they stay on the device and the native path carries the rest,
-        if the job's memory budget still holds with all their bytes left on the device (the plan's scheduled
-        peak counted them as freed; the native path's peak is not measured on the CPU device)."""
-        alignment, unmapped = learner.align(active, native.swaps, self.executor.keys, native.recomputes)
-        executor = self.executor
-        why = [f"learning failed ({learner.failed})"] if alignment is None else [
-            f"swap of tensor {tensor}: {reason}" for tensor, reason in unmapped.items()]
-        said = f"{len(why)} swaps of plan version {active.plan.version} do not align with module calls (e.g. {'; '.join(why[:3])})"
-        if alignment is None or (unmapped and not native_plans(executor.settings, executor.device_type)):
-            executor._say(f"{said}: its iterations run on the dispatch path")
-            active.native = None
-            return
-        if unmapped:
-            kept = sum(active.workload.tensors[tensor].size for tensor in unmapped)
-            if executor.budget is not None and (executor.report.scheduled_peak_bytes or 0) + kept > executor.budget:
-                executor._say(f"{said}: the {kept} bytes they would leave on the device could take the job over its "
-                              "memory budget, so its iterations run on the dispatch path, guarded")
-                active.native = None
-                return
-            executor._say(f"{said}: they stay on the device; the native path carries the other "
-                          f"{len(native.swaps) - len(unmapped)}")
-        native.carrier = SwapCarrier(executor, alignment)
-
-    def prepare(self, native: NativeMap | None, matched: bool) -> None:
-        """After the step chose the next path: the carrier's hooks for a native iteration, or a
-        learner for a dispatch-path one whose plan (or the plan still to come after the matched
-        iteration) has swaps to align."""
-        carrier = native.carrier if native is not None else None
-        self.drop_idle(keep=carrier)
-        if carrier is not None:
-            self.carrier = carrier
-            carrier.install()
-        elif native is None and matched and self.needs_alignment(self.executor.prepared):
-            self.learner = SwapLearner(self.executor)
-
-    def drop_idle(self, keep: SwapCarrier | None = None) -> None:
-        """The hooks of the carrier the step left on go, unless it carries the next iteration too (`keep`)."""
-        if self.idle is not None and self.idle is not keep:
-            self.idle.remove()
-        self.idle = None
-
-    def starts_next(self) -> bool:
-        """The carrier's global pre-hook is on for the next native iteration: it starts that iteration itself
-        (`SwapCarrier._pre`), so the executor needs no global pre-hook of its own."""
-        return self.carrier is not None and bool(self.carrier.handles)
-
-    def needs_alignment(self, plan: ActivePlan | None) -> bool:
-        executor = self.executor
-        if plan is None:
-            return executor.iteration == executor.match_at
-        native = executor._mapped(plan)
-        return native is not None and bool(native.swaps) and native.carrier is None
-
-    def begin(self, active: ActivePlan | None, native: bool, learn: bool = True) -> None:
-        """An iteration starts: a native one carries its plan's swaps if that plan's carrier is
-        installed; a learner whose iteration has no swaps to align after all (the plan matched at
-        this start has none, or it runs on shapes the plan was not made for: `learn` False) goes."""
-        if native and self.carrier is not None and active is not None and active.native is not None \
-                and active.native.carrier is self.carrier:
-            self.carrying = self.carrier
-            self.carrying.begin()
-        if self.learner is not None and (native or not learn or not self.needs_alignment(active)):
-            self.learner.remove()
-            self.learner = None
-
-    def stop(self) -> None:
-        """The hook stands down: nothing more is swapped, and this iteration's tensors come back
-        (the executor restores the registry's)."""
-        self.drop_idle()  # a stand-down within the step, between `at_step` and `prepare`
-        if self.carrying is not None:
-            self.carrying.live, self.carrying.pending = False, []
-            self.carrying._let_go()
-            try:
-                self.carrying.restore()
-            except Exception:  # noqa: BLE001 - standing down must not raise into the user's code
-                log.exception("tensile: could not restore a tensor")
-
-    def carried_by(self) -> dict[str, int] | None:
-        """The module calls and autograd nodes the native path carries the plan at (None without a carrier): the hook's
-        time grows with them, and the in-process planner's plan, made from measured latencies, differs from run to run
-        (the same 18 swaps of ResNet-50 at 22 acting boundaries in one run, 26 in another)."""
-        carrier = self.carrier or self.idle or self.carrying
-        if carrier is None:
-            return None
-        actions = [action for action in carrier.actions if action is not None]
-        hooks = [hook for action in actions for hook in (*action.hooks, *action.deferred)]
-        return {"boundaries": len(carrier.expected), "acting_boundaries": len(actions),
-                "roots": sum(action.root is not None for action in actions), "node_hooks": len(hooks),
-                "node_hook_path_steps": sum(len(hook.path) for hook in hooks)}
-
-    def slots(self) -> list[Slot | None]:
-        """The slots of what this native iteration swaps (outside the registry)."""
-        return self.carrying.slots if self.carrying is not None else []
-
-    def restore(self) -> None:
-        """Every tensor the native iteration swapped out back now (before a read outside the
-        dispatcher, or when the hook stands down)."""
-        if self.carrying is not None:
-            self.carrying.restore()
-
-    def remove(self) -> None:
-        for hooks in (self.learner, self.carrier, self.idle):
-            if hooks is not None:
-                hooks.remove()
-        self.learner = self.carrier = self.carrying = self.idle = None
+    def _abort(self, reason: str) -> None:
+        """Every tensor back now; the rest of the iteration runs without events."""
+        self.diverged = True
+        self.halt()
+        state = self.state
+        state.stats.mode = "diverged"
+        state.say(f"the native iteration left the learnt module calls ({reason}): every tensor is back, "
+                  "the rest of it runs without events and the plan is aligned again on the dispatch path")

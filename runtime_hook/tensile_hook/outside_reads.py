@@ -70,7 +70,8 @@ def guard_outside_reads(executor: PlanExecutor) -> list[Callable[[], None]]:
         (torch.UntypedStorage, "share_memory_", pinning),
         (torch.Tensor, "__deepcopy__", copying),  # a plain tensor's copy clones its storage directly
     ]
-    if executor.device_type == "cpu":  # on CUDA numpy() and tolist() copy to the host first, which the dispatcher sees
+    # on CUDA numpy() and tolist() copy to the host first, which the dispatcher sees
+    if executor.state.device_type == "cpu":
         # tolist() reads the values once (logging predictions each step: released or swapped out, it raised)
         patches += [(torch.Tensor, "numpy", pinning), (torch.Tensor, "tolist", copying)]
     undo: list[Callable[[], None]] = []

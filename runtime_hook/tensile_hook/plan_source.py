@@ -10,7 +10,7 @@ import torch
 
 from tensile.plan import Plan, load_plan
 from tensile_hook.agent_link import AgentLink
-from tensile_hook.executor import Planner
+from tensile_hook.plan_book import Planner
 from tensile_hook.settings import HookSettings, native_plans
 from tensile.workload import Workload
 from tensile.workload_io import load_workload

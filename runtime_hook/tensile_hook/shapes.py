@@ -6,15 +6,13 @@ dtype in force, stand in for the workload's signature: one tuple compare per ite
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from tensile_hook.storages import tensors_in
 from tensile.workload import Workload
-
-if TYPE_CHECKING:
-    from tensile_hook.executor import ActivePlan
+from tensile_hook.active_plan import ActivePlan
+from tensile_hook.storages import tensors_in
 
 ShapeKey = tuple[Any, ...]  # ((shape, dtype) per tensor argument, ..., autocast dtype or None)
 MAX_SHAPE_SETS = 4  # shape sets planned for; iterations on others run under the current plan, guarded

@@ -22,7 +22,10 @@ Tensor = torch.Tensor  # one global lookup on hot paths, not two
 
 
 @dataclass(eq=False, slots=True)  # slots: one is made per swapped activation per native iteration
-class Slot:
+class StorageSlot:
+    """One device storage as the hook tracks it: where its bytes are and how they come back (the planner's
+    `tensile.timeline.Slot` is another thing: one plan tensor's allocation over the iteration)."""
+
     key: int
     ref: weakref.ref
     nbytes: int
@@ -40,18 +43,18 @@ class Slot:
 
 class StorageRegistry:
     def __init__(self, on_free: Callable[[int], None] | None = None) -> None:
-        self.slots: dict[int, Slot] = {}
+        self.slots: dict[int, StorageSlot] = {}
         self.device_bytes = 0
         self.lru: OrderedDict[int, None] = OrderedDict()  # resident keys, least recently used first
         self.on_free = on_free
         self.release_host: Callable[[torch.UntypedStorage], None] | None = None
 
-    def watch(self, storage: torch.UntypedStorage) -> Slot:
+    def watch(self, storage: torch.UntypedStorage) -> StorageSlot:
         key = id(storage)
         slot = self.slots.get(key)
         if slot is None:
             # the slot keeps the reference alive, so its callback runs when the storage dies
-            slot = Slot(key, weakref.ref(storage, partial(self._freed, key)), storage.nbytes())
+            slot = StorageSlot(key, weakref.ref(storage, partial(self._freed, key)), storage.nbytes())
             self.slots[key] = slot
             self.device_bytes += slot.nbytes
             self.lru[key] = None
@@ -70,25 +73,25 @@ class StorageRegistry:
         if self.on_free is not None:
             self.on_free(key)
 
-    def touch(self, slot: Slot) -> None:
+    def touch(self, slot: StorageSlot) -> None:
         if slot.resident:
             self.lru.move_to_end(slot.key)
 
-    def mark_absent(self, slot: Slot) -> None:
+    def mark_absent(self, slot: StorageSlot) -> None:
         if slot.resident:
             slot.resident = False
             if slot.counted:
                 self.device_bytes -= slot.nbytes
                 self.lru.pop(slot.key, None)
 
-    def mark_resident(self, slot: Slot) -> None:
+    def mark_resident(self, slot: StorageSlot) -> None:
         if not slot.resident:
             slot.resident = True
             if slot.counted:
                 self.device_bytes += slot.nbytes
                 self.lru[slot.key] = None
 
-    def absent(self) -> list[Slot]:
+    def absent(self) -> list[StorageSlot]:
         return [slot for slot in self.slots.values() if not slot.resident]
 
 

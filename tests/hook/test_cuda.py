@@ -106,16 +106,16 @@ def test_a_divergence_mid_iteration_restores_with_the_compute_stream_waiting_for
 
 
 def test_a_hook_failure_in_a_native_backward_brings_every_swapped_tensor_back(monkeypatch):
-    from tensile_hook.executor import PlanExecutor
+    from tensile_hook.residency import Residency
 
-    fetch = PlanExecutor._fetch
+    fetch = Residency.fetch
 
     def failing(self, slot):  # type: ignore[no-untyped-def]
-        if self.iteration == 4 and not self.disabled and torch._C._current_autograd_node() is not None:
+        if self.state.iteration == 4 and not self.state.disabled and torch._C._current_autograd_node() is not None:
             raise RuntimeError("injected hook failure")
         fetch(self, slot)
 
-    monkeypatch.setattr(PlanExecutor, "_fetch", failing)
+    monkeypatch.setattr(Residency, "fetch", failing)
     plain = fit(on_device(blocks, DEVICE), 4, STEPS)
     state, report = hooked(blocks, feature_swaps, device=DEVICE)
     assert_identical(plain, state)

@@ -355,7 +355,7 @@ def test_an_op_retried_after_out_of_memory_keeps_its_own_inputs(planless):
 
     older = [torch.ones(2**18) for _ in range(2)]  # 1 MB each, least recently used
     own = torch.arange(2**20, dtype=torch.float32)  # 4 MB: the op's input, more than half the bytes
-    slots = [planless.registry.watch(t.untyped_storage()) for t in (*older, own)]
+    slots = [planless.residency.registry.watch(t.untyped_storage()) for t in (*older, own)]
     attempts = []
 
     def op_out_of_memory_once(x: torch.Tensor) -> torch.Tensor:
@@ -364,7 +364,7 @@ def test_an_op_retried_after_out_of_memory_keeps_its_own_inputs(planless):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return x * 2
 
-    out = planless._run(op_out_of_memory_once, (own,), {})
+    out = planless.residency.run_op(op_out_of_memory_once, (own,), {})
     assert attempts == [own.nbytes, own.nbytes] and slots[2].resident
     assert torch.equal(out, torch.arange(2**20, dtype=torch.float32) * 2)
     assert not slots[0].resident and not slots[1].resident  # room was made from the others
@@ -382,10 +382,10 @@ def test_no_room_to_bring_an_input_back_evicts_others_and_retries(planless):
     from tensile_hook import deactivate
 
     other = torch.ones(2**18)  # 1 MB, least recently used
-    other_slot = planless.registry.watch(other.untyped_storage())
+    other_slot = planless.residency.registry.watch(other.untyped_storage())
     own = torch.arange(2**20, dtype=torch.float32)  # the op's input, swapped out
     own_slot = swapped_out(planless, own)
-    swap_in, failures = planless.mover.swap_in, []
+    swap_in, failures = planless.residency.mover.swap_in, []
 
     def out_of_memory_once(slot, storage):  # type: ignore[no-untyped-def]
         if not failures:
@@ -393,9 +393,9 @@ def test_no_room_to_bring_an_input_back_evicts_others_and_retries(planless):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         swap_in(slot, storage)
 
-    planless.mover.swap_in = out_of_memory_once
+    planless.residency.mover.swap_in = out_of_memory_once
     with _disable_current_modes():
-        planless._ensure_keys_resident([own_slot.key])
+        planless.residency.ensure_keys_resident([own_slot.key])
     assert failures == [own_slot.key] and own_slot.resident and not other_slot.resident
     assert torch.equal(own, torch.arange(2**20, dtype=torch.float32)) and planless.report.stood_down is None
     assert any("out of memory bringing a tensor back" in m for m in planless.report.messages)
@@ -411,15 +411,15 @@ def test_an_input_the_hook_cannot_bring_back_raises_instead_of_running_on_a_free
 
     own = torch.arange(2**20, dtype=torch.float32)
     swapped_out(planless, own)
-    swap_in = planless.mover.swap_in
+    swap_in = planless.residency.mover.swap_in
 
     def out_of_memory(slot, storage):  # type: ignore[no-untyped-def]
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    planless.mover.swap_in = out_of_memory
+    planless.residency.mover.swap_in = out_of_memory
     with pytest.raises(torch.OutOfMemoryError):
         own * 2
     assert planless.report.stood_down and "OutOfMemoryError" in planless.report.stood_down
-    planless.mover.swap_in = swap_in
+    planless.residency.mover.swap_in = swap_in
     deactivate()
     assert torch.equal(own, torch.arange(2**20, dtype=torch.float32))  # brought back once there was room

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tensile_hook import activate, deactivate
-from tensile_hook.executor import reads_only
+from tensile_hook.dispatch import reads_only
 from tensile_hook.plan_source import local_planner
 from tensile_hook.report import HookReport
 from tensile_hook.settings import HookSettings

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from tensile_hook.movers import HANDS_MEMORY_OVER, CpuMover
-from tensile_hook.storages import Slot
+from tensile_hook.storages import StorageSlot
 
 
-def _slot(storage: torch.UntypedStorage) -> Slot:
-    return Slot(id(storage), weakref.ref(storage), storage.nbytes())
+def _slot(storage: torch.UntypedStorage) -> StorageSlot:
+    return StorageSlot(id(storage), weakref.ref(storage), storage.nbytes())
 
 
 # each way this PyTorch can swap: handing the memory over needs its `_swap_data_ptr_`

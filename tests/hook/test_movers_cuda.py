@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tensile_hook.movers import CudaMover
-from tensile_hook.storages import Slot
+from tensile_hook.storages import StorageSlot
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -23,7 +23,7 @@ def test_a_tensor_swapped_out_again_while_its_swap_in_is_in_flight_keeps_its_val
         values = torch.arange(64 * 2**20, dtype=torch.float32, device=device)  # 256 MB: copies take a while
         expected = values.cpu()
         storage = values.untyped_storage()
-        slot = Slot(id(storage), weakref.ref(storage), storage.nbytes())
+        slot = StorageSlot(id(storage), weakref.ref(storage), storage.nbytes())
         mover.swap_out(slot, storage)
         torch.cuda.synchronize(device)
         scribble = torch.zeros(64 * 2**20, dtype=torch.float32, device=device)  # likely the freed block

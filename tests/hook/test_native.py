@@ -85,7 +85,7 @@ def test_a_newer_plan_with_events_brings_the_dispatch_mode_back():
     """The agent re-plans while the hook runs natively: the next iteration enters the dispatch mode
     again and applies the new plan's events; training stays bit-identical."""
     executor = activate(HookSettings(job="job"), planner=empty_plan, device=torch.device("cpu"))
-    executor.listener = newer_plan_once(executor)
+    executor.iterations.listener = newer_plan_once(executor)
     try:
         hooked = fit(tracing_models.views, 4, STEPS + 2)
     finally:
@@ -166,7 +166,7 @@ def test_iterations_go_on_being_counted_while_a_users_dispatch_mode_holds_the_st
 
     steps = STEPS + 2
     executor = activate(HookSettings(job="job"), planner=empty_plan, device=torch.device("cpu"))
-    executor.listener = newer_plan_once(executor)
+    executor.iterations.listener = newer_plan_once(executor)
     user_mode = Passthrough()
     try:
         torch.manual_seed(1234)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensile_hook import executor, native_swaps
+from tensile_hook import native_swaps, residency
 from tensile_hook.native_recipes import learn
 from tensile_hook.recipes import Recipe, Step
 from tensile_hook.settings import HookSettings
@@ -54,7 +54,7 @@ def test_the_replays_time_is_the_recomputes_not_the_hooks_own(monkeypatch):
         return replay(self, *args, **kwargs)
 
     monkeypatch.setattr(Step, "replay", slowed)
-    for module in (executor, native_swaps):
+    for module in (residency, native_swaps):
         monkeypatch.setattr(module, "perf_counter", clock)
     monkeypatch.setattr(time, "perf_counter", clock)  # the executor's other timers read `time.perf_counter()`
     _, report = hooked(blocks, feature_recomputes)

@@ -351,7 +351,7 @@ def test_a_hook_failure_in_a_native_backward_brings_every_swapped_tensor_back(mo
 
     def failing(self, slot, storage):  # type: ignore[no-untyped-def]
         executor = executors[-1]
-        if executor.iteration == 4 and not executor.disabled and torch._C._current_autograd_node() is not None:
+        if executor.state.iteration == 4 and not executor.disabled and torch._C._current_autograd_node() is not None:
             assert any(slot is not None and not slot.resident for slot in executor.swaps.slots())  # something to restore
             raise RuntimeError("injected hook failure")
         swap_in(self, slot, storage)
@@ -430,7 +430,7 @@ def test_native_iterations_find_their_node_hooks_along_the_learnt_paths_and_walk
     walk, init = SwapCarrier._walk, SwapCarrier.__init__
 
     def counting(self, *args):  # type: ignore[no-untyped-def]
-        walks.append(self.executor.iteration)
+        walks.append(self.state.iteration)
         return walk(self, *args)
 
     def spoiling(self, *args):  # type: ignore[no-untyped-def]
@@ -533,7 +533,7 @@ def test_a_learnt_root_whose_graph_is_gone_is_passed_over() -> None:
     weight, activation = torch.randn(4, requires_grad=True), torch.randn(4)
     product = (weight * 2) * activation  # the second MulBackward0 saves the activation; no backward runs it
     node, key = product.grad_fn, id(activation.untyped_storage())
-    learner = SwapLearner(SimpleNamespace(iteration=0))  # type: ignore[arg-type]
+    learner = SwapLearner(SimpleNamespace(state=SimpleNamespace(iteration=0)))  # type: ignore[arg-type]
     learner.remove()  # its global module hooks: only its walks are wanted here
     learner.boundaries = [Boundary(False, 1, 0, [], [], [], (0, 10**6), _GoneNode()),
                           Boundary(False, 2, 1, [], [], [], (0, node._sequence_nr()), node)]

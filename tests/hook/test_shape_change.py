@@ -19,7 +19,8 @@ from tensile.agent_client import AgentClient
 from tensile.plan import Plan
 from tensile_hook import activate, deactivate
 from tensile_hook.agent_link import AgentLink
-from tensile_hook.executor import IterationListener, Planner
+from tensile_hook.iterations import IterationListener
+from tensile_hook.plan_book import Planner
 from tensile_hook.plan_source import local_planner
 from tensile_hook.report import HookReport
 from tensile_hook.settings import HookSettings

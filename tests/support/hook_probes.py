@@ -11,9 +11,9 @@ def swapped_out(executor, tensor: torch.Tensor):  # type: ignore[no-untyped-def]
     pass no mode)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    slot = executor.registry.watch(tensor.untyped_storage())
+    slot = executor.residency.registry.watch(tensor.untyped_storage())
     with _disable_current_modes():
-        assert executor._swap_out(slot)
+        assert executor.residency.swap_out(slot)
     return slot
 
 

@@ -114,17 +114,17 @@ def out_of_memory_in_a_native_backward(device: torch.device) -> HookReport:
             optimizer.zero_grad(set_to_none=True)
             loss_fn(model, batch).backward()
             optimizer.step()
-        swap_in = executor.mover.swap_in
+        swap_in = executor.residency.mover.swap_in
 
         def out_of_memory(slot, storage):  # type: ignore[no-untyped-def]
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-        executor.mover.swap_in = out_of_memory
+        executor.residency.mover.swap_in = out_of_memory
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model, batch)
         with pytest.raises(torch.OutOfMemoryError):
             loss.backward()
-        executor.mover.swap_in = swap_in
+        executor.residency.mover.swap_in = swap_in
     finally:
         deactivate()
     optimizer.zero_grad(set_to_none=True)
