@@ -13,7 +13,7 @@ from tensile_operator import GROUP, VERSION
 from tensile_operator.app import OperatorApp
 from tensile.knobs import ANNOTATION_PREFIX, KNOBS
 from tensile_operator.pods import JOB_LABEL
-from tensile_operator.validation import check, warnings as admission_warnings
+from tensile_operator.validation import check, leaves_the_job_alone, warnings as admission_warnings
 
 PEERING = "tensile"
 
@@ -92,7 +92,9 @@ def build_registry(app: OperatorApp, webhook: kopf.WebhookServer | None = None, 
 
     if webhook is not None:
         @kopf.on.validate(**tj, id="tensile-validate", operations=["CREATE", "UPDATE"])
-        async def _validate(spec: kopf.Spec, meta: kopf.Meta, warnings: list[str], **_: Any) -> None:
+        async def _validate(spec: kopf.Spec, meta: kopf.Meta, warnings: list[str], **cause: Any) -> None:
+            if cause.get("operation") == "UPDATE" and leaves_the_job_alone(cause.get("old"), cause.get("new")):
+                return
             warnings.extend(admission_warnings(dict(meta.annotations)))  # kubectl prints them; the job is not refused
             # the class may be created later: the job waits for it
             warnings.extend(app.scheduler.priorities.warnings(dict(spec)))

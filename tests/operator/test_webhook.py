@@ -1,0 +1,68 @@
+"""The validating webhook as the API server calls it: AdmissionReviews posted to the operator's webhook server."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import aiohttp
+import kopf
+import pytest
+
+from tests.support.agent_harness import free_port
+from tests.support.operator_harness import cluster, simulated_gpu, start_operator, trainingjob
+
+
+def _review(operation: str, new: dict, old: dict | None = None) -> dict:
+    kind = {"group": "tensile.dev", "version": "v1alpha1", "kind": "TrainingJob"}
+    resource = {"group": "tensile.dev", "version": "v1alpha1", "resource": "trainingjobs"}
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "u1", "kind": kind, "resource": resource, "requestKind": kind, "requestResource": resource,
+        "name": new["metadata"]["name"], "namespace": "default", "operation": operation,
+        "userInfo": {"username": "test"}, "object": new, "oldObject": old, "dryRun": False, "options": None}}
+
+
+async def _post(port: int, review: dict) -> dict:
+    async with aiohttp.ClientSession() as http:
+        for _ in range(100):
+            try:
+                async with http.post(f"http://127.0.0.1:{port}/tensile-validate", json=review) as r:
+                    return (await r.json())["response"]
+            except aiohttp.ClientConnectionError:
+                await asyncio.sleep(0.1)
+    raise AssertionError("webhook server not up")
+
+
+@pytest.mark.cluster
+def test_updates_that_leave_the_spec_alone_are_allowed_even_when_the_job_no_longer_validates(tmp_path, forecaster):
+    """The webhook validated every UPDATE against the cluster as it is now: once the job's node was gone, removing
+    the finalizer was refused (the selector matched no GPU) and the job stayed Terminating. An UPDATE that keeps
+    the spec and the tensile.dev/ annotations (finalizers, status, labels, other annotations) is always allowed;
+    one that edits them is still checked."""
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            await c.publish_node("node-b", [simulated_gpu("GPU-b0", 8, "Simulated A6000")])
+            port = free_port()
+            op = await start_operator(forecaster, webhook=kopf.WebhookServer(addr="127.0.0.1", port=port, insecure=True))
+            try:
+                old = trainingjob("x", "vgg16", 1, gpuSelector={"nodes": ["node-a"]})  # node-a is gone
+                old["metadata"] |= {"namespace": "default", "finalizers": ["tensile.dev/release-gpu"],
+                                    "annotations": {"tensile.dev/max-swap-rate": "0.5"}}
+                new = copy.deepcopy(old)
+                new["metadata"]["finalizers"] = []
+                new["metadata"]["annotations"]["example.com/owner"] = "team-a"
+                new["status"] = {"phase": "Failed"}
+                assert (await _post(port, _review("UPDATE", new, old)))["allowed"] is True
+                assert (await _post(port, _review("CREATE", new)))["allowed"] is False  # the same job, created now
+                edited = copy.deepcopy(new)
+                edited["spec"]["workload"]["batchSize"] = 0
+                response = await _post(port, _review("UPDATE", edited, old))
+                assert response["allowed"] is False and "spec.workload.batchSize" in response["status"]["message"]
+                knob = copy.deepcopy(new)
+                knob["metadata"]["annotations"]["tensile.dev/max-swap-rate"] = "2"
+                response = await _post(port, _review("UPDATE", knob, old))
+                assert response["allowed"] is False and "tensile.dev/max-swap-rate" in response["status"]["message"]
+            finally:
+                await op.stop()
+
+    asyncio.run(scenario())
