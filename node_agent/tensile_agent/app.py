@@ -25,6 +25,7 @@ from fastapi.security import APIKeyHeader
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tensile.devices import MAX_BYTES
 from tensile.agent_contract import (
     GPU_PATTERN,
     MAX_OP_SAMPLES,
@@ -51,7 +52,7 @@ from tensile_agent.service import AgentService, Problem
 from tensile_agent.state import Job
 
 log = logging.getLogger("tensile_agent")
-BIG = 2**62
+BIG = 2**62  # the most a count may be (amounts of memory: tensile.devices.MAX_BYTES)
 INLINE_SAMPLES = 256  # measurements with more op latency samples are folded in a worker thread
 MAX_WARNINGS = 20  # Warning headers on one answer (one per unknown field; the rest counted in one more)
 MAX_LOGGED_FIELDS = 256  # unknown field names the agent logs (once each) before it stops logging new ones
@@ -77,7 +78,7 @@ class RegisterIn(_Request):
     gpu: str | None = Field(None, pattern=GPU_PATTERN)
     workload: dict[str, Any] | None = Field(None, description="tensile.workload_io JSON (format tensile.workload, version 1)")
     signature: str | None = Field(None, pattern=SIGNATURE_PATTERN)
-    memory_budget_bytes: int | None = Field(None, ge=1, le=BIG)
+    memory_budget_bytes: int | None = Field(None, ge=1, le=MAX_BYTES)
     max_swap_rate: float | None = Field(None, gt=0, le=1)
     recompute: bool = True
     token: str | None = Field(None, pattern=TOKEN_PATTERN)
@@ -150,14 +151,14 @@ class MeasurementsIn(_Request):
     iterations: int = Field(1, ge=1, le=BIG)
     op_latencies: list[tuple[Annotated[int, Field(ge=0, le=BIG)], Annotated[float, Field(ge=0, le=MAX_SECONDS)]]] = Field(
         default_factory=list, max_length=MAX_OP_SAMPLES, description="sampled [op index, seconds] pairs")
-    peak_bytes: int | None = Field(None, ge=0, le=BIG)
-    planned_peak_bytes: int | None = Field(None, ge=0, le=BIG, description="highest peak measured under a plan")
+    peak_bytes: int | None = Field(None, ge=0, le=MAX_BYTES)
+    planned_peak_bytes: int | None = Field(None, ge=0, le=MAX_BYTES, description="highest peak measured under a plan")
     iteration_seconds: float | None = Field(None, ge=0, le=MAX_SECONDS)
     vanilla_iteration_seconds: float | None = Field(None, ge=0, le=MAX_SECONDS)
     stall_seconds: float = Field(0.0, ge=0, le=MAX_SECONDS)
-    swap_out_bytes: int = Field(0, ge=0, le=BIG)
-    swap_in_bytes: int = Field(0, ge=0, le=BIG)
-    recompute_bytes: int = Field(0, ge=0, le=BIG)
+    swap_out_bytes: int = Field(0, ge=0, le=MAX_BYTES)
+    swap_in_bytes: int = Field(0, ge=0, le=MAX_BYTES)
+    recompute_bytes: int = Field(0, ge=0, le=MAX_BYTES)
     signature_match: bool | None = None
 
 
@@ -169,7 +170,7 @@ class MeasurementsOut(_Model):
 
 class KnobsIn(_Request):
     max_swap_rate: float | None = Field(None, gt=0, le=1)
-    memory_budget_bytes: int | None = Field(None, ge=1, le=BIG)
+    memory_budget_bytes: int | None = Field(None, ge=1, le=MAX_BYTES)
     recompute: bool | None = None
 
 
