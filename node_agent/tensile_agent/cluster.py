@@ -148,9 +148,11 @@ class ClusterPublisher:
         for job, stamp, body in bodies:
             try:
                 api.patch_namespaced_custom_object_status(GROUP, VERSION, job.ref.namespace, "trainingjobs", job.ref.name, body)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - one job's refused patch is that job's: the others are still written
                 if getattr(exc, "status", None) != 404:
-                    raise
+                    self.errors += 1
+                    log.warning("publishing the observed figures of %s failed (tried again later): %s", job.key, exc)
+                    continue
             self._published[job.key] = stamp
         for key in set(self._published) - alive:
             del self._published[key]
