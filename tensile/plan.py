@@ -134,7 +134,7 @@ def plan_problems(plan: Plan, workload: Workload) -> list[str]:
             problems.append(f"{where}: trigger op {event.trigger!r} is not one of the workload's ops 0-{len(workload.ops) - 1}")
         elif not _seconds(event.delay):
             problems.append(f"{where}: delay {event.delay!r} s is not a time after its trigger op")
-        elif not isinstance(event.next_iteration, bool):
+        elif not _flag(event.next_iteration):
             problems.append(f"{where}: next_iteration {event.next_iteration!r} is not true or false")
     return problems
 
@@ -142,6 +142,10 @@ def plan_problems(plan: Plan, workload: Workload) -> list[str]:
 def _whole(value: object, least: int) -> bool:
     """A whole number (no bool) from `least` to MAX_BYTES."""
     return isinstance(value, int) and not isinstance(value, bool) and least <= value <= MAX_BYTES
+
+
+def _flag(value: object) -> bool:
+    return isinstance(value, bool)
 
 
 def _seconds(value: object) -> bool:
