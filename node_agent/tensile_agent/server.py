@@ -9,13 +9,14 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tensile.agent_contract import DEFAULT_PORT
 from tensile.console import print_user_error
 from tensile.errors import TensileUserError
 
 from tensile_agent.cluster import ClusterPublisher, in_cluster
+from tensile_agent.connections import ConnectionLimits
 from tensile_agent.expiry import DEFAULT_SILENT_SECONDS, SilentJobExpiry
 from tensile.devices import parse_bytes
 from tensile_agent.gpus import DEFAULT_HEADROOM, Inventory
@@ -46,6 +47,7 @@ class AgentConfig:
     planning: str = "process"  # "process": plan in a child process (requests keep the GIL); "thread": in-process
     freeze_gc: bool = False  # gc.freeze() after each planning round (the agent process: `serve`)
     expire_silent: float = DEFAULT_SILENT_SECONDS  # seconds without a call before an external job is dropped; 0: never
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 
 
 class Agent:
@@ -100,6 +102,11 @@ class Agent:
 
         return create_app(self)
 
+    def uvicorn_settings(self, log_level: str = "info") -> dict[str, Any]:
+        """uvicorn's keywords for the agent's server, with its connection limits (what `serve` runs, and the tests)."""
+        return {"host": self.config.host, "port": self.config.port, "log_level": log_level.lower(), "access_log": False,
+                "timeout_graceful_shutdown": 5, **self.config.limits.uvicorn_settings()}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=os.environ.get("TENSILE_AGENT_HOST", "127.0.0.1"),
@@ -149,8 +156,7 @@ def serve(config: AgentConfig, log_level: str = "info") -> None:
     sys.setswitchinterval(SWITCH_INTERVAL)
     config.freeze_gc = True
     agent = Agent(config)
-    uvicorn.run(agent.app(), host=config.host, port=config.port, log_level=log_level.lower(),
-                access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.run(agent.app(), **agent.uvicorn_settings(log_level))
 
 
 def main(argv: list[str] | None = None) -> int:

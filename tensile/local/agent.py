@@ -36,8 +36,7 @@ class LocalAgent:
         self.agent = Agent(AgentConfig(host=host, port=self.port, simulate=simulate, context_bytes=context, planning="thread"),
                            inventory=inventory)
         self.agent.state.queued_jobs = 0  # exported as tensile_queued_jobs (node_agent/tensile_agent/metrics.py)
-        self.server = uvicorn.Server(uvicorn.Config(self.agent.app(), host=host, port=self.port, log_level="warning",
-                                                    access_log=False))
+        self.server = uvicorn.Server(uvicorn.Config(self.agent.app(), **self.agent.uvicorn_settings("warning")))
         self.thread = threading.Thread(target=self.server.run, name="tensile-local-agent", daemon=True)
         self.url = f"http://{host}:{self.port}"
 

@@ -87,8 +87,7 @@ class ThreadedAgent:
             config.setdefault("advertise", f"http://127.0.0.1:{self.port}")
         self.agent = Agent(AgentConfig(port=self.port, simulate=simulate if simulate is not None else ["a6000:48GiB"], **config),
                            cluster_api=cluster_api)
-        self.server = uvicorn.Server(uvicorn.Config(self.agent.app(), host="127.0.0.1", port=self.port,
-                                                    log_level="warning", access_log=False))
+        self.server = uvicorn.Server(uvicorn.Config(self.agent.app(), **self.agent.uvicorn_settings("warning")))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
 
