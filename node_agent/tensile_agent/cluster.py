@@ -10,6 +10,7 @@ API calls it makes (the chart's ClusterRole for the agent):
   tensilenodes/status  patch              (merge patch of .status)
   trainingjobs/status  patch              (merge patch of .status.observed; 404 ignored: a job the
                                            operator did not place, e.g. `tensile run --agent`)
+  tokenreviews         create             (tensile_agent.auth: the credentials of the pods and the operator)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ RBAC = [
     (GROUP, "tensilenodes", ("get", "create")),
     (GROUP, "tensilenodes/status", ("patch",)),
     (GROUP, "trainingjobs/status", ("patch",)),
+    ("authentication.k8s.io", "tokenreviews", ("create",)),
 ]
 
 

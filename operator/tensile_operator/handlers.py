@@ -95,12 +95,26 @@ def build_registry(app: OperatorApp, webhook: kopf.WebhookServer | None = None, 
         async def _validate(spec: kopf.Spec, meta: kopf.Meta, warnings: list[str], **cause: Any) -> None:
             if cause.get("operation") == "UPDATE" and leaves_the_job_alone(cause.get("old"), cause.get("new")):
                 return
+            await _may_create_its_pod(cause.get("userinfo") or {}, meta.get("namespace") or "")
             warnings.extend(admission_warnings(dict(meta.annotations)))  # kubectl prints them; the job is not refused
             # the class may be created later: the job waits for it
             warnings.extend(app.scheduler.priorities.warnings(dict(spec)))
             problems = await check(dict(spec), dict(meta.annotations), app.capacity.gpus, app.forecaster)
             if problems:
                 raise kopf.AdmissionError("; ".join(str(p) for p in problems), code=422)
+
+    async def _may_create_its_pod(user: dict, namespace: str) -> None:
+        """The operator creates the job's pod (with the service account its template names) with its own rights: only
+        who may create pods in the namespace may have it do so."""
+        try:
+            allowed = await app.kube.may_create_pods(user, namespace)
+        except Exception as exc:  # noqa: BLE001 - refused, not admitted unchecked
+            raise kopf.AdmissionError(f"cannot check that {user.get('username')} may create pods in namespace "
+                                      f"{namespace} ({exc}): try again", code=503) from None
+        if not allowed:
+            raise kopf.AdmissionError(f"{user.get('username')} may not create pods in namespace {namespace}: a "
+                                      "TrainingJob's pod is created for whoever creates or edits it, so they need that "
+                                      "right", code=403)
 
     @kopf.on.resume(**tj, id="readmit")
     @kopf.on.create(**tj, id="admit")

@@ -34,6 +34,9 @@ from tensile.workload import Workload
 
 log = logging.getLogger("tensile.hook")
 FIRST_PLAN_POLL_SECONDS = 0.02
+# refusals of a registration that can pass later (the operator's admission of the pod not there yet, its projected
+# token not written yet): the link backs off and tries again instead of giving the agent up
+CREDENTIAL_NOT_YET = ("not_admitted", "missing_credential", "bad_credential")
 
 
 @dataclass
@@ -337,14 +340,11 @@ class AgentLink:
         if todo is not None:
             try:
                 self._send(todo)
-            except (AgentError, ContractError) as exc:
-                self._refuse(f"node agent refused the job ({exc}); training goes on without it" + {
-                    "wrong_token": "; give this run another --job NAME (TENSILE_JOB)",
-                    "unknown_gpu": "; name one of its GPUs with --gpu UUID|INDEX (TENSILE_GPU)",
-                }.get(getattr(exc, "code", None) or "", ""))
-                return
-            except Exception:
-                with self._lock:  # not sent: tried again at the next round
+            except Exception as exc:  # noqa: BLE001 - sorted below; the rest goes to the backoff in `_run`
+                if isinstance(exc, (AgentError, ContractError)) and getattr(exc, "code", None) not in CREDENTIAL_NOT_YET:
+                    self._refuse_job(exc)
+                    return
+                with self._lock:  # not sent, or not yet accepted: tried again at the next round
                     self._todo = self._todo or todo
                 raise
         self._flush()
@@ -384,6 +384,12 @@ class AgentLink:
             return f"it is no plan ({exc})"
         problems = plan_problems(plan, self._planned_on) if self._planned_on is not None else []
         return summary(problems) if problems else None
+
+    def _refuse_job(self, exc: Exception) -> None:
+        self._refuse(f"node agent refused the job ({exc}); training goes on without it" + {
+            "wrong_token": "; give this run another --job NAME (TENSILE_JOB)",
+            "unknown_gpu": "; name one of its GPUs with --gpu UUID|INDEX (TENSILE_GPU)",
+        }.get(getattr(exc, "code", None) or "", ""))
 
     def _take_forecast(self) -> None:
         """The workload the operator registered the job with, as if TENSILE_WORKLOAD had named it; unless the

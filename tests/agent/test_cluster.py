@@ -118,7 +118,7 @@ def test_a_cluster_api_that_fails_never_stops_the_agent(monkeypatch, tiny_worklo
     are counted and retried; the agent keeps serving its hooks."""
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
     monkeypatch.delenv("KUBERNETES_SERVICE_PORT", raising=False)
-    with ThreadedAgent(["a6000:8GiB"], node="node-a") as agent:
+    with ThreadedAgent(["a6000:8GiB"], node="node-a", auth="none") as agent:  # its credentials: tests/agent/test_attacks.py
         publisher = agent.agent.publisher
         assert publisher is not None
         client = AgentClient(agent.url, "default/x", max_backoff=0.2)

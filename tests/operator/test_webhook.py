@@ -13,13 +13,13 @@ from tests.support.agent_harness import free_port
 from tests.support.operator_harness import cluster, simulated_gpu, start_operator, trainingjob
 
 
-def _review(operation: str, new: dict, old: dict | None = None) -> dict:
+def _review(operation: str, new: dict, old: dict | None = None, user: str = "test") -> dict:
     kind = {"group": "tensile.dev", "version": "v1alpha1", "kind": "TrainingJob"}
     resource = {"group": "tensile.dev", "version": "v1alpha1", "resource": "trainingjobs"}
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
         "uid": "u1", "kind": kind, "resource": resource, "requestKind": kind, "requestResource": resource,
         "name": new["metadata"]["name"], "namespace": "default", "operation": operation,
-        "userInfo": {"username": "test"}, "object": new, "oldObject": old, "dryRun": False, "options": None}}
+        "userInfo": {"username": user, "groups": ["system:authenticated"]}, "object": new, "oldObject": old, "dryRun": False, "options": None}}
 
 
 async def _post(port: int, review: dict) -> dict:
@@ -62,6 +62,37 @@ def test_updates_that_leave_the_spec_alone_are_allowed_even_when_the_job_no_long
                 knob["metadata"]["annotations"]["tensile.dev/max-swap-rate"] = "2"
                 response = await _post(port, _review("UPDATE", knob, old))
                 assert response["allowed"] is False and "tensile.dev/max-swap-rate" in response["status"]["message"]
+            finally:
+                await op.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.cluster
+def test_only_who_may_create_pods_in_the_namespace_may_create_a_trainingjob_there(tmp_path, forecaster):
+    """The operator creates a job's pod, with the service account its template names, on its own rights: a user who may
+    create TrainingJobs but not pods in the namespace had it create pods for them. The webhook asks the API server
+    (SubjectAccessReview); an UPDATE that leaves the job alone (a finalizer removed by anyone) is not asked about."""
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            await c.publish_node("node-a", [simulated_gpu("GPU-a0", 8, "Simulated A6000")])
+            c.emu.pod_creators = {"default": {"alice"}}
+            port = free_port()
+            op = await start_operator(forecaster, webhook=kopf.WebhookServer(addr="127.0.0.1", port=port, insecure=True))
+            try:
+                job = trainingjob("x", "vgg16", 1, template={"spec": {"serviceAccountName": "admin", "containers": [
+                    {"name": "train", "image": "example", "command": ["python", "-c", "pass"]}]}})
+                job["metadata"]["namespace"] = "default"
+                refused = await _post(port, _review("CREATE", job, user="mallory"))
+                assert refused["allowed"] is False and refused["status"]["code"] == 403, refused
+                assert "mallory may not create pods in namespace default" in refused["status"]["message"]
+                assert (await _post(port, _review("CREATE", job, user="alice")))["allowed"] is True
+                edited = copy.deepcopy(job)
+                edited["spec"]["workload"]["batchSize"] = 2
+                assert (await _post(port, _review("UPDATE", edited, job, user="mallory")))["allowed"] is False
+                released = copy.deepcopy(job)
+                released["metadata"]["finalizers"] = []
+                assert (await _post(port, _review("UPDATE", released, job, user="mallory")))["allowed"] is True
             finally:
                 await op.stop()
 
