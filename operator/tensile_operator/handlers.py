@@ -13,7 +13,8 @@ from tensile_operator import GROUP, VERSION
 from tensile_operator.app import OperatorApp
 from tensile.knobs import ANNOTATION_PREFIX, KNOBS
 from tensile_operator.pods import JOB_LABEL
-from tensile_operator.validation import check, leaves_the_job_alone, warnings as admission_warnings
+from tensile_operator.validation import check, leaves_the_job_alone, tensilenode_writer_problem
+from tensile_operator.validation import warnings as admission_warnings
 
 PEERING = "tensile"
 
@@ -102,6 +103,16 @@ def build_registry(app: OperatorApp, webhook: kopf.WebhookServer | None = None, 
             problems = await check(dict(spec), dict(meta.annotations), app.capacity.gpus, app.forecaster)
             if problems:
                 raise kopf.AdmissionError("; ".join(str(p) for p in problems), code=422)
+
+    if webhook is not None:
+        agents = {a for a in os.environ.get("TENSILE_AGENT_ACCOUNTS", "").split(",") if a}
+
+        @kopf.on.validate(GROUP, VERSION, "tensilenodes", registry=registry, id="tensile-nodes",
+                          operations=["CREATE", "UPDATE"], subresource="*")
+        async def _node_writer(name: str, **cause: Any) -> None:
+            problem = tensilenode_writer_problem(cause.get("userinfo") or {}, name, agents)
+            if problem:
+                raise kopf.AdmissionError(problem, code=403)
 
     async def _may_create_its_pod(user: dict, namespace: str) -> None:
         """The operator creates the job's pod (with the service account its template names) with its own rights: only

@@ -79,6 +79,23 @@ def leaves_the_job_alone(old: Mapping | None, new: Mapping | None) -> bool:
     return owned(old) == owned(new)
 
 
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"  # the node of the pod a service-account token is bound to
+
+
+def tensilenode_writer_problem(user: Mapping, node: str, agent_accounts: set[str]) -> str | None:
+    """Why `user` may not write TensileNode `node`, or None. A node agent's account writes only its own node's: its
+    token is bound to a pod of that node (the `node-name` the API server adds, Kubernetes 1.30 and later), so a stolen
+    agent credential cannot publish another node's GPUs. Anyone else is left to the cluster's RBAC."""
+    if user.get("username") not in agent_accounts:
+        return None
+    nodes = (user.get("extra") or {}).get(NODE_NAME_EXTRA) or []
+    if list(nodes) != [node]:
+        bound = ", ".join(nodes) or ("its token names no node: Kubernetes 1.30 or later binds service-account tokens "
+                                     "to their pod's node")
+        return f"{user.get('username')} may write only the TensileNode of its own node ({bound}), not {node}"
+    return None
+
+
 def warnings(annotations: dict | None) -> list[str]:
     """What the webhook warns about (`kubectl` prints each) without refusing the job: misspelt tensile.dev/* annotations."""
     unknown = model.unknown_annotations(annotations)

@@ -343,7 +343,7 @@ def tls_handshake(ca_pem: str, cert_pem: str, key_pem: str, hostname: str, tmp_p
 
 def webhook_parts(objs: list[dict]) -> tuple[dict, dict, dict]:
     config = one(objs, "ValidatingWebhookConfiguration")
-    (hook,) = config["webhooks"]
+    hook, _ = config["webhooks"]  # the TrainingJobs', then the TensileNodes' (test_an_agent_writes_only_its_own_node)
     service = next(s for s in find(objs, "Service") if s["metadata"]["name"] == hook["clientConfig"]["service"]["name"])
     return config, hook, service
 
@@ -528,3 +528,23 @@ def test_only_training_pods_and_the_operator_reach_the_agent(chart: Chart) -> No
     (mount,) = [m for m in container(operator)["volumeMounts"] if m["name"] == volume["name"]]
     path = env_of(container(operator))["TENSILE_OPERATOR_TOKEN_FILE"]["value"]
     assert path == f"{mount['mountPath']}/{source['serviceAccountToken']['path']}"
+
+
+def test_the_tensilenodes_webhook_guards_the_agents_writes(chart: Chart) -> None:
+    """Every write of a TensileNode or its status goes to the handler that lets an agent write only its own node's; the
+    operator knows the agents' user."""
+    import kopf
+
+    from tensile_operator.app import OperatorApp
+    from tensile_operator.handlers import build_registry
+
+    objs = case(chart, "defaults")
+    _, nodes = one(objs, "ValidatingWebhookConfiguration")["webhooks"]
+    registry = build_registry(OperatorApp(), kopf.WebhookServer(port=1))
+    assert nodes["clientConfig"]["service"]["path"] in {"/" + h.id for h in registry._webhooks.get_all_handlers()}
+    (rule,) = nodes["rules"]
+    assert (rule["resources"], rule["operations"], rule["scope"]) == (["tensilenodes", "tensilenodes/status"],
+                                                                      ["CREATE", "UPDATE"], "Cluster")
+    agent = one(objs, "DaemonSet", "agent")["spec"]["template"]["spec"]["serviceAccountName"]
+    accounts = env_of(container(one(objs, "Deployment", "operator")))["TENSILE_AGENT_ACCOUNTS"]["value"]
+    assert accounts == f"system:serviceaccount:{NAMESPACE}:{agent}"

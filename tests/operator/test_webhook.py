@@ -97,3 +97,56 @@ def test_only_who_may_create_pods_in_the_namespace_may_create_a_trainingjob_ther
                 await op.stop()
 
     asyncio.run(scenario())
+
+
+AGENT = "system:serviceaccount:tensile-system:tensile-agent"
+
+
+def _node_review(node: str, user: str, token_node: str | None, subresource: str | None = None) -> dict:
+    kind = {"group": "tensile.dev", "version": "v1alpha1", "kind": "TensileNode"}
+    resource = {"group": "tensile.dev", "version": "v1alpha1", "resource": "tensilenodes"}
+    extra = {"authentication.kubernetes.io/node-name": [token_node]} if token_node else {}
+    body = {"apiVersion": "tensile.dev/v1alpha1", "kind": "TensileNode", "metadata": {"name": node},
+            "spec": {"nodeName": node}, "status": {"gpus": []}}
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "u2", "kind": kind, "resource": resource, "requestKind": kind, "requestResource": resource,
+        "subResource": subresource, "name": node, "operation": "UPDATE" if subresource else "CREATE",
+        "userInfo": {"username": user, "extra": extra}, "object": body, "oldObject": body if subresource else None,
+        "dryRun": False, "options": None}}
+
+
+@pytest.mark.cluster
+def test_an_agent_writes_only_its_own_nodes_tensilenode(tmp_path, forecaster, monkeypatch):
+    """The agents' role may create TensileNodes and patch their status cluster-wide (RBAC cannot name an object not
+    created yet), so a stolen agent credential could publish GPUs for another node, which the operator books. The
+    webhook lets the agents' user write only the TensileNode of the node its token is bound to."""
+    monkeypatch.setenv("TENSILE_AGENT_ACCOUNTS", AGENT)
+
+    async def scenario() -> None:
+        async with cluster(tmp_path):
+            port = free_port()
+            op = await start_operator(forecaster, webhook=kopf.WebhookServer(addr="127.0.0.1", port=port, insecure=True))
+            try:
+                async def review(node: str, user: str, token_node: str | None, subresource: str | None = None) -> dict:
+                    async with aiohttp.ClientSession() as http:
+                        for _ in range(100):
+                            try:
+                                async with http.post(f"http://127.0.0.1:{port}/tensile-nodes",
+                                                     json=_node_review(node, user, token_node, subresource)) as r:
+                                    return (await r.json())["response"]
+                            except aiohttp.ClientConnectionError:
+                                await asyncio.sleep(0.1)
+                    raise AssertionError("webhook server not up")
+
+                assert (await review("node-a", AGENT, "node-a"))["allowed"] is True
+                assert (await review("node-a", AGENT, "node-a", "status"))["allowed"] is True
+                for subresource in (None, "status"):
+                    refused = await review("node-a", AGENT, "node-b", subresource)
+                    assert refused["allowed"] is False and refused["status"]["code"] == 403, refused
+                    assert "may write only the TensileNode of its own node (node-b), not node-a" in refused["status"]["message"]
+                assert (await review("node-a", AGENT, None))["allowed"] is False  # a token bound to no node
+                assert (await review("node-a", "kubernetes-admin", None))["allowed"] is True  # left to RBAC
+            finally:
+                await op.stop()
+
+    asyncio.run(scenario())
