@@ -2,7 +2,7 @@
 
 The hook holds one `AgentClient` per job and calls it at iteration boundaries:
 
-    client = AgentClient.from_env()                    # TENSILE_AGENT, TENSILE_JOB, TENSILE_TOKEN, TENSILE_GPU
+    client = AgentClient.from_env()                    # TENSILE_AGENT, TENSILE_JOB, TENSILE_TOKEN_FILE, TENSILE_GPU
     client.register(workload=w, memory_budget_bytes=b) # or signature=...; then upload_workload(w) if asked
     plan, changed = client.poll()                      # at each iteration boundary: cheap (ETag -> 304)
     client.post_measurements(Measurements(...))        # every few iterations
@@ -14,7 +14,9 @@ to `max_backoff` seconds), keeps the last plan it had and answers from it. When 
 404 "unknown job" (it restarted and lost its state) the client registers again with what it
 registered before, its token and its plan version, and repeats the call.
 
-The operator uses the module functions `register`, `update_knobs`, `unregister` and `live_workload`.
+Every call carries the caller's credential (`Authorization: Bearer`, read from TENSILE_TOKEN_FILE: in a pod its
+projected service-account token, in local mode the runner's secret); the agent asks for it to register a job.
+The operator uses the module functions `admit`, `register`, `update_knobs`, `unregister` and `live_workload`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import secrets
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tensile.agent_contract import (
@@ -104,12 +107,33 @@ def _workload_dict(workload: Any) -> dict | None:
     return workload_to_dict(workload)
 
 
+Credential = Callable[[], "str | None"]  # who the caller is, for `Authorization: Bearer`, read at each call
+
+
+def credential_file(path: str | None) -> Credential | None:
+    """The credential in the file at `path`, read at each call: a projected service-account token, which the kubelet
+    renews in place, or the local runner's secret. None without a path."""
+    if not path:
+        return None
+
+    def read() -> str | None:
+        try:
+            with open(path) as handle:
+                return handle.read().strip() or None
+        except OSError as exc:
+            log.info("the credential file %s cannot be read: %s", path, exc)
+            return None
+
+    return read
+
+
 class Http:
     """JSON requests over one kept-alive connection, with retries and exponential backoff; raises
     AgentError / AgentUnreachable. A hook polls at every iteration: a new TCP connection per call
-    would cost both sides more than the call itself."""
+    would cost both sides more than the call itself. `credential`: sent as `Authorization: Bearer`."""
 
-    def __init__(self, base_url: str, timeout: float = 2.0, retries: int = 2, backoff: float = 0.05) -> None:
+    def __init__(self, base_url: str, timeout: float = 2.0, retries: int = 2, backoff: float = 0.05,
+                 credential: Credential | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         parts = urllib.parse.urlsplit(self.base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -120,6 +144,7 @@ class Http:
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
+        self.credential = credential
         self._conn: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()
 
@@ -170,6 +195,9 @@ class Http:
             send.update(body_headers)
         if token:
             send[TOKEN_HEADER] = token
+        proof = self.credential() if self.credential is not None else None
+        if proof:
+            send["Authorization"] = f"Bearer {proof}"
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             if attempt:
@@ -214,9 +242,9 @@ class AgentClient:
 
     def __init__(self, url: str, job: str, namespace: str | None = None, token: str | None = None,
                  gpu: str | None = None, timeout: float = 2.0, retries: int = 2, backoff: float = 0.05,
-                 max_backoff: float = 30.0) -> None:
+                 max_backoff: float = 30.0, credential: Credential | None = None) -> None:
         self.ref = JobRef.parse(job, namespace)
-        self.http = Http(url, timeout, retries, backoff)
+        self.http = Http(url, timeout, retries, backoff, credential)
         # A job without a token of its own chooses one before its first registration, so that a registration sent
         # again after a timeout (the agent registered the first, its answer came too late) is the same one, not a
         # second job of the same name under the agent's token.
@@ -240,6 +268,7 @@ class AgentClient:
         url = env.get("TENSILE_AGENT")
         if not url:
             raise ValueError("TENSILE_AGENT is not set: no node agent to talk to")
+        options.setdefault("credential", credential_file(env.get("TENSILE_TOKEN_FILE")))
         return cls(url, env.get("TENSILE_JOB", "local"), env.get("TENSILE_NAMESPACE"), env.get("TENSILE_TOKEN") or None,
                    env.get("TENSILE_GPU") or None, **options)
 
@@ -437,15 +466,31 @@ class AgentClient:
 # ---------------------------------------------------------------------- for the operator
 
 
-def _one_shot(agent: str, timeout: float = 5.0) -> Http:
-    return Http(agent, timeout=timeout, retries=3, backoff=0.2)
+def _one_shot(agent: str, timeout: float = 5.0, credential: Credential | None = None) -> Http:
+    return Http(agent, timeout=timeout, retries=3, backoff=0.2, credential=credential)
 
 
-def update_knobs(agent: str, job: str, token: str, knobs: dict) -> dict:
+def admit(agent: str, job: str, token: str, gpu: str, pod: str, memory_budget_bytes: int | None,
+          credential: Credential | None = None) -> dict:
+    """The operator's admission of a job onto the agent's GPU `gpu`: its pod `pod` may then register it (and only it)
+    with the pod's own credential, with at most `memory_budget_bytes`, and gets the job's `token`. Raises AgentError /
+    AgentUnreachable."""
+    ref = JobRef.parse(job)
+    link = _one_shot(agent, credential=credential)
+    try:
+        _, payload, _ = link.request("POST", "/v1/admissions", {"job": ref.name, "namespace": ref.namespace, "gpu": gpu,
+                                                                "pod": pod, "token": token,
+                                                                "memory_budget_bytes": memory_budget_bytes})
+    finally:
+        link.close()
+    return payload or {}
+
+
+def update_knobs(agent: str, job: str, token: str, knobs: dict, credential: Credential | None = None) -> dict:
     """Forward a TrainingJob's knob annotations (operator names maxSwapRate/memoryBudgetBytes welcome).
     Returns the job as the agent now has it; raises AgentError / AgentUnreachable."""
     body = strict_knobs(knobs).to_dict()
-    link = _one_shot(agent)
+    link = _one_shot(agent, credential=credential)
     try:
         _, payload, _ = link.request("PATCH", job_path(JobRef.parse(job), "knobs"), body, token)
     finally:
@@ -453,9 +498,9 @@ def update_knobs(agent: str, job: str, token: str, knobs: dict) -> dict:
     return payload or {}
 
 
-def unregister(agent: str, job: str, token: str) -> bool:
+def unregister(agent: str, job: str, token: str, credential: Credential | None = None) -> bool:
     """True when the agent no longer has the job (404 counts as done)."""
-    link = _one_shot(agent)
+    link = _one_shot(agent, credential=credential)
     try:
         link.request("DELETE", job_path(JobRef.parse(job)), None, token)
     except AgentError as exc:
@@ -468,7 +513,8 @@ def unregister(agent: str, job: str, token: str) -> bool:
 
 
 def register(agent: str, job: str, token: str, gpu: str, workload: Workload, memory_budget_bytes: int | None,
-             max_swap_rate: float | None, recompute: bool, activations_only: bool) -> RegisterResponse:
+             max_swap_rate: float | None, recompute: bool, activations_only: bool,
+             credential: Credential | None = None) -> RegisterResponse:
     """A job the operator placed, registered with its forecast before its pod runs: the agent plans it with the GPU's
     other jobs at once, and the pod's hook (TENSILE_SIGNATURE) fetches that workload and registers the same.
     Raises AgentError / AgentUnreachable."""
@@ -476,7 +522,7 @@ def register(agent: str, job: str, token: str, gpu: str, workload: Workload, mem
     request = RegisterRequest(job=ref.name, namespace=ref.namespace, gpu=gpu, workload=_workload_dict(workload),
                               memory_budget_bytes=memory_budget_bytes, max_swap_rate=max_swap_rate, recompute=recompute,
                               token=token, activations_only=activations_only).validate()
-    link = _one_shot(agent, timeout=30.0)
+    link = _one_shot(agent, timeout=30.0, credential=credential)
     try:
         _, payload, _ = link.request("POST", jobs_path(), request.to_dict(), token)
     finally:
@@ -484,9 +530,9 @@ def register(agent: str, job: str, token: str, gpu: str, workload: Workload, mem
     return RegisterResponse.from_dict(payload or {})
 
 
-def live_workload(agent: str, job: str, token: str) -> Workload | None:
+def live_workload(agent: str, job: str, token: str, credential: Credential | None = None) -> Workload | None:
     """The workload the agent holds for the job (the hook's live trace when it uploaded one), or None."""
-    link = _one_shot(agent, timeout=30.0)
+    link = _one_shot(agent, timeout=30.0, credential=credential)
     try:
         _, payload, _ = link.request("GET", job_path(JobRef.parse(job), "workload"), None, token)
     except AgentError as exc:

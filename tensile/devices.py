@@ -52,12 +52,35 @@ _UNITS = {"": 1, "b": 1} | {
 _AMOUNT = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+]?[0-9]+)?)\s*([A-Za-z]*)\s*")
 
 
+# the most bytes any amount of memory may be, wherever it is written (a TrainingJob, the CLI, the hook's variables,
+# the agent's API): far above any GPU, and below int64 with room for sums, so no budget overflows a counter
+MAX_BYTES = 2**62
+
+
+def bytes_written(text: str) -> float | None:
+    """The number of bytes `text` writes (a number, with a unit or not), uncapped; None when it is no amount of memory."""
+    match = _AMOUNT.fullmatch(text)
+    if not match or match.group(2).lower() not in _UNITS:
+        return None
+    return float(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def over_max_bytes(number: float) -> str | None:
+    """Why `number` bytes is refused (more than MAX_BYTES), or None: the one cap on every amount of memory, which
+    each place that reads one raises with its field's name."""
+    if not number > MAX_BYTES:
+        return None
+    return f"{number:.4g} bytes is more than any GPU holds: amounts of memory go up to 2^62 bytes (4 EiB)"
+
+
 def parse_bytes(text: str, field: str | None = None) -> int:
     """An amount of memory: bytes, or a number with a unit (48GiB, 6Gi, 80GB, 600MiB, 2e9): GPU sizes, budgets.
     `field` names where it was written, for the error."""
-    match = _AMOUNT.fullmatch(text)
-    if not match or match.group(2).lower() not in _UNITS:
-        where = f"{field}: " if field else ""
+    number = bytes_written(text)
+    where = f"{field}: " if field else ""
+    if number is None:
         raise TensileUserError(f"{where}'{text}' is not an amount of memory: write bytes or a number with a unit, "
                                "e.g. 6Gi, 48GiB, 80GB or 16000000000")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if problem := over_max_bytes(number):
+        raise TensileUserError(f"{where}{problem}")
+    return int(number)

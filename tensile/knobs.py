@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from tensile.devices import parse_bytes
+from tensile.devices import bytes_written, over_max_bytes
 from tensile.errors import TensileUserError
 from tensile.plan import PLAN_EVENTS as PLAN_EVENT_CHOICES
 
@@ -119,11 +119,13 @@ def parse_budget(text: str, field: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        try:
-            value = float(parse_bytes(text))
-        except TensileUserError:
+        written = bytes_written(text)
+        if written is None:
             raise KnobError(field, f"'{text}' is not a number of bytes or a fraction of the vanilla peak; "
                                    f"{expected}") from None
+        value = written
+    if problem := over_max_bytes(value):
+        raise KnobError(field, problem)
     if not value > 0:
         raise KnobError(field, f"must be positive (was {text}); {expected}")
     if value > 1 and not value.is_integer():
@@ -152,12 +154,14 @@ def parse_memory(value: object, field: str) -> int:
     try:
         number = float(value)
     except ValueError:  # a number with a unit
-        try:
-            number = float(parse_bytes(str(value)))
-        except TensileUserError:
+        written = bytes_written(str(value))
+        if written is None:
             raise not_memory from None
+        number = written
     if not math.isfinite(number):
         raise not_memory
+    if problem := over_max_bytes(number):
+        raise KnobError(field, problem)
     if not number > 0:
         raise KnobError(field, f"must be positive (was {value}); {hint}")
     if number < 1:  # 0.6 is no budget of 0 bytes: the user meant a fraction, which only the CLI's --memory-budget takes

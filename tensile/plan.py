@@ -7,6 +7,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from tensile.devices import MAX_BYTES
+
 if TYPE_CHECKING:
     from tensile.workload import Workload
 
@@ -107,20 +109,63 @@ class Plan:
 
 def plan_problems(plan: Plan, workload: Workload) -> list[str]:
     """What in `plan` cannot belong to a plan for `workload` (events of unknown kinds, on tensors it does not
-    have, triggered by ops it does not have, or delayed by a negative or endless time): a plan file edited or
-    saved for another trace, refused before it runs rather than carried as far as it goes."""
-    problems = []
+    have, triggered by ops it does not have, or delayed by a negative or endless time; a budget or forecast that
+    is no amount of memory): a plan file edited or saved for another trace, or an agent's answer gone wrong,
+    refused before it runs rather than carried as far as it goes."""
+    problems = [f"{name} {value!r} is not a whole number" for name, value in (("version", plan.version),)
+                if not _whole(value, 0)]
+    if plan.memory_budget_bytes is not None and not _whole(plan.memory_budget_bytes, 1):
+        problems.append(f"memory_budget_bytes {plan.memory_budget_bytes!r} is not an amount of memory "
+                        f"(whole bytes from 1 to {MAX_BYTES})")
+    if plan.forecast is not None:
+        problems += [f"forecast {name} {value!r} is not an amount of memory" for name, value in
+                     (("vanilla_peak_bytes", plan.forecast.vanilla_peak_bytes),
+                      ("scheduled_peak_bytes", plan.forecast.scheduled_peak_bytes)) if not _whole(value, 0)]
+        problems += [f"forecast {name} {value!r} is not a time" for name, value in
+                     (("predicted_iteration_seconds", plan.forecast.predicted_iteration_seconds),
+                      ("predicted_extra_seconds", plan.forecast.predicted_extra_seconds)) if not _seconds(value)]
     for number, event in enumerate(plan.events):
         where = f"event {number} ({event.kind} of tensor {event.tensor})"
         if event.kind not in EVENT_KINDS:
             problems.append(f"{where}: kind '{event.kind}' is not one of {', '.join(EVENT_KINDS)}")
-        elif event.tensor not in workload.tensors:
-            problems.append(f"{where}: the workload has no tensor {event.tensor}")
-        elif not 0 <= event.trigger < len(workload.ops):
-            problems.append(f"{where}: trigger op {event.trigger} is not one of the workload's ops 0-{len(workload.ops) - 1}")
-        elif not (math.isfinite(event.delay) and event.delay >= 0):
-            problems.append(f"{where}: delay {event.delay} s is not a time after its trigger op")
+        elif not _whole(event.tensor, 0) or event.tensor not in workload.tensors:
+            problems.append(f"{where}: the workload has no tensor {event.tensor!r}")
+        elif not _whole(event.trigger, 0) or not event.trigger < len(workload.ops):
+            problems.append(f"{where}: trigger op {event.trigger!r} is not one of the workload's ops 0-{len(workload.ops) - 1}")
+        elif not _seconds(event.delay):
+            problems.append(f"{where}: delay {event.delay!r} s is not a time after its trigger op")
+        elif not _flag(event.next_iteration):
+            problems.append(f"{where}: next_iteration {event.next_iteration!r} is not true or false")
     return problems
+
+
+def _whole(value: object, least: int) -> bool:
+    """A whole number (no bool) from `least` to MAX_BYTES."""
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value <= MAX_BYTES
+
+
+def _flag(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+def _seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def plan_from_data(data: object) -> Plan:
+    """A plan as JSON gives it (a plan file, a node agent's answer), or a ValueError saying why it is none."""
+    try:
+        if not isinstance(data, dict):
+            raise TypeError(f"a JSON object was expected, not {type(data).__name__}")
+        return Plan.from_dict(data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{type(exc).__name__}: {exc}") from None
+
+
+def summary(problems: list[str]) -> str:
+    """The first three of a plan's problems, and how many more."""
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return f"{'; '.join(problems[:3])}{more}"
 
 
 def load_plan(path: str, workload: Workload, what: str) -> Plan:
@@ -128,14 +173,15 @@ def load_plan(path: str, workload: Workload, what: str) -> Plan:
     option or variable it was given by) and what is wrong with it."""
     try:
         with open(path) as handle:
-            plan = Plan.from_dict(json.load(handle))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{what} {path} is not a readable plan file ({type(exc).__name__}: {exc}); "
+            data = json.load(handle)
+        plan = plan_from_data(data)
+    except (OSError, ValueError) as exc:
+        why = str(exc) if type(exc) is ValueError else f"{type(exc).__name__}: {exc}"  # plan_from_data's says its type
+        raise ValueError(f"{what} {path} is not a readable plan file ({why}); "
                          "save one with tensile forecast --save-plan") from None
     problems = plan_problems(plan, workload)
     if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise ValueError(f"{what} {path} is no plan for the workload given with it: {'; '.join(problems[:3])}{more}; "
+        raise ValueError(f"{what} {path} is no plan for the workload given with it: {summary(problems)}; "
                          "save the plan with the workload it was made for (tensile forecast --save W.json --save-plan P.json)")
     return plan
 

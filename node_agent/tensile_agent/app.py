@@ -18,13 +18,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Path, Request, Response
+from fastapi import Depends, FastAPI, Header, Path, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import APIKeyHeader
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tensile.devices import MAX_BYTES
 from tensile.agent_contract import (
     GPU_PATTERN,
     MAX_OP_SAMPLES,
@@ -36,6 +37,7 @@ from tensile.agent_contract import (
     WARNING_HEADER,
     BodyTooLarge,
     ContractError,
+    JobRef,
     Knobs,
     Measurements,
     RegisterRequest,
@@ -51,7 +53,7 @@ from tensile_agent.service import AgentService, Problem
 from tensile_agent.state import Job
 
 log = logging.getLogger("tensile_agent")
-BIG = 2**62
+BIG = 2**62  # the most a count may be (amounts of memory: tensile.devices.MAX_BYTES)
 INLINE_SAMPLES = 256  # measurements with more op latency samples are folded in a worker thread
 MAX_WARNINGS = 20  # Warning headers on one answer (one per unknown field; the rest counted in one more)
 MAX_LOGGED_FIELDS = 256  # unknown field names the agent logs (once each) before it stops logging new ones
@@ -77,7 +79,7 @@ class RegisterIn(_Request):
     gpu: str | None = Field(None, pattern=GPU_PATTERN)
     workload: dict[str, Any] | None = Field(None, description="tensile.workload_io JSON (format tensile.workload, version 1)")
     signature: str | None = Field(None, pattern=SIGNATURE_PATTERN)
-    memory_budget_bytes: int | None = Field(None, ge=1, le=BIG)
+    memory_budget_bytes: int | None = Field(None, ge=1, le=MAX_BYTES)
     max_swap_rate: float | None = Field(None, gt=0, le=1)
     recompute: bool = True
     token: str | None = Field(None, pattern=TOKEN_PATTERN)
@@ -150,14 +152,14 @@ class MeasurementsIn(_Request):
     iterations: int = Field(1, ge=1, le=BIG)
     op_latencies: list[tuple[Annotated[int, Field(ge=0, le=BIG)], Annotated[float, Field(ge=0, le=MAX_SECONDS)]]] = Field(
         default_factory=list, max_length=MAX_OP_SAMPLES, description="sampled [op index, seconds] pairs")
-    peak_bytes: int | None = Field(None, ge=0, le=BIG)
-    planned_peak_bytes: int | None = Field(None, ge=0, le=BIG, description="highest peak measured under a plan")
+    peak_bytes: int | None = Field(None, ge=0, le=MAX_BYTES)
+    planned_peak_bytes: int | None = Field(None, ge=0, le=MAX_BYTES, description="highest peak measured under a plan")
     iteration_seconds: float | None = Field(None, ge=0, le=MAX_SECONDS)
     vanilla_iteration_seconds: float | None = Field(None, ge=0, le=MAX_SECONDS)
     stall_seconds: float = Field(0.0, ge=0, le=MAX_SECONDS)
-    swap_out_bytes: int = Field(0, ge=0, le=BIG)
-    swap_in_bytes: int = Field(0, ge=0, le=BIG)
-    recompute_bytes: int = Field(0, ge=0, le=BIG)
+    swap_out_bytes: int = Field(0, ge=0, le=MAX_BYTES)
+    swap_in_bytes: int = Field(0, ge=0, le=MAX_BYTES)
+    recompute_bytes: int = Field(0, ge=0, le=MAX_BYTES)
     signature_match: bool | None = None
 
 
@@ -167,9 +169,20 @@ class MeasurementsOut(_Model):
     replan: bool
 
 
+class AdmissionIn(_Request):
+    """The operator's admission of a job onto one of the agent's GPUs: the pod it runs in, and the job's token."""
+
+    job: str = Field(pattern=NAME_PATTERN, max_length=253)
+    namespace: str = Field(pattern=NAME_PATTERN, max_length=253)
+    gpu: str = Field(pattern=GPU_PATTERN)
+    pod: str = Field(pattern=NAME_PATTERN, max_length=253)
+    token: str = Field(pattern=TOKEN_PATTERN)
+    memory_budget_bytes: int | None = Field(None, ge=1, le=MAX_BYTES, description="the budget the job was admitted with")
+
+
 class KnobsIn(_Request):
     max_swap_rate: float | None = Field(None, gt=0, le=1)
-    memory_budget_bytes: int | None = Field(None, ge=1, le=BIG)
+    memory_budget_bytes: int | None = Field(None, ge=1, le=MAX_BYTES)
     recompute: bool | None = None
 
 
@@ -365,8 +378,8 @@ def create_app(agent: Any) -> FastAPI:
                         name[:100], what)
 
     def job_of(namespace: str = Path(pattern=NAME_PATTERN, max_length=253), job: str = Path(pattern=NAME_PATTERN, max_length=253),
-               token: str | None = Depends(token_header)) -> Job:
-        return service.job(namespace, job, token)
+               token: str | None = Depends(token_header), authorization: str | None = Header(None)) -> Job:
+        return service.job(namespace, job, token, authorization)
 
     @app.get("/healthz", tags=["agent"])
     async def healthz() -> dict:
@@ -404,16 +417,21 @@ def create_app(agent: Any) -> FastAPI:
         return {"jobs": [JobOut.model_validate(v) for v in views]}
 
     @app.post("/v1/jobs", tags=["jobs"], responses=ERRORS | {201: {"model": RegisterOut}}, response_model=RegisterOut)
-    def register(body: RegisterIn, response: Response) -> RegisterOut:
+    def register(body: RegisterIn, response: Response, authorization: str | None = Header(None)) -> RegisterOut:
         unknown: list[str] = []
         try:
             request = RegisterRequest.from_dict(body.model_dump(), unknown)
         except ContractError as exc:
             raise Problem(422, "bad_request", str(exc)) from None
         warn_unknown(response, "a registration", unknown)
-        result = service.register(request)
+        result = service.register(request, authorization)
         response.status_code = 201 if result.created else 200
         return RegisterOut.model_validate(result.to_dict())
+
+    @app.post("/v1/admissions", tags=["jobs"], responses=ERRORS)
+    def admit(body: AdmissionIn, authorization: str | None = Header(None)) -> dict:
+        return service.admit(authorization, JobRef(body.namespace, body.job), body.gpu, body.pod, body.token,
+                             body.memory_budget_bytes)
 
     @app.get("/v1/jobs/{namespace}/{job}", tags=["jobs"], responses=ERRORS)
     async def job_view(job: Job = Depends(job_of)) -> JobOut:
@@ -478,14 +496,15 @@ def create_app(agent: Any) -> FastAPI:
         return await asyncio.to_thread(fold)
 
     @app.patch("/v1/jobs/{namespace}/{job}/knobs", tags=["jobs"], responses=ERRORS)
-    async def knobs(body: KnobsIn, response: Response, job: Job = Depends(job_of)) -> JobOut:
+    async def knobs(body: KnobsIn, response: Response, job: Job = Depends(job_of),
+                    authorization: str | None = Header(None)) -> JobOut:
         unknown: list[str] = []
         try:
             parsed = Knobs.from_dict(body.model_dump(), unknown)
         except ContractError as exc:
             raise Problem(422, "bad_request", str(exc)) from None
         warn_unknown(response, "knobs", unknown)
-        return JobOut.model_validate(service.knobs(job, parsed))
+        return JobOut.model_validate(await asyncio.to_thread(service.knobs, job, parsed, authorization))
 
     @app.put("/v1/jobs/{namespace}/{job}/workload", tags=["jobs"], responses=ERRORS)
     def upload_workload(body: WorkloadIn, response: Response, job: Job = Depends(job_of)) -> RegisterOut:

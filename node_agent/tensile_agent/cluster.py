@@ -10,6 +10,7 @@ API calls it makes (the chart's ClusterRole for the agent):
   tensilenodes/status  patch              (merge patch of .status)
   trainingjobs/status  patch              (merge patch of .status.observed; 404 ignored: a job the
                                            operator did not place, e.g. `tensile run --agent`)
+  tokenreviews         create             (tensile_agent.auth: the credentials of the pods and the operator)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ RBAC = [
     (GROUP, "tensilenodes", ("get", "create")),
     (GROUP, "tensilenodes/status", ("patch",)),
     (GROUP, "trainingjobs/status", ("patch",)),
+    ("authentication.k8s.io", "tokenreviews", ("create",)),
 ]
 
 
@@ -148,9 +150,11 @@ class ClusterPublisher:
         for job, stamp, body in bodies:
             try:
                 api.patch_namespaced_custom_object_status(GROUP, VERSION, job.ref.namespace, "trainingjobs", job.ref.name, body)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - one job's refused patch is that job's: the others are still written
                 if getattr(exc, "status", None) != 404:
-                    raise
+                    self.errors += 1
+                    log.warning("publishing the observed figures of %s failed (tried again later): %s", job.key, exc)
+                    continue
             self._published[job.key] = stamp
         for key in set(self._published) - alive:
             del self._published[key]

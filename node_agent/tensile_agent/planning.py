@@ -199,7 +199,7 @@ class ProcessPlanner:
         for key, workload in keys.items():  # most recently used last; the child keeps the same set
             self._sent.pop(key, None)
             self._sent[key] = workload
-        while len(self._sent) > self.cache_size:
+        while len(self._sent) > max(self.cache_size, len(keys)):  # never one this round needs (they are the newest)
             del self._sent[next(iter(self._sent))]
         jobs = [(spec.name, f"{spec.workload.signature}:{id(spec.workload)}", [op.latency for op in spec.workload.ops],
                  spec.max_swap_rate, spec.recompute, spec.budget_bytes, spec.activations_only) for spec in specs]

@@ -9,13 +9,15 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tensile.agent_contract import DEFAULT_PORT
 from tensile.console import print_user_error
 from tensile.errors import TensileUserError
 
+from tensile_agent.auth import MODES, Authenticator, NoCredential, RegistrationLimits, SharedSecret, TokenReviewer
 from tensile_agent.cluster import ClusterPublisher, in_cluster
+from tensile_agent.connections import ConnectionLimits
 from tensile_agent.expiry import DEFAULT_SILENT_SECONDS, SilentJobExpiry
 from tensile.devices import parse_bytes
 from tensile_agent.gpus import DEFAULT_HEADROOM, Inventory
@@ -46,12 +48,20 @@ class AgentConfig:
     planning: str = "process"  # "process": plan in a child process (requests keep the GIL); "thread": in-process
     freeze_gc: bool = False  # gc.freeze() after each planning round (the agent process: `serve`)
     expire_silent: float = DEFAULT_SILENT_SECONDS  # seconds without a call before an external job is dropped; 0: never
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    # who may register (tensile_agent.auth): kubernetes (TokenReview), secret (`credential`), none; None: kubernetes in a
+    # cluster, else none, which is refused on any address but loopback
+    auth: str | None = None
+    credential: str | None = None
+    operator_accounts: tuple[str, ...] = ("system:serviceaccount:tensile-system:tensile-operator",)
+    registrations: RegistrationLimits = field(default_factory=RegistrationLimits)
 
 
 class Agent:
     """Everything one agent process holds; `start`/`stop` run with the app's lifespan."""
 
-    def __init__(self, config: AgentConfig, inventory: Inventory | None = None, cluster_api: object | None = None) -> None:
+    def __init__(self, config: AgentConfig, inventory: Inventory | None = None, cluster_api: object | None = None,
+                 authenticator: Authenticator | None = None) -> None:
         self.config = config
         self.inventory = inventory or Inventory.discover(config.simulate, config.node, config.headroom, config.context_bytes)
         self.state = AgentState(self.inventory, config.node)
@@ -59,7 +69,8 @@ class Agent:
             raise TensileUserError(f"--planning must be 'process' or 'thread' (was {config.planning!r})")
         planner = ProcessPlanner() if config.planning == "process" else plan_gpu
         self.planning = PlanningService(self.state, config.threshold, planner=planner, freeze_gc=config.freeze_gc)
-        self.service = AgentService(self.state, self.planning)
+        self.service = AgentService(self.state, self.planning, authenticator or authenticator_for(config),
+                                    config.registrations)
         self.expiry = SilentJobExpiry(self.service, config.expire_silent)
         self.registry = make_registry(self.state)
         self.publisher: ClusterPublisher | None = None
@@ -100,6 +111,28 @@ class Agent:
 
         return create_app(self)
 
+    def uvicorn_settings(self, log_level: str = "info") -> dict[str, Any]:
+        """uvicorn's keywords for the agent's server, with its connection limits (what `serve` runs, and the tests)."""
+        return {"host": self.config.host, "port": self.config.port, "log_level": log_level.lower(), "access_log": False,
+                "timeout_graceful_shutdown": 5, **self.config.limits.uvicorn_settings()}
+
+
+def authenticator_for(config: AgentConfig) -> Authenticator:
+    """Who may register with an agent of `config` (tensile_agent.auth)."""
+    mode = config.auth or ("kubernetes" if in_cluster(config.node) else "none")
+    if mode not in MODES:
+        raise TensileUserError(f"--auth must be one of {', '.join(MODES)} (was {mode!r})")
+    if mode == "kubernetes":
+        return TokenReviewer(set(config.operator_accounts))
+    if mode == "secret":
+        if not config.credential or len(config.credential) < 16:
+            raise TensileUserError("--auth secret needs --credential-file: a file holding at least 16 characters")
+        return SharedSecret(config.credential)
+    if config.auth is None and config.host not in ("127.0.0.1", "::1", "localhost"):
+        raise TensileUserError(f"an agent listening on {config.host} outside a cluster needs a credential: give --auth "
+                               "secret --credential-file FILE (or --auth none to take registrations from anyone)")
+    return NoCredential()
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=os.environ.get("TENSILE_AGENT_HOST", "127.0.0.1"),
@@ -122,6 +155,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expire-silent-jobs", type=float, default=DEFAULT_SILENT_SECONDS, metavar="SECONDS",
                         help="drop a job registered by its own hook (not placed by the operator) after this many seconds "
                              "without a call: its process died unregistered (default %(default)s; 0: never)")
+    parser.add_argument("--auth", choices=MODES, default=os.environ.get("TENSILE_AGENT_AUTH") or None,
+                        help="who may register jobs: kubernetes (service-account tokens, TokenReview; the default in a "
+                             "cluster), secret (--credential-file), none (the default on loopback outside a cluster)")
+    parser.add_argument("--credential-file", default=os.environ.get("TENSILE_AGENT_CREDENTIAL_FILE"),
+                        help="with --auth secret: the file holding the credential jobs present")
+    parser.add_argument("--operator-service-account", action="append", default=None, metavar="USER",
+                        help="the operator's user as TokenReview names it (repeatable; default "
+                             "system:serviceaccount:tensile-system:tensile-operator, or $TENSILE_OPERATOR_ACCOUNT)")
+    parser.add_argument("--max-jobs-per-gpu", type=int, default=RegistrationLimits.per_gpu)
+    parser.add_argument("--max-jobs-per-namespace", type=int, default=RegistrationLimits.per_namespace)
     parser.add_argument("--log-level", default=os.environ.get("TENSILE_LOG_LEVEL", "info"))
 
 
@@ -134,7 +177,20 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise TensileUserError(f"--port must be 0-65535 (was {args.port})")
     if not 0 <= args.expire_silent_jobs:
         raise TensileUserError(f"--expire-silent-jobs must be 0 (never) or a number of seconds (was {args.expire_silent_jobs})")
+    if args.max_jobs_per_gpu < 1 or args.max_jobs_per_namespace < 1:
+        raise TensileUserError("--max-jobs-per-gpu and --max-jobs-per-namespace must be at least 1")
+    credential = None
+    if args.credential_file:
+        try:
+            with open(args.credential_file) as handle:
+                credential = handle.read().strip()
+        except OSError as exc:
+            raise TensileUserError(f"--credential-file {args.credential_file}: {exc.strerror}") from None
+    accounts = args.operator_service_account or [a for a in [os.environ.get("TENSILE_OPERATOR_ACCOUNT")] if a]
     return AgentConfig(host=args.host, port=args.port, simulate=list(args.simulate_gpu), node=args.node_name,
+                       auth=args.auth, credential=credential,
+                       registrations=RegistrationLimits(args.max_jobs_per_gpu, args.max_jobs_per_namespace),
+                       operator_accounts=tuple(accounts) or AgentConfig.operator_accounts,
                        advertise=args.advertise_url, headroom=args.headroom,
                        context_bytes=parse_bytes(args.context_bytes, "--context-bytes") if args.context_bytes else None,
                        threshold=args.replan_threshold, planning=args.planning, expire_silent=args.expire_silent_jobs)
@@ -149,8 +205,7 @@ def serve(config: AgentConfig, log_level: str = "info") -> None:
     sys.setswitchinterval(SWITCH_INTERVAL)
     config.freeze_gc = True
     agent = Agent(config)
-    uvicorn.run(agent.app(), host=config.host, port=config.port, log_level=log_level.lower(),
-                access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.run(agent.app(), **agent.uvicorn_settings(log_level))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,8 +33,11 @@ from tensile.latency import LatencyEWMA
 from tensile.workload import Workload
 from tensile.workload_io import workload_from_dict, workload_to_dict
 
+from tensile_agent.auth import LOCAL, OPERATOR, POD, Admission, Authenticator, Caller, NoCredential, RegistrationLimits
+from tensile_agent.auth import registrations_over
 from tensile_agent.gpus import preset_for
 from tensile_agent.planning import PlanningService
+from tensile_agent.problems import Problem
 from tensile_agent.state import AgentState, Job
 
 log = logging.getLogger("tensile_agent.service")
@@ -44,14 +47,6 @@ warnings.filterwarnings("ignore", message="no calibrated latency model", module=
 
 
 MAX_TENSOR_BYTES = 2**50
-
-
-class Problem(Exception):
-    def __init__(self, status: int, code: str, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.code = code
-        self.detail = detail
 
 
 def parse_workload(data: dict, source: str) -> Workload:
@@ -90,22 +85,30 @@ def no_gpus_message(reason: str | None) -> str:
 
 
 class AgentService:
-    def __init__(self, state: AgentState, planning: PlanningService) -> None:
+    """`auth` proves who registers (tensile_agent.auth); `limits` caps the jobs per GPU and per namespace."""
+
+    def __init__(self, state: AgentState, planning: PlanningService, auth: Authenticator | None = None,
+                 limits: RegistrationLimits | None = None) -> None:
         self.state = state
         self.planning = planning
+        self.auth: Authenticator = auth or NoCredential()
+        self.limits = limits or RegistrationLimits()
+        self.admissions: dict[str, Admission] = {}  # job key -> the operator's admission (under the state lock)
 
     # ------------------------------------------------------------------ lookups
 
-    def job(self, namespace: str, name: str, token: str | None) -> Job:
+    def job(self, namespace: str, name: str, token: str | None, authorization: str | None = None) -> Job:
+        """The job a call names, for the holder of its token, or for the pod admitted for it (by the pod's own credential:
+        its hook fetches the forecast workload before it has registered and been given the token)."""
         key = f"{namespace}/{name}"
         with self.state.lock:
             job = self.state.jobs.get(key)
         if job is None:
             raise Problem(404, "unknown_job", f"unknown job {key}: register it first (POST /v1/jobs); "
                                               "an agent that restarted has forgotten its jobs until their hooks register again")
-        if token is None:
-            raise Problem(401, "missing_token", "this call needs the job's token in the X-Tensile-Token header")
-        if not job.check_token(token):
+        if not job.check_token(token) and not (authorization is not None and self._admitted_pod(job, authorization)):
+            if token is None:
+                raise Problem(401, "missing_token", "this call needs the job's token in the X-Tensile-Token header")
             raise Problem(403, "wrong_token", f"the token does not match job {key}'s")
         job.seen_at, job.silence_logged = time.monotonic(), False
         return job
@@ -148,13 +151,60 @@ class AgentService:
 
     # ------------------------------------------------------------------ calls
 
-    def register(self, request: RegisterRequest) -> RegisterResponse:
+    def admit(self, authorization: str | None, ref: JobRef, gpu_ref: str, pod: str, token: str,
+              budget: int | None = None) -> dict:
+        """The operator's word that `pod` runs job `ref` on GPU `gpu_ref` of this node with `token` and at most
+        `budget` bytes: that pod's registration of that job, and only its, is then accepted (given the job's token)."""
+        if self.auth.identify(authorization).kind not in (OPERATOR, LOCAL):
+            raise Problem(403, "not_the_operator", "only the operator admits jobs onto this agent's GPUs")
+        gpu = self._gpu(gpu_ref)
+        with self.state.lock:
+            self.admissions[ref.key] = Admission(pod, gpu, token, budget)
+        return {"admitted": True, "job": ref.name, "namespace": ref.namespace, "gpu": gpu, "pod": pod}
+
+    def _admitted_pod(self, job: Job, authorization: str) -> bool:
+        """Whether the caller proves to be the pod the operator admitted for `job`."""
+        try:
+            caller = self.auth.identify(authorization)
+        except Problem:
+            return False
+        if caller.kind != POD:
+            return False
+        with self.state.lock:
+            admission = self.admissions.get(job.key)
+        return admission is not None and caller.namespace == job.ref.namespace and admission.pod == caller.pod
+
+    def _admission(self, ref: JobRef, gpu: str, caller: Caller) -> Admission:
+        """A pod's registration: of the job the operator admitted with this pod's name, in its namespace, onto `gpu`."""
+        with self.state.lock:
+            admission = self.admissions.get(ref.key)
+        if admission is None or caller.namespace != ref.namespace or admission.pod != caller.pod:
+            raise Problem(403, "not_admitted", f"pod {caller.namespace}/{caller.pod} was not admitted for job {ref.key} "
+                                               "on this agent: a pod registers only the job the operator placed it for")
+        if admission.gpu != gpu:
+            raise Problem(403, "not_admitted", f"job {ref.key} was admitted onto GPU {admission.gpu}, not {gpu}")
+        return admission
+
+    @staticmethod
+    def _within_admission(request: RegisterRequest, admission: Admission) -> None:
+        """A pod's registration keeps to the budget its job was admitted with (its neighbours' room): none given is
+        that budget, more is refused."""
+        if admission.budget is None:
+            return
+        if request.memory_budget_bytes is not None and request.memory_budget_bytes > admission.budget:
+            raise Problem(403, "over_admitted_budget", f"memory_budget_bytes: {request.memory_budget_bytes} is more than "
+                                                       f"job {request.ref.key} was admitted with, {admission.budget}")
+        request.memory_budget_bytes = request.memory_budget_bytes or admission.budget
+
+    def register(self, request: RegisterRequest, authorization: str | None = None) -> RegisterResponse:
+        caller = self.auth.identify(authorization)  # before anything of the request is looked at
         try:
             request.validate()
         except ContractError as exc:
             raise Problem(422, "bad_request", str(exc)) from None
         ref = request.ref
         gpu = self._gpu(request.gpu)
+        admission = self._admission(ref, gpu, caller) if caller.kind == POD else None
         workload = parse_workload(request.workload, f"workload of {ref.key}") if request.workload is not None else None
         if workload is not None and request.signature is not None and workload.signature != request.signature:
             raise Problem(422, "bad_request", f"signature: {request.signature} does not match the workload's {workload.signature}")
@@ -163,8 +213,17 @@ class AgentService:
             workload = self.state.known_workload(signature)
         with self.state.lock:
             existing = self.state.jobs.get(ref.key)
+            if existing is None or existing.gpu != gpu:
+                on_gpu = self.state.on_gpu(gpu)
+                registrations_over(self.limits, len(on_gpu), sum(1 for j in on_gpu if j.ref.namespace == ref.namespace),
+                                   gpu, ref.namespace)
+        if admission is not None:  # the job's token is the operator's: its later calls and the pod's are the job's
+            request.token = admission.token
+            self._within_admission(request, admission)
         if existing is not None:
-            if request.token is None or not existing.check_token(request.token):
+            if caller.kind == OPERATOR:
+                pass  # the operator placed the job (again): its registration stands for the job's
+            elif request.token is None or not existing.check_token(request.token):
                 raise Problem(403, "wrong_token", f"a job named {ref.key} is registered already, under another token (a run "
                                                   "still going, or one stopped less than the agent's --expire-silent-jobs ago, "
                                                   "300 s by default: the agent forgets a job that registered by itself once it "
@@ -180,9 +239,10 @@ class AgentService:
             latency_source, ewma = self._prepare(workload, gpu)
             self.state.remember_workload(original)
         token = request.token or (existing.token if existing else secrets.token_urlsafe(24))
+        external = request.external if caller.kind == LOCAL else False  # a proved caller's job is the operator's
         job = Job(ref=ref, gpu=gpu, token=token, incarnation=self.state.next_incarnation(), workload=workload,
                   signature=signature, memory_budget_bytes=request.memory_budget_bytes, max_swap_rate=request.max_swap_rate,
-                  recompute=request.recompute, external=request.external, activations_only=request.activations_only,
+                  recompute=request.recompute, external=external, activations_only=request.activations_only,
                   latency_source=latency_source, ewma=ewma,
                   planned_sum=ewma.corrected_sum() if ewma else 0.0)
         if existing is not None:  # plan versions go on from the job's previous registration
@@ -216,9 +276,15 @@ class AgentService:
         self.planning.request(job.gpu, "workload")
         return self._response(job, created=False)
 
-    def knobs(self, job: Job, knobs: Knobs) -> dict:
+    def knobs(self, job: Job, knobs: Knobs, authorization: str | None = None) -> dict:
+        """The operator's knobs for the job (its TrainingJob's annotations): a job's own hook may not raise its budget."""
+        if self.auth.identify(authorization).kind not in (OPERATOR, LOCAL):
+            raise Problem(403, "not_the_operator", "a job's knobs are its TrainingJob's: only the operator changes them")
         changed = False
         with self.state.lock:
+            admission = self.admissions.get(job.key)
+            if admission is not None and knobs.memory_budget_bytes is not None:
+                admission.budget = knobs.memory_budget_bytes
             for name in ("max_swap_rate", "memory_budget_bytes", "recompute"):
                 value = getattr(knobs, name)
                 if value is not None and getattr(job, name) != value:
@@ -266,6 +332,7 @@ class AgentService:
         with self.state.lock:
             if self.state.jobs.get(job.key) is job:
                 del self.state.jobs[job.key]
+                self.admissions.pop(job.key, None)
         self.planning.request(job.gpu, "unregister")
         self.state.changed.set()
         return {"removed": True, "job": job.ref.name, "namespace": job.ref.namespace}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,10 +26,13 @@ FORWARDED, UNREGISTERED, NOT_FORWARDED = "forwarded", "unregistered", "not forwa
 
 
 class NodeAgentClient:
-    """The operator's calls to the node agents (one client for every agent: each call names the agent's URL)."""
+    """The operator's calls to the node agents (one client for every agent: each call names the agent's URL), each
+    with the operator's credential: its service-account token for the audience `tensile` (TENSILE_OPERATOR_TOKEN_FILE,
+    a projected token the chart mounts), which agents verify with TokenReview."""
 
-    def __init__(self) -> None:
+    def __init__(self, credential: agent_client.Credential | None = None) -> None:
         self.sent: list[tuple[str, str, dict]] = []  # (agent, job, knobs): what was forwarded
+        self.credential = credential or agent_client.credential_file(os.environ.get("TENSILE_OPERATOR_TOKEN_FILE"))
 
     async def _call(self, function: Callable[..., Any], *args: Any,
                     expected: Callable[[Exception], bool] = lambda exc: False) -> tuple[Any, Exception | None]:
@@ -47,7 +51,8 @@ class NodeAgentClient:
         self.sent.append((agent or "", job, dict(knobs)))
         if not agent:
             return NOT_FORWARDED
-        _, error = await self._call(agent_client.update_knobs, agent, job, token, knobs, expected=_unknown_job)
+        _, error = await self._call(agent_client.update_knobs, agent, job, token, knobs, self.credential,
+                                    expected=_unknown_job)
         if error is None:
             return FORWARDED
         return UNREGISTERED if _unknown_job(error) else NOT_FORWARDED
@@ -59,18 +64,26 @@ class NodeAgentClient:
         registration is the same one, not a change to re-plan for."""
         activations_only = native_plan_events(plan_events, forecast.workload.device)
         registered, _ = await self._call(agent_client.register, agent, job, token, gpu, forecast.workload, budget,
-                                         max_swap_rate, recompute, activations_only)
+                                         max_swap_rate, recompute, activations_only, self.credential)
         return registered is not None
+
+    async def admit(self, agent: str | None, job: str, token: str, gpu: str, pod: str, budget: int | None) -> bool:
+        """The job's pod `pod` may register it with the agent of its GPU (by its own credential; it gets `token`), with
+        at most `budget` bytes; True when the agent took the admission."""
+        if not agent:
+            return False
+        admitted, _ = await self._call(agent_client.admit, agent, job, token, gpu, pod, budget, self.credential)
+        return admitted is not None
 
     async def unregister(self, agent: str | None, job: str, token: str) -> None:
         if agent:
-            await self._call(agent_client.unregister, agent, job, token)
+            await self._call(agent_client.unregister, agent, job, token, self.credential)
 
     async def live_workload(self, agent: str | None, job: str, token: str) -> Workload | None:
         """The workload the job's hook traced live (for a job admitted by its budget), or None."""
         if not agent:
             return None
-        workload, _ = await self._call(agent_client.live_workload, agent, job, token)
+        workload, _ = await self._call(agent_client.live_workload, agent, job, token, self.credential)
         return workload
 
 

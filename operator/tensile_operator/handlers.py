@@ -13,7 +13,8 @@ from tensile_operator import GROUP, VERSION
 from tensile_operator.app import OperatorApp
 from tensile.knobs import ANNOTATION_PREFIX, KNOBS
 from tensile_operator.pods import JOB_LABEL
-from tensile_operator.validation import check, warnings as admission_warnings
+from tensile_operator.validation import check, leaves_the_job_alone, tensilenode_writer_problem
+from tensile_operator.validation import warnings as admission_warnings
 
 PEERING = "tensile"
 
@@ -92,13 +93,39 @@ def build_registry(app: OperatorApp, webhook: kopf.WebhookServer | None = None, 
 
     if webhook is not None:
         @kopf.on.validate(**tj, id="tensile-validate", operations=["CREATE", "UPDATE"])
-        async def _validate(spec: kopf.Spec, meta: kopf.Meta, warnings: list[str], **_: Any) -> None:
+        async def _validate(spec: kopf.Spec, meta: kopf.Meta, warnings: list[str], **cause: Any) -> None:
+            if cause.get("operation") == "UPDATE" and leaves_the_job_alone(cause.get("old"), cause.get("new")):
+                return
+            await _may_create_its_pod(cause.get("userinfo") or {}, meta.get("namespace") or "")
             warnings.extend(admission_warnings(dict(meta.annotations)))  # kubectl prints them; the job is not refused
             # the class may be created later: the job waits for it
             warnings.extend(app.scheduler.priorities.warnings(dict(spec)))
             problems = await check(dict(spec), dict(meta.annotations), app.capacity.gpus, app.forecaster)
             if problems:
                 raise kopf.AdmissionError("; ".join(str(p) for p in problems), code=422)
+
+    if webhook is not None:
+        agents = {a for a in os.environ.get("TENSILE_AGENT_ACCOUNTS", "").split(",") if a}
+
+        @kopf.on.validate(GROUP, VERSION, "tensilenodes", registry=registry, id="tensile-nodes",
+                          operations=["CREATE", "UPDATE"], subresource="*")
+        async def _node_writer(name: str, **cause: Any) -> None:
+            problem = tensilenode_writer_problem(cause.get("userinfo") or {}, name, agents)
+            if problem:
+                raise kopf.AdmissionError(problem, code=403)
+
+    async def _may_create_its_pod(user: dict, namespace: str) -> None:
+        """The operator creates the job's pod (with the service account its template names) with its own rights: only
+        who may create pods in the namespace may have it do so."""
+        try:
+            allowed = await app.kube.may_create_pods(user, namespace)
+        except Exception as exc:  # noqa: BLE001 - refused, not admitted unchecked
+            raise kopf.AdmissionError(f"cannot check that {user.get('username')} may create pods in namespace "
+                                      f"{namespace} ({exc}): try again", code=503) from None
+        if not allowed:
+            raise kopf.AdmissionError(f"{user.get('username')} may not create pods in namespace {namespace}: a "
+                                      "TrainingJob's pod is created for whoever creates or edits it, so they need that "
+                                      "right", code=403)
 
     @kopf.on.resume(**tj, id="readmit")
     @kopf.on.create(**tj, id="admit")

@@ -154,6 +154,15 @@ class Kube:
     async def get_job(self, namespace: str, name: str) -> dict:
         return await self.call("get", GROUP, VERSION, "trainingjobs", namespace=namespace, name=name)
 
+    async def may_create_pods(self, user: dict, namespace: str) -> bool:
+        """Whether `user` (an admission request's userInfo) may create pods in `namespace` (a SubjectAccessReview)."""
+        spec = {key: user[key] for key in ("uid", "groups", "extra") if user.get(key)}
+        review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+                  "spec": spec | {"user": user.get("username", ""),
+                                  "resourceAttributes": {"namespace": namespace, "verb": "create", "resource": "pods"}}}
+        answer = await self.call("create", "authorization.k8s.io", "v1", "subjectaccessreviews", body=review)
+        return bool((answer.get("status") or {}).get("allowed"))
+
     async def create_pod(self, namespace: str, pod: dict) -> dict:
         return await self.call("create", "", "v1", "pods", namespace=namespace, body=pod)
 

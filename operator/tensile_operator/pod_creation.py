@@ -113,10 +113,12 @@ class PodLauncher:
                 return
         gpu = self.capacity.gpu_of(booking)
         signature = booking.forecast.signature if booking.forecast else None
-        pod = build_pod(body, booking.node, booking.gpu, gpu.agent if gpu else None, self.tokens.issue(body),
+        pod = build_pod(body, booking.node, booking.gpu, gpu.agent if gpu else None,
                         pod_budget(booking), booking.max_swap_rate, signature, self.image, booking.plan_events,
                         booking.recompute, claim)
         namespace, name = meta["namespace"], pod["metadata"]["name"]
+        await self.agents.admit(gpu.agent if gpu else None, booking.job, self.tokens.issue(body), booking.gpu, name,
+                                pod_budget(booking))
 
         async def retrying(exc: Exception, delay: float) -> None:
             message = f"creating pod {name} failed ({exc}): tried again in {delay:g} s"

@@ -21,6 +21,12 @@ from tensile_operator import API_VERSION
 
 HOOK_VOLUME = "tensile-hook"
 HOOK_MOUNT = "/tensile"
+# the pod's credential for its node agent: a service-account token for the audience `tensile` (projected, renewed by the
+# kubelet, bound to the pod), never a value in the pod spec that whoever may read pods could copy
+TOKEN_VOLUME = "tensile-token"
+TOKEN_MOUNT = "/var/run/secrets/tensile"
+TOKEN_AUDIENCE = "tensile"
+TOKEN_SECONDS = 3600
 DEFAULT_IMAGE = "ghcr.io/tensile/tensile:0.1.0"
 JOB_LABEL = "tensile.dev/job"
 CLAIM = "tensile-gpu"  # the pod's name for its job's ResourceClaim (spec.resourceClaims, resources.claims)
@@ -102,7 +108,7 @@ class JobTokens:
         return self._tokens.pop(key, "")
 
 
-def hook_env(job: str, gpu_uuid: str, agent: str | None, token: str, budget: int | None,
+def hook_env(job: str, gpu_uuid: str, agent: str | None, budget: int | None,
              max_swap_rate: float | None, signature: str | None, existing_path: str | None, plan_events: str,
              recompute: bool, visible_devices: bool = True) -> list[dict]:
     """`visible_devices`: the GPU named by environment variables (legacy mode; with a claim, the driver does it)."""
@@ -110,7 +116,7 @@ def hook_env(job: str, gpu_uuid: str, agent: str | None, token: str, budget: int
         "TENSILE_JOB": job,
         "TENSILE_GPU": gpu_uuid,
         **({"NVIDIA_VISIBLE_DEVICES": gpu_uuid, "CUDA_VISIBLE_DEVICES": gpu_uuid} if visible_devices else {}),
-        "TENSILE_TOKEN": token,
+        "TENSILE_TOKEN_FILE": f"{TOKEN_MOUNT}/token",
         # the budget and rate it was admitted with, the events admission planned with (the hook's own plans and its
         # agent's keep to the same) and spec.scheduling.recompute (the hook registers with it, so the agent plans
         # without recomputes from the start)
@@ -124,7 +130,7 @@ def hook_env(job: str, gpu_uuid: str, agent: str | None, token: str, budget: int
     return [{"name": k, "value": v} for k, v in env.items()]
 
 
-def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, token: str, budget: int | None,
+def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, budget: int | None,
               max_swap_rate: float | None, signature: str | None, image: str = DEFAULT_IMAGE, plan_events: str = "auto",
               recompute: bool = True, claim: str | None = None) -> dict:
     """The pod manifest for the TrainingJob `body` placed on (node, gpu_uuid); with `claim`, its GPU is that
@@ -143,13 +149,16 @@ def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, token: st
         claims = [c for c in spec.get("resourceClaims") or [] if c.get("name") != CLAIM]
         spec["resourceClaims"] = claims + [{"name": CLAIM, "resourceClaimName": claim}]
     spec.setdefault("restartPolicy", "Never")
-    volumes = [v for v in spec.get("volumes") or [] if v.get("name") != HOOK_VOLUME]
-    spec["volumes"] = volumes + [{"name": HOOK_VOLUME, "emptyDir": {}}]
-    mount = {"name": HOOK_VOLUME, "mountPath": HOOK_MOUNT, "readOnly": True}
+    volumes = [v for v in spec.get("volumes") or [] if v.get("name") not in (HOOK_VOLUME, TOKEN_VOLUME)]
+    token = {"serviceAccountToken": {"audience": TOKEN_AUDIENCE, "expirationSeconds": TOKEN_SECONDS, "path": "token"}}
+    spec["volumes"] = volumes + [{"name": HOOK_VOLUME, "emptyDir": {}},
+                                 {"name": TOKEN_VOLUME, "projected": {"sources": [token]}}]
+    mounts = [{"name": HOOK_VOLUME, "mountPath": HOOK_MOUNT, "readOnly": True},
+              {"name": TOKEN_VOLUME, "mountPath": TOKEN_MOUNT, "readOnly": True}]
     job = f"{namespace}/{name}"
     for container in spec.get("containers") or []:
         existing = next((e.get("value") for e in container.get("env") or [] if e.get("name") == "PYTHONPATH"), None)
-        ours = hook_env(job, gpu_uuid, agent, token, budget, max_swap_rate, signature, existing, plan_events, recompute,
+        ours = hook_env(job, gpu_uuid, agent, budget, max_swap_rate, signature, existing, plan_events, recompute,
                         visible_devices=claim is None)
         if claim is not None:
             resources = container.setdefault("resources", {})
@@ -157,7 +166,8 @@ def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, token: st
             resources["claims"] = others + [{"name": CLAIM}]
         names = {e["name"] for e in ours}
         container["env"] = [e for e in container.get("env") or [] if e.get("name") not in names] + ours
-        container["volumeMounts"] = [m for m in container.get("volumeMounts") or [] if m.get("name") != HOOK_VOLUME] + [mount]
+        container["volumeMounts"] = [m for m in container.get("volumeMounts") or []
+                                     if m.get("name") not in (HOOK_VOLUME, TOKEN_VOLUME)] + mounts
     installer = {
         "name": "tensile-hook",
         "image": image,

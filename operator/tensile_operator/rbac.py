@@ -25,6 +25,8 @@ RULES: list[tuple[str, str, tuple[str, ...], str]] = [
     ("", "namespaces", ("list", "watch"), "Kopf discovers the namespaces it serves"),
     ("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"), "Kopf discovers the CRDs it serves"),
     ("kopf.dev", "clusterkopfpeerings", ("get", "list", "watch", "patch"), "one active operator (Kopf peering)"),
+    ("authorization.k8s.io", "subjectaccessreviews", ("create",),
+     "the webhook: whoever creates or edits a TrainingJob may create the pod the operator makes for it"),
 ]
 
 

@@ -12,8 +12,6 @@ from tensile_operator.placement import Booking, Candidate, Gpu, JointPlanner, Le
 from tensile_operator.pod_creation import pod_budget
 from tensile_operator.pods import DEFAULT_IMAGE, build_pod
 
-TOKEN_PLACEHOLDER = "issued-by-the-operator-at-admission"
-
 
 def job_forecast(spec: model.JobSpec, forecaster: Forecaster) -> JobForecast | None:
     """The forecast admission would use: the traced model's (None for a stored profile: admitted by its budget)."""
@@ -38,7 +36,7 @@ def admitted_objects(body: dict, forecast: JobForecast | None, gpu: Gpu, access:
     claim = claim_name(namespace, name, uid) if access.dra else ""
     booking = Booking(key, gpu.uuid, gpu.node, decision.peaks[key], forecast, spec.memory_budget, spec.max_swap_rate,
                       None, spec.plan_events, spec.recompute, decision.claim_bytes, claim)
-    pod = build_pod(body, gpu.node, gpu.uuid, gpu.agent, TOKEN_PLACEHOLDER, pod_budget(booking), spec.max_swap_rate,
+    pod = build_pod(body, gpu.node, gpu.uuid, gpu.agent, pod_budget(booking), spec.max_swap_rate,
                     forecast.signature if forecast else None, image, spec.plan_events, spec.recompute,
                     claim or None)
     if decision.claim_bytes is None:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 
 from tensile.errors import TensileUserError
-from tensile.knobs import MEMORY_BUDGET, unreachable_budget_text
+from tensile.knobs import ANNOTATION_PREFIX, MEMORY_BUDGET, unreachable_budget_text
 from tensile import trainingjob_spec as model
 from tensile_operator.forecasting import Forecaster, ForecastError, JobForecast
 from tensile_operator.placement import Gpu
@@ -62,6 +63,37 @@ def unreachable_budget(job: model.JobSpec, forecast: JobForecast | None) -> mode
     if forecast is None or job.memory_budget is None or job.memory_budget >= forecast.min_peak_bytes:
         return None
     return model.SpecProblem(job.budget_field, unreachable_budget_text(job.memory_budget, forecast.min_peak_bytes))
+
+
+def leaves_the_job_alone(old: Mapping | None, new: Mapping | None) -> bool:
+    """An UPDATE that keeps the spec and the tensile.dev/ annotations as they were (finalizers, status, labels, other
+    annotations): always allowed. Checked against the cluster as it is now, it could be refused (the job's node gone),
+    and a job whose finalizer could not be removed stayed Terminating."""
+    if old is None or new is None:
+        return False
+
+    def owned(body: Mapping) -> tuple[object, dict]:
+        annotations = (body.get("metadata") or {}).get("annotations") or {}
+        return body.get("spec"), {k: v for k, v in annotations.items() if k.startswith(ANNOTATION_PREFIX)}
+
+    return owned(old) == owned(new)
+
+
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"  # the node of the pod a service-account token is bound to
+
+
+def tensilenode_writer_problem(user: Mapping, node: str, agent_accounts: set[str]) -> str | None:
+    """Why `user` may not write TensileNode `node`, or None. A node agent's account writes only its own node's: its
+    token is bound to a pod of that node (the `node-name` the API server adds, Kubernetes 1.30 and later), so a stolen
+    agent credential cannot publish another node's GPUs. Anyone else is left to the cluster's RBAC."""
+    if user.get("username") not in agent_accounts:
+        return None
+    nodes = (user.get("extra") or {}).get(NODE_NAME_EXTRA) or []
+    if list(nodes) != [node]:
+        bound = ", ".join(nodes) or ("its token names no node: Kubernetes 1.30 or later binds service-account tokens "
+                                     "to their pod's node")
+        return f"{user.get('username')} may write only the TensileNode of its own node ({bound}), not {node}"
+    return None
 
 
 def warnings(annotations: dict | None) -> list[str]:

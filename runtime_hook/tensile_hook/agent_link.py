@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 from tensile.agent_client import AgentClient, AgentError
 from tensile.agent_contract import FAILED, MAX_OP_SAMPLES, ContractError, Measurements, PlanResponse
 from tensile.knobs import budget_bytes
-from tensile.plan import Plan, rebind
+from tensile.plan import Plan, plan_from_data, plan_problems, rebind, summary
 from tensile_hook.latency_samples import OpSamples
 from tensile_hook.plan_book import Planner
 from tensile_hook.report import HookReport, IterationStats
@@ -34,6 +34,9 @@ from tensile.workload import Workload
 
 log = logging.getLogger("tensile.hook")
 FIRST_PLAN_POLL_SECONDS = 0.02
+# refusals of a registration that can pass later (the operator's admission of the pod not there yet, its projected
+# token not written yet): the link backs off and tries again instead of giving the agent up
+CREDENTIAL_NOT_YET = ("not_admitted", "missing_credential", "bad_credential")
 
 
 @dataclass
@@ -79,6 +82,8 @@ class AgentLink:
         self._waiting = False  # the training thread waits for the first plan: poll fast
         self._fetch_forecast = False  # the first round asks the agent for the forecast workload (TENSILE_SIGNATURE)
         self._last_error: str | None = None
+        self._bad_plan: str | None = None  # why the agent's latest plan was refused (checked as a plan file is)
+        self._failing: str | None = None  # the link's last round failed (a malformed answer): it backs off and retries
         # the first plan response saying the GPU cannot fit its jobs (version, the agent's message), said once after
         # the executor took that plan (and with it the plan's budget); then None, and `_unfit_said`
         self._unfit: tuple[int, str] | None = None
@@ -159,7 +164,7 @@ class AgentLink:
         response = self._response
         failed = response is not None and response.status == FAILED
         unreachable = "it is unreachable" if not self._reachable else None  # its error is in the note before
-        why = (self._refused or unreachable or self.client.last_error
+        why = (self._refused or unreachable or self._failing or self._bad_plan or self.client.last_error
                or (response.message if response is not None and failed else None)
                or f"no plan within {self.settings.agent_wait:g} s")
         if self.fallback is None:
@@ -250,7 +255,8 @@ class AgentLink:
 
     def _given_up(self) -> bool:
         response = self._response
-        return (self._refused is not None or not self._reachable
+        return (self._refused is not None or not self._reachable or self._failing is not None
+                or (self._bad_plan is not None and not self._plan_ready(again=True))
                 or (response is not None and response.status == FAILED))
 
     def _take_plan(self, again: bool = False) -> Plan | None:
@@ -290,14 +296,37 @@ class AgentLink:
 
     # -- the background thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        failures = 0
         while not self._stop.is_set():
             try:
                 self._round()
             except Exception as exc:  # noqa: BLE001 - the link may fail, the training may not
-                self._refuse(f"the agent link failed ({type(exc).__name__}: {exc}); training goes on without the agent")
-                return
+                failures += 1
+                self._failed(exc, failures)
+            else:
+                if failures:
+                    failures = 0
+                    self._note("the agent link works again")
+                    with self._lock:
+                        self._failing = None
             with self._lock:
-                self._lock.wait(FIRST_PLAN_POLL_SECONDS if self._waiting else self.settings.agent_interval)
+                if failures:
+                    pause = min(self.settings.agent_interval * 2 ** failures, max(self.settings.agent_max_backoff,
+                                                                                  self.settings.agent_interval))
+                else:
+                    pause = FIRST_PLAN_POLL_SECONDS if self._waiting else self.settings.agent_interval
+                self._lock.wait(pause)
+
+    def _failed(self, exc: Exception, failures: int) -> None:
+        """A round that failed (an answer that breaks the contract, an agent gone wrong): said once, then the link backs
+        off and tries again. It ended the link for good, so one malformed answer cost the job the agent for its run."""
+        message = f"the agent link failed ({type(exc).__name__}: {exc})"
+        with self._lock:
+            self._failing = message
+            if failures == 1:
+                self._notes.append(f"{message}; trying again, backing off up to {self.settings.agent_max_backoff:g} s; "
+                                   "training goes on with the plan it has")
+            self._lock.notify_all()
 
     def _round(self) -> None:
         if self._fetch_forecast:
@@ -311,23 +340,56 @@ class AgentLink:
         if todo is not None:
             try:
                 self._send(todo)
-            except (AgentError, ContractError) as exc:
-                self._refuse(f"node agent refused the job ({exc}); training goes on without it" + {
-                    "wrong_token": "; give this run another --job NAME (TENSILE_JOB)",
-                    "unknown_gpu": "; name one of its GPUs with --gpu UUID|INDEX (TENSILE_GPU)",
-                }.get(getattr(exc, "code", None) or "", ""))
-                return
+            except Exception as exc:  # noqa: BLE001 - sorted below; the rest goes to the backoff in `_run`
+                if isinstance(exc, (AgentError, ContractError)) and getattr(exc, "code", None) not in CREDENTIAL_NOT_YET:
+                    self._refuse_job(exc)
+                    return
+                with self._lock:  # not sent, or not yet accepted: tried again at the next round
+                    self._todo = self._todo or todo
+                raise
         self._flush()
         response = self.client.fetch_plan() if self.client.registration is not None else None
         self._observe()
         with self._lock:
-            if response is not None and response.plan is not None and response.plan.get("signature") == self._signature:
-                self._response = response
-                if not self._unfit_said:  # the latest word counts: a neighbour may have left since
-                    self._unfit = (response.version, response.message) if response.fits is False else None
+            plan = response.plan if response is not None else None
+            if response is not None and isinstance(plan, dict) and plan.get("signature") == self._signature:
+                self._take_response(response)
             elif response is not None and response.status == FAILED:
                 self._response = response
             self._lock.notify_all()
+
+    def _take_response(self, response: PlanResponse) -> None:
+        """The agent's plan for this workload, kept when it passes the checks a plan file passes (under the lock). One
+        that does not is refused, said once: the job keeps its last good plan (or plans locally, or runs guarded).
+        Unchecked, an unknown event kind or a budget of "lots" made the hook stand down for the rest of the run."""
+        refusal = self._plan_refusal(response)
+        if refusal is None:
+            self._response, self._bad_plan = response, None
+            if not self._unfit_said:  # the latest word counts: a neighbour may have left since
+                self._unfit = (response.version, response.message) if response.fits is False else None
+            return
+        message = f"the node agent's plan version {response.version!r} is refused: {refusal}"
+        if message != self._bad_plan:
+            self._bad_plan = message
+            self._notes.append(f"{message}; the job keeps the plan it has (or plans locally, or runs guarded) until a "
+                               "good one comes")
+
+    def _plan_refusal(self, response: PlanResponse) -> str | None:
+        """Why the agent's plan cannot run for the workload it was asked for, checked as a plan file is; None when it can."""
+        if not isinstance(response.version, int) or isinstance(response.version, bool) or response.version < 0:
+            return f"its version {response.version!r} is not a whole number"
+        try:
+            plan = plan_from_data(response.plan)
+        except ValueError as exc:
+            return f"it is no plan ({exc})"
+        problems = plan_problems(plan, self._planned_on) if self._planned_on is not None else []
+        return summary(problems) if problems else None
+
+    def _refuse_job(self, exc: Exception) -> None:
+        self._refuse(f"node agent refused the job ({exc}); training goes on without it" + {
+            "wrong_token": "; give this run another --job NAME (TENSILE_JOB)",
+            "unknown_gpu": "; name one of its GPUs with --gpu UUID|INDEX (TENSILE_GPU)",
+        }.get(getattr(exc, "code", None) or "", ""))
 
     def _take_forecast(self) -> None:
         """The workload the operator registered the job with, as if TENSILE_WORKLOAD had named it; unless the

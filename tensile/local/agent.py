@@ -1,12 +1,16 @@
 """The node agent served in-process for the local runner: a real uvicorn server in a thread.
 
 Without a GPU (NVML finds none) it simulates one, with no per-job CUDA context: the jobs run on the
-CPU device, so the memory they use is the tensors' alone.
+CPU device, so the memory they use is the tensors' alone. It takes registrations only with the credential it made
+(`credential_path`, a file only this user reads): the runner hands it to its jobs (TENSILE_TOKEN_FILE).
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import socket
+import tempfile
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -33,11 +37,14 @@ class LocalAgent:
         if simulate:
             inventory = Inventory.discover(simulate, context_bytes=context)
         self.port = port or _free_port(host)
-        self.agent = Agent(AgentConfig(host=host, port=self.port, simulate=simulate, context_bytes=context, planning="thread"),
-                           inventory=inventory)
+        credential = secrets.token_urlsafe(32)
+        handle, self.credential_path = tempfile.mkstemp(prefix="tensile-agent-", suffix=".credential")  # mode 0600
+        with os.fdopen(handle, "w") as file:
+            file.write(credential)
+        self.agent = Agent(AgentConfig(host=host, port=self.port, simulate=simulate, context_bytes=context, planning="thread",
+                                       auth="secret", credential=credential), inventory=inventory)
         self.agent.state.queued_jobs = 0  # exported as tensile_queued_jobs (node_agent/tensile_agent/metrics.py)
-        self.server = uvicorn.Server(uvicorn.Config(self.agent.app(), host=host, port=self.port, log_level="warning",
-                                                    access_log=False))
+        self.server = uvicorn.Server(uvicorn.Config(self.agent.app(), **self.agent.uvicorn_settings("warning")))
         self.thread = threading.Thread(target=self.server.run, name="tensile-local-agent", daemon=True)
         self.url = f"http://{host}:{self.port}"
 
@@ -63,6 +70,10 @@ class LocalAgent:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+        try:
+            os.unlink(self.credential_path)
+        except OSError:
+            pass
 
 
 def _free_port(host: str) -> int:

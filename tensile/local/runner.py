@@ -100,16 +100,17 @@ def unreachable_budget(run: JobRun) -> str | None:
     return f"BudgetUnreachable: {spec.budget_field} {text}"
 
 
-def job_environment(run: JobRun, agent_url: str) -> dict[str, str]:
+def job_environment(run: JobRun, agent_url: str, credential_path: str) -> dict[str, str]:
     """The environment the job runs in: this process's, with the hook switched on and told what `tensile run` would
-    be (the local agent, the budget the job was admitted with, its knobs, where to write its report)."""
+    be (the local agent and the file of its credential, the budget the job was admitted with, its knobs, where to
+    write its report)."""
     from tensile_hook.launch import hook_environment, hook_variables
 
     spec = run.job.spec
     variables = hook_variables(memory_budget=str(run.demand) if run.demand else None, agent=agent_url,
                                workload=str(run.workload_path) if run.workload_path else None, report=str(run.report),
                                max_swap_rate=spec.max_swap_rate, plan_events=spec.plan_events, recompute=spec.recompute)
-    return hook_environment(run.name, variables)
+    return hook_environment(run.name, variables) | {"TENSILE_TOKEN_FILE": credential_path}
 
 
 class FirstComeFirstServed:
@@ -196,7 +197,7 @@ class LocalRunner:
     def _start(self, run: JobRun) -> None:
         run.report = self.reports / f"{run.name}.report.json"
         run.log = self.reports / f"{run.name}.log"
-        env = job_environment(run, self.agent.url)
+        env = job_environment(run, self.agent.url, self.agent.credential_path)
         with open(run.log, "wb") as log:
             try:
                 run.process = subprocess.Popen(run.job.command, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -322,9 +322,9 @@ def test_a_registration_the_client_retried_after_its_timeout_is_the_same_registr
     answer = service.register
     calls: list[float] = []
 
-    def slow_at_first(request):  # type: ignore[no-untyped-def]
+    def slow_at_first(request, authorization=None):  # type: ignore[no-untyped-def]
         calls.append(time.monotonic())
-        done = answer(request)
+        done = answer(request, authorization)
         if len(calls) == 1:
             time.sleep(0.6)  # past the client's 0.3 s: the first answer is lost, the job registered all the same
         return done

@@ -118,7 +118,7 @@ def test_a_cluster_api_that_fails_never_stops_the_agent(monkeypatch, tiny_worklo
     are counted and retried; the agent keeps serving its hooks."""
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
     monkeypatch.delenv("KUBERNETES_SERVICE_PORT", raising=False)
-    with ThreadedAgent(["a6000:8GiB"], node="node-a") as agent:
+    with ThreadedAgent(["a6000:8GiB"], node="node-a", auth="none") as agent:  # its credentials: tests/agent/test_attacks.py
         publisher = agent.agent.publisher
         assert publisher is not None
         client = AgentClient(agent.url, "default/x", max_backoff=0.2)
@@ -133,3 +133,52 @@ def test_a_cluster_api_that_fails_never_stops_the_agent(monkeypatch, tiny_worklo
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-x", "-q"]))
+
+
+class _OneJobRefused:
+    """The emulator's client, except that every status patch of TrainingJob `refused` fails (as a webhook or a quota
+    would refuse it)."""
+
+    def __init__(self, api, refused: str) -> None:  # type: ignore[no-untyped-def]
+        self._api, self._refused = api, refused
+        self.refusals = 0
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._api, name)
+
+    def patch_namespaced_custom_object_status(self, group, version, namespace, plural, name, body):  # type: ignore[no-untyped-def]
+        from kubernetes.client.exceptions import ApiException
+
+        if name == self._refused:
+            self.refusals += 1
+            raise ApiException(status=500, reason="refused")
+        return self._api.patch_namespaced_custom_object_status(group, version, namespace, plural, name, body)
+
+
+@pytest.mark.slow
+def test_one_jobs_failing_status_patch_does_not_stop_the_others(tmp_path, tiny_workload):
+    """A status patch that failed for one job stopped the whole write: no later job of the node was published (nor,
+    while it kept failing, ever again). Each job's patch now fails on its own and is tried again later."""
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            for name in ("first", "second"):
+                await c.apply(trainingjob(name, None, profile="p", memoryBudget="64Mi"))
+            api = _OneJobRefused(c.custom_objects_api(), "first")
+            agent = ThreadedAgent(["a6000:8GiB"], cluster_api=api, node="node-a")
+            await asyncio.to_thread(agent.__enter__)
+            try:
+                for name in ("first", "second"):  # in this order: the refused job's patch comes first
+                    client = AgentClient(agent.url, f"default/{name}", max_backoff=0.2)
+                    assert await asyncio.to_thread(client.register, workload=tiny_workload()) is not None
+                    plan = await asyncio.to_thread(client.wait_for_plan, 30)
+                    await asyncio.to_thread(client.post_measurements, Measurements(
+                        plan_version=plan.version, iterations=3, peak_bytes=4_000_000, iteration_seconds=0.1,
+                        stall_seconds=0.0, signature_match=True))
+                await c.wait(lambda: (c.job("second").get("status") or {}).get("observed"), 30, "the second job's figures")
+                await c.wait(lambda: api.refusals >= 2, 30, "the refused patch tried again")
+                assert "observed" not in (c.job("first").get("status") or {})
+                assert agent.agent.publisher.errors >= 1
+            finally:
+                agent.__exit__(None, None, None)
+
+    asyncio.run(scenario())

@@ -266,8 +266,13 @@ def test_agent_daemonset(chart: Chart, name: str, monkeypatch: pytest.MonkeyPatc
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     config = config_from_args(parser.parse_args(c["args"][1:]))
-    assert (config.host, config.port, config.simulate) == ("0.0.0.0", values["port"], values["simulateGpus"])
-    assert config.headroom == values["headroom"]
+    # the node's address (the pod's, on the host network), which Kubernetes puts in place of $(POD_IP): no other interface
+    assert (config.host, config.port, config.simulate) == ("$(POD_IP)", values["port"], values["simulateGpus"])
+    assert config.headroom == values["headroom"] and config.auth == "kubernetes"
+    assert config.operator_accounts == (f"system:serviceaccount:{NAMESPACE}:"
+                                        f"{one(case(chart, name), 'Deployment', 'operator')['spec']['template']['spec']['serviceAccountName']}",)
+    assert (config.registrations.per_gpu, config.registrations.per_namespace) == (values["maxJobsPerGpu"],
+                                                                                  values["maxJobsPerNamespace"])
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
@@ -356,7 +361,7 @@ def tls_handshake(ca_pem: str, cert_pem: str, key_pem: str, hostname: str, tmp_p
 
 def webhook_parts(objs: list[dict]) -> tuple[dict, dict, dict]:
     config = one(objs, "ValidatingWebhookConfiguration")
-    (hook,) = config["webhooks"]
+    hook, _ = config["webhooks"]  # the TrainingJobs', then the TensileNodes' (test_an_agent_writes_only_its_own_node)
     service = next(s for s in find(objs, "Service") if s["metadata"]["name"] == hook["clientConfig"]["service"]["name"])
     return config, hook, service
 
@@ -516,3 +521,48 @@ def test_notes_tell_the_next_step(chart: Chart) -> None:
     assert "folder" not in notes  # it promised a folder "Tensile" that no default value sets
     foldered = render(chart, {"dashboards": {"annotations": {"grafana_folder": "Training"}}})["tensile/templates/NOTES.txt"]
     assert '(folder "Training", where your sidecar folders by annotation)' in foldered
+
+
+# ---- who reaches the agent, and with what --------------------------------------------------------
+
+
+def test_only_training_pods_and_the_operator_reach_the_agent(chart: Chart) -> None:
+    from tensile_agent.auth import AUDIENCE
+    from tensile_operator.pods import JOB_LABEL
+
+    objs = case(chart, "defaults")
+    (policy,) = find(objs, "NetworkPolicy")
+    daemonset, operator = one(objs, "DaemonSet", "agent"), one(objs, "Deployment", "operator")
+    assert policy["spec"]["podSelector"]["matchLabels"] == daemonset["spec"]["selector"]["matchLabels"]
+    (rule,) = policy["spec"]["ingress"]
+    jobs, the_operator = rule["from"]
+    assert jobs == {"namespaceSelector": {}, "podSelector": {"matchExpressions": [{"key": JOB_LABEL, "operator": "Exists"}]}}
+    assert the_operator == {"podSelector": {"matchLabels": operator["spec"]["selector"]["matchLabels"]}}
+    # the operator presents its service account's token for the agents' audience, from a projected volume
+    pod = operator["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if "projected" in v]
+    (source,) = volume["projected"]["sources"]
+    assert source["serviceAccountToken"]["audience"] == AUDIENCE
+    (mount,) = [m for m in container(operator)["volumeMounts"] if m["name"] == volume["name"]]
+    path = env_of(container(operator))["TENSILE_OPERATOR_TOKEN_FILE"]["value"]
+    assert path == f"{mount['mountPath']}/{source['serviceAccountToken']['path']}"
+
+
+def test_the_tensilenodes_webhook_guards_the_agents_writes(chart: Chart) -> None:
+    """Every write of a TensileNode or its status goes to the handler that lets an agent write only its own node's; the
+    operator knows the agents' user."""
+    import kopf
+
+    from tensile_operator.app import OperatorApp
+    from tensile_operator.handlers import build_registry
+
+    objs = case(chart, "defaults")
+    _, nodes = one(objs, "ValidatingWebhookConfiguration")["webhooks"]
+    registry = build_registry(OperatorApp(), kopf.WebhookServer(port=1))
+    assert nodes["clientConfig"]["service"]["path"] in {"/" + h.id for h in registry._webhooks.get_all_handlers()}
+    (rule,) = nodes["rules"]
+    assert (rule["resources"], rule["operations"], rule["scope"]) == (["tensilenodes", "tensilenodes/status"],
+                                                                      ["CREATE", "UPDATE"], "Cluster")
+    agent = one(objs, "DaemonSet", "agent")["spec"]["template"]["spec"]["serviceAccountName"]
+    accounts = env_of(container(one(objs, "Deployment", "operator")))["TENSILE_AGENT_ACCOUNTS"]["value"]
+    assert accounts == f"system:serviceaccount:{NAMESPACE}:{agent}"

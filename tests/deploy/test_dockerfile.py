@@ -149,7 +149,7 @@ def test_the_operators_init_container_command_exists() -> None:
     from tensile_operator.pods import build_pod
 
     body = {"metadata": {"namespace": "ns", "name": "j"}, "spec": {"template": {"spec": {"containers": [{"name": "t"}]}}}}
-    (installer,) = [c for c in build_pod(body, "n", "GPU-1", None, "t", None, None, None)["spec"]["initContainers"]]
+    (installer,) = [c for c in build_pod(body, "n", "GPU-1", None, None, None, None)["spec"]["initContainers"]]
     python, flag, module, _dest = installer["command"]
     assert (python, flag) == ("python", "-m")
     assert importlib.util.find_spec(module) is not None, module

@@ -149,7 +149,7 @@ def test_the_view_shows_the_peak_under_plan_beside_the_peak_of_every_iteration(t
     run at the vanilla peak, so `observed` alone read against `sched.` looks like a forecast miss."""
     from rich.console import Console
 
-    from tensile.agent_client import AgentClient
+    from tensile.agent_client import AgentClient, credential_file
     from tensile.agent_contract import Measurements
     from tensile_hook.report import HookReport, IterationStats, ReportWriter
 
@@ -157,7 +157,8 @@ def test_the_view_shows_the_peak_under_plan_beside_the_peak_of_every_iteration(t
     runner = LocalRunner([load_job(_write(tmp_path, "live")), load_job(_write(tmp_path, "done"))], agent, tmp_path, "cpu", "cpu")
     live, done = runner.runs
     try:
-        client = AgentClient(agent.url, "default/live", max_backoff=0.2)
+        # a job of the runner's, with the credential it hands its jobs
+        client = AgentClient(agent.url, "default/live", max_backoff=0.2, credential=credential_file(agent.credential_path))
         assert client.register(workload=tiny_workload()) is not None
         for mode, peak in (("recording", 9 * 2**20), ("planned", 6 * 2**20)):
             assert client.post_measurements(Measurements.from_iterations([{"mode": mode, "peak_bytes": peak}])).accepted
@@ -244,15 +245,15 @@ def test_a_jobs_plan_events_and_recompute_reach_its_forecast_and_its_hook(tmp_pa
         "  template:", "  scheduling:\n    planEvents: native\n  template:"))
     job = load_job(path)
     assert job.spec.plan_events == "native"
-    assert job_environment(JobRun(job), "http://127.0.0.1:1")["TENSILE_PLAN_EVENTS"] == "native"
+    assert job_environment(JobRun(job), "http://127.0.0.1:1", "/dev/null")["TENSILE_PLAN_EVENTS"] == "native"
     annotated = path.read_text().replace("metadata:\n", "metadata:\n  annotations:\n    tensile.dev/plan-events: all\n")
     path.write_text(annotated)
     assert load_job(path).spec.plan_events == "all"
     plain = load_job(_write(tmp_path, "plain"))
     assert plain.spec.plan_events == "auto" and plain.spec.recompute
-    assert "TENSILE_RECOMPUTE" not in job_environment(JobRun(plain), "http://127.0.0.1:1")
+    assert "TENSILE_RECOMPUTE" not in job_environment(JobRun(plain), "http://127.0.0.1:1", "/dev/null")
     path.write_text(annotated.replace("metadata:\n  annotations:\n", "metadata:\n  annotations:\n    tensile.dev/recompute: \"off\"\n"))
-    assert job_environment(JobRun(load_job(path)), "http://127.0.0.1:1")["TENSILE_RECOMPUTE"] == "false"
+    assert job_environment(JobRun(load_job(path)), "http://127.0.0.1:1", "/dev/null")["TENSILE_RECOMPUTE"] == "false"
 
 
 def test_a_jobs_annotations_override_its_budget_and_swap_rate_as_in_the_cluster(tmp_path):

@@ -25,7 +25,8 @@ MIB = 2**20
 async def agent_and_operator(tmp_path, forecaster: Forecaster):  # type: ignore[no-untyped-def]
     """The emulated cluster, a real agent publishing node-a's TensileNode there, and the operator once it has."""
     async with cluster(tmp_path) as c:
-        agent = ThreadedAgent(["a6000:8GiB"], cluster_api=c.custom_objects_api(), node="node-a")
+        agent = ThreadedAgent(["a6000:8GiB"], cluster_api=c.custom_objects_api(), node="node-a",
+                              authenticator=c.agent_authenticator())
         await asyncio.to_thread(agent.__enter__)
         op = None
         try:
@@ -47,7 +48,7 @@ def test_knobs_reach_the_agent_and_release_unregisters(tmp_path, tiny_workload):
         """Register the job as its hook would, from what the operator put in the pod."""
         pod = pod_name("default", name, c.job(name)["metadata"]["uid"])
         await c.wait(lambda: c.emu.get("v1/pods", "default", pod), 30, f"{name}'s pod")
-        env = pod_env(c.emu.get("v1/pods", "default", pod))
+        env = pod_env(c.emu.get("v1/pods", "default", pod)) | {"TENSILE_TOKEN_FILE": c.pod_token_file(c.emu.get("v1/pods", "default", pod))}
         hook = AgentClient.from_env(env, max_backoff=0.2)
         registered = await asyncio.to_thread(hook.register, workload=workload,
                                              memory_budget_bytes=int(env["TENSILE_MEMORY_BUDGET"]),
@@ -73,8 +74,10 @@ def test_knobs_reach_the_agent_and_release_unregisters(tmp_path, tiny_workload):
             assert after["memory_budget_bytes"] == 6 * MIB and after["max_swap_rate"] == 0.5
             plan, changed = await asyncio.to_thread(hook.poll)
             assert changed and hook.plan_version == after["plan_version"]
-            conditions = {x["type"]: x for x in c.job("first")["status"]["conditions"]}
-            assert conditions["KnobsApplied"]["status"] == "True", conditions["KnobsApplied"]
+            def knobs_applied() -> dict:  # written once the agent answered: a moment after it re-planned
+                return {x["type"]: x for x in c.job("first")["status"]["conditions"]}.get("KnobsApplied", {})
+
+            await c.wait(lambda: knobs_applied().get("status") == "True", 30, "KnobsApplied")
 
             # 3. completion: the live workload becomes the profile, and the job leaves the agent
             pod = c.pods()[0]
@@ -95,6 +98,7 @@ def test_knobs_reach_the_agent_and_release_unregisters(tmp_path, tiny_workload):
             pod = pod_name("default", "second", c.job("second")["metadata"]["uid"])
             await c.wait(lambda: c.emu.get("v1/pods", "default", pod), 30, "second's pod")
             env = pod_env(c.emu.get("v1/pods", "default", pod))
+            env["TENSILE_TOKEN_FILE"] = c.pod_token_file(c.emu.get("v1/pods", "default", pod))  # the kubelet's projection
             fetched = await asyncio.to_thread(AgentClient.from_env(env).workload)
             assert env["TENSILE_SIGNATURE"] == fetched.signature == workload.signature
             await hook_for(c, "second")
@@ -126,7 +130,8 @@ def test_knobs_changed_before_the_hook_registers_reach_the_agent_once_it_has(tmp
                 return {x["type"]: x for x in (c.job("early").get("status") or {}).get("conditions", [])}.get("KnobsApplied", {})
 
             await c.wait(lambda: knobs_applied().get("reason") == "WaitingForHook", 30, "the knobs waiting for the hook")
-            hook = AgentClient.from_env(pod_env(c.pods()[0]), max_backoff=0.2)  # the hook registers, from its pod's env
+            env = pod_env(c.pods()[0]) | {"TENSILE_TOKEN_FILE": c.pod_token_file(c.pods()[0])}
+            hook = AgentClient.from_env(env, max_backoff=0.2)  # the hook registers, from its pod's env
             assert await asyncio.to_thread(hook.register, workload=workload) is not None
             await c.wait(lambda: agent_jobs(agent.url)["default/early"]["max_swap_rate"] == 0.25, 30, "the knobs sent again")
             await c.wait(lambda: knobs_applied().get("reason") == "Forwarded", 30, "the condition updated")

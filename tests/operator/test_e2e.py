@@ -35,7 +35,8 @@ def test_two_agents_two_jobs_train_under_their_agents_plans(tmp_path):
 
     async def scenario() -> dict[str, dict]:
         async with cluster(tmp_path) as c:
-            agents = {node: ThreadedAgent(["a6000:4GiB"], cluster_api=c.custom_objects_api(), node=node) for node in NODES}
+            agents = {node: ThreadedAgent(["a6000:4GiB"], cluster_api=c.custom_objects_api(), node=node,
+                                          authenticator=c.agent_authenticator()) for node in NODES}
             for agent in agents.values():
                 await asyncio.to_thread(agent.__enter__)
             kubelet = asyncio.create_task(process_kubelet(c, tmp_path / "volumes", ROOT, logs))

@@ -200,7 +200,7 @@ def test_the_hook_init_container_passes_pod_security_restricted():
     body = trainingjob("x", None, profile="p", memoryBudget="1Gi")
     body["metadata"] |= {"namespace": "default", "uid": "u-x"}
     body["spec"]["template"]["spec"]["initContainers"] = [{"name": "tensile-hook", "image": "mine"}, {"name": "setup", "image": "s"}]
-    pod = build_pod(body, "node-a", "GPU-a0", None, "t", GIB, None, None)
+    pod = build_pod(body, "node-a", "GPU-a0", None, GIB, None, None)
     inits = pod["spec"]["initContainers"]
     assert [c["name"] for c in inits] == ["tensile-hook", "setup"]
     ours = inits[0]["securityContext"]

@@ -75,7 +75,7 @@ def job(name: str, uid: str, status: dict | None = None) -> dict:
 
 
 def pod_of(body: dict, pod_phase: str) -> dict:
-    return build_pod(body, "node-a", "GPU-a0", None, "t", GIB, None, None) | {"status": {"phase": pod_phase}}
+    return build_pod(body, "node-a", "GPU-a0", None, GIB, None, None) | {"status": {"phase": pod_phase}}
 
 
 def app_with(api: Api) -> OperatorApp:

@@ -55,7 +55,12 @@ def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster)
                 env = pod_env(pod)
                 assert env["TENSILE_JOB"] == "default/one" and env["TENSILE_GPU"] == "GPU-a0"
                 assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-a0" and env["TENSILE_AGENT"] == "http://127.0.0.1:9"
-                assert env["TENSILE_MAX_SWAP_RATE"] == "0.5" and len(env["TENSILE_TOKEN"]) == 32
+                assert env["TENSILE_MAX_SWAP_RATE"] == "0.5" and "TENSILE_TOKEN" not in env  # no credential in the spec
+                # the hook's credential: the pod's own service-account token for the agents' audience, projected
+                (token,) = [v for v in pod["spec"]["volumes"] if "projected" in v]
+                assert token["projected"]["sources"][0]["serviceAccountToken"]["audience"] == "tensile"
+                assert env["TENSILE_TOKEN_FILE"].startswith(next(m["mountPath"] for m in pod["spec"]["containers"][0][
+                    "volumeMounts"] if m["name"] == token["name"]))
                 # a CUDA job under planEvents auto: admitted by activation-swap plans, and its hook plans so too
                 assert env["TENSILE_PLAN_EVENTS"] == "auto" and status["placement"]["planEvents"] == "auto"
                 assert env["TENSILE_RECOMPUTE"] == "false"  # its hook registers so: the agent plans no recompute
@@ -853,7 +858,7 @@ def test_a_pod_of_its_name_that_another_job_owns_is_not_taken_for_the_jobs_own()
 
     body = trainingjob("same", None, profile="p", memoryBudget="1Gi")
     body["metadata"] |= {"namespace": "default", "uid": "u-new"}
-    theirs = build_pod(body | {"metadata": body["metadata"] | {"uid": "u-old"}}, "node-a", "GPU-a0", None, "t", GIB, None, None)
+    theirs = build_pod(body | {"metadata": body["metadata"] | {"uid": "u-old"}}, "node-a", "GPU-a0", None, GIB, None, None)
     app = OperatorApp(kube=_Calls(existing=theirs))
     booking = Booking("default/same", "GPU-a0", "node-a", GIB)
     app.capacity.ledger.book(booking)
@@ -949,7 +954,7 @@ def test_an_ended_pod_seen_again_does_not_rewrite_its_jobs_end():
     def ended_pod(name: str) -> dict:
         body = trainingjob(name, None, profile="p", memoryBudget="1Gi")
         body["metadata"] |= {"namespace": "default", "uid": f"u-{name}"}
-        return build_pod(body, "node-a", "GPU-a0", None, "t", GIB, None, None) | {"status": {"phase": "Succeeded"}}
+        return build_pod(body, "node-a", "GPU-a0", None, GIB, None, None) | {"status": {"phase": "Succeeded"}}
 
     app = OperatorApp(kube=_Calls(job_phase="Succeeded"))
     app.statuses.remember({"metadata": {"namespace": "default", "name": "known"}, "status": {"phase": "Failed"}})

@@ -413,7 +413,7 @@ def unit_job(status: dict | None = None) -> dict:
 def unit_pod(body: dict, status: dict | None = None) -> dict:
     """The job's pod on node-a GPU-a0 as the API server holds it (uid p1, resourceVersion 1), its container being
     created unless `status` says."""
-    made = build_pod(body, "node-a", "GPU-a0", None, "t", GIB, None, None)
+    made = build_pod(body, "node-a", "GPU-a0", None, GIB, None, None)
     return made | {"metadata": made["metadata"] | {"uid": "p1", "resourceVersion": "1"}, "status": status or CREATING}
 
 

@@ -80,15 +80,15 @@ def agent_job(url: str, name: str) -> dict | None:
 class ThreadedAgent:
     """Agent + uvicorn in a thread of the test process (state inspectable from the test)."""
 
-    def __init__(self, simulate: list[str] | None = None, cluster_api: object | None = None, **config) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, simulate: list[str] | None = None, cluster_api: object | None = None,  # type: ignore[no-untyped-def]
+                 authenticator: object | None = None, **config) -> None:
         self.port = free_port()
         config.setdefault("planning", "thread")  # no child process per test (the restart test runs the default)
         if cluster_api is not None:  # publishing to a (test) cluster: advertise this loopback address
             config.setdefault("advertise", f"http://127.0.0.1:{self.port}")
         self.agent = Agent(AgentConfig(port=self.port, simulate=simulate if simulate is not None else ["a6000:48GiB"], **config),
-                           cluster_api=cluster_api)
-        self.server = uvicorn.Server(uvicorn.Config(self.agent.app(), host="127.0.0.1", port=self.port,
-                                                    log_level="warning", access_log=False))
+                           cluster_api=cluster_api, authenticator=authenticator)  # type: ignore[arg-type]
+        self.server = uvicorn.Server(uvicorn.Config(self.agent.app(), **self.agent.uvicorn_settings("warning")))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
 

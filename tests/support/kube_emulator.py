@@ -5,7 +5,9 @@ operator relies on: metadata stamping (uid, resourceVersion, generation, creatio
 concurrency (409 on a stale resourceVersion, 422 on a failed JSON-patch test), the status subresource
 (a patch of the object ignores .status, a patch of /status changes only .status), label selectors on
 list and watch, and watches that subscribe before replaying the current objects (no lost events). It
-also declares the resources Kopf needs before it starts. Deletions take DeleteOptions: `preconditions`
+also declares the resources Kopf needs before it starts, and answers TokenReviews of the service-account tokens a
+test issued (`issue_token`: bound to a pod or not, of an audience, expiring), as the API server's authenticator would,
+and SubjectAccessReviews of creating pods (`pod_creators`: who may, per namespace). Deletions take DeleteOptions: `preconditions`
 (409 when the uid or resourceVersion no longer match) and, for a pod bound to a node whose kubelet is
 gone (`unreachable`), `gracePeriodSeconds`: deleted with one, it is only marked terminating (no kubelet
 confirms it); with 0 it is removed at once. Any other pod is removed at once, as if its kubelet
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime
+import time
 import uuid
 from typing import Any
 
@@ -50,6 +53,10 @@ class KubeEmulator(KubernetesEmulator):
     _refused: dict = attrs.field(factory=dict, init=False)  # (resource, action) -> the status it is answered with
     refusals: list = attrs.field(factory=list, init=False)  # the bodies of the requests refused so far
     unreachable: set = attrs.field(factory=set, init=False)  # nodes whose kubelet is gone (never confirms a deletion)
+    tokens: dict = attrs.field(factory=dict, init=False)  # token -> (username, audiences, pod or None, expiry)
+    token_reviews: int = attrs.field(default=0, init=False)  # TokenReviews answered
+    # SubjectAccessReviews of pod creation: namespace -> the users who may create pods there (not named: anyone may)
+    pod_creators: dict = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -63,6 +70,8 @@ class KubeEmulator(KubernetesEmulator):
         self.declare(RESOURCE_SLICES, "ResourceSlice", namespaced=False)
         self.declare(DEVICE_CLASSES, "DeviceClass", namespaced=False)
         self.declare(RESOURCE_CLAIMS, "ResourceClaim", namespaced=True, subresources=("status",))
+        self.declare("authentication.k8s.io/v1/tokenreviews", "TokenReview", namespaced=False)
+        self.declare("authorization.k8s.io/v1/subjectaccessreviews", "SubjectAccessReview", namespaced=False)
         for path in sorted((ROOT / "crds").glob("*.yaml")):
             self.declare_crd(yaml.safe_load(path.read_text()))
 
@@ -97,7 +106,47 @@ class KubeEmulator(KubernetesEmulator):
         self._rv += 1
         return str(self._rv)
 
+    def issue_token(self, namespace: str, service_account: str, pod: str | None = None, audience: str = "tensile",
+                    seconds: float = 3600) -> str:
+        """A service-account token as the kubelet projects one (`pod`: bound to that pod) or as TokenRequest gives."""
+        token = "emu." + uuid.uuid4().hex + uuid.uuid4().hex
+        self.tokens[token] = (f"system:serviceaccount:{namespace}:{service_account}", [audience], pod,
+                              time.monotonic() + seconds)
+        return token
+
+    def _review(self, data: dict) -> dict:
+        """The TokenReview's status for its spec: what the API server's service-account authenticator says."""
+        spec = data.get("spec") or {}
+        wanted = list(spec.get("audiences") or [])
+        issued = self.tokens.get(spec.get("token") or "")
+        if issued is None or issued[3] < time.monotonic():
+            return {"authenticated": False, "error": "invalid bearer token, token has expired or is not valid"}
+        username, audiences, pod, _ = issued
+        common = [a for a in wanted if a in audiences] if wanted else audiences
+        if not common:
+            return {"authenticated": False, "error": "token audiences are invalid for the target audiences"}
+        extra = {"authentication.kubernetes.io/pod-name": [pod], "authentication.kubernetes.io/pod-uid": [str(uuid.uuid5(
+            uuid.NAMESPACE_DNS, pod))]} if pod else {}
+        namespace = username.split(":")[2]
+        return {"authenticated": True, "audiences": common,
+                "user": {"username": username, "uid": str(uuid.uuid5(uuid.NAMESPACE_DNS, username)),
+                         "groups": ["system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"],
+                         "extra": extra}}
+
     async def _handle(self, request):  # type: ignore[no-untyped-def]
+        if request.resource == resource("authentication.k8s.io/v1/tokenreviews") and request.action == action.CREATE:
+            self.token_reviews += 1
+            data = request.data if isinstance(request.data, dict) else {}
+            return aiohttp.web.json_response({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                                              "metadata": {}, "spec": data.get("spec") or {}, "status": self._review(data)},
+                                             status=201)
+        if request.resource == resource("authorization.k8s.io/v1/subjectaccessreviews") and request.action == action.CREATE:
+            spec = (request.data if isinstance(request.data, dict) else {}).get("spec") or {}
+            attributes = spec.get("resourceAttributes") or {}
+            users = self.pod_creators.get(attributes.get("namespace"))
+            allowed = attributes.get("resource") == "pods" and (users is None or spec.get("user") in users)
+            return aiohttp.web.json_response({"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+                                              "spec": spec, "status": {"allowed": allowed}}, status=201)
         # kmock matches each request against its whole request history (quadratic in the requests served);
         # these tests never assert on that history, so only the request being served is kept.
         del self._requests[:-1]

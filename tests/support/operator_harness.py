@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -21,6 +22,7 @@ from tensile_operator.forecasting import Forecaster
 from tensile_operator.main import operator
 from tests.support.kube_emulator import KubeEmulator
 
+OPERATOR_ACCOUNT = "system:serviceaccount:tensile-system:tensile-operator"  # the node agents' default
 TJ = "tensile.dev/v1alpha1/trainingjobs"
 TN = "tensile.dev/v1alpha1/tensilenodes"
 GIB = 1024**3
@@ -80,6 +82,26 @@ class Cluster:
 
         return client.CustomObjectsApi(client.ApiClient(client.Configuration(host=self.url)))
 
+    def authentication_api(self):  # type: ignore[no-untyped-def]
+        """A kubernetes-client AuthenticationV1Api on the emulator (TokenReviews), as a node agent's in-cluster config gives."""
+        from kubernetes import client
+
+        return client.AuthenticationV1Api(client.ApiClient(client.Configuration(host=self.url)))
+
+    def agent_authenticator(self):  # type: ignore[no-untyped-def]
+        """What a node agent in this cluster checks credentials with: TokenReviews, the operator's account as the chart's."""
+        from tensile_agent.auth import TokenReviewer
+
+        return TokenReviewer({OPERATOR_ACCOUNT}, api=self.authentication_api())
+
+    def pod_token_file(self, pod: dict) -> str:
+        """The projected token the kubelet would write for `pod` (audience tensile), in a file of its own."""
+        meta = pod["metadata"]
+        path = self.tmp / f"token-{meta['namespace']}-{meta['name']}"
+        path.write_text(self.emu.issue_token(meta["namespace"], pod["spec"].get("serviceAccountName") or "default",
+                                             pod=meta["name"]))
+        return str(path)
+
     def job(self, name: str, namespace: str = "default") -> dict | None:
         return self.emu.get(TJ, namespace, name)
 
@@ -135,18 +157,23 @@ async def cluster(tmp: Path) -> AsyncIterator[Cluster]:
             "users": [{"name": "op", "user": {"token": "test"}}],
             "contexts": [{"name": "test", "context": {"cluster": "emu", "user": "op"}}],
         }))
-        old = os.environ.get("KUBECONFIG")
+        # the operator's projected token for the node agents (the chart's TENSILE_OPERATOR_TOKEN_FILE)
+        token = tmp / "operator-token"
+        token.write_text(emu.issue_token("tensile-system", "tensile-operator"))
+        saved = {name: os.environ.get(name) for name in ("KUBECONFIG", "TENSILE_OPERATOR_TOKEN_FILE")}
         os.environ["KUBECONFIG"] = str(kubeconfig)
+        os.environ["TENSILE_OPERATOR_TOKEN_FILE"] = str(token)
         c = Cluster(emu, url, tmp)
         await c.request("POST", "/apis/kopf.dev/v1/clusterkopfpeerings",
                         {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "tensile"}})
         try:
             yield c
         finally:
-            if old is None:
-                os.environ.pop("KUBECONFIG", None)
-            else:
-                os.environ["KUBECONFIG"] = old
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 class RunningOperator:
@@ -259,10 +286,10 @@ async def process_kubelet(c: Cluster, workdir: Path, root: Path, logs: dict[str,
         def translate(container: dict) -> tuple[list[str], dict[str, str]]:
             mounts = {m["mountPath"]: str(volumes[m["name"]]) for m in container.get("volumeMounts") or []}
 
-            def sub(text: str) -> str:
-                for path, host in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
-                    text = text.replace(path, host)
-                return text
+            paths = re.compile("|".join(re.escape(path) for path in sorted(mounts, key=len, reverse=True)))
+
+            def sub(text: str) -> str:  # in one pass: a folder put in place of one mount path is not read as another
+                return paths.sub(lambda match: mounts[match.group(0)], text) if mounts else text
 
             cmd = [sub(a) for a in (container.get("command") or []) + (container.get("args") or [])]
             cmd = [sys.executable if a == "python" else a for a in cmd]
@@ -272,6 +299,13 @@ async def process_kubelet(c: Cluster, workdir: Path, root: Path, logs: dict[str,
 
         for path in volumes.values():
             path.mkdir(parents=True, exist_ok=True)
+        for volume in pod["spec"].get("volumes") or []:  # projected service-account tokens, as the kubelet writes them
+            for source in (volume.get("projected") or {}).get("sources") or []:
+                if "serviceAccountToken" in source:
+                    token = source["serviceAccountToken"]
+                    (volumes[volume["name"]] / token["path"]).write_text(c.emu.issue_token(
+                        pod["metadata"]["namespace"], pod["spec"].get("serviceAccountName") or "default", pod=name,
+                        audience=token["audience"], seconds=token.get("expirationSeconds", 3600)))
         output = []
         for init in pod["spec"].get("initContainers") or []:
             cmd, env = translate(init)
