@@ -110,6 +110,11 @@ class PlanExecutor:
     def step_post_hook(self, *args: Any) -> None:
         self.iterations.step_post_hook(*args)
 
+    def ended_by(self, kind: str) -> None:
+        """The script ends with an uncaught exception of this type: the report says so rather than that no step was
+        seen."""
+        self.state.ended_by = kind
+
     def finish(self) -> None:
         """At exit: close the last iteration and write the report."""
         self.iterations.finish()

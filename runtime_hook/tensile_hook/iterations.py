@@ -227,7 +227,10 @@ class Iterations:
         """Training the hook could not follow ends with a report that says so, not with an empty one whose zero
         peak reads as measured (`0 iterations ... peak 0.0 MiB` and no word, for SGD written out by hand)."""
         iterations = self.state.report.iterations
-        if not iterations:
+        if not iterations and self.state.ended_by:  # the script's own error, said above it: no word of the hook's
+            self.state.say(f"the script ended with {self.state.ended_by} before its first optimizer step (its traceback "
+                           "is above): nothing was planned or measured")
+        elif not iterations:
             self.state.say("no optimizer step was seen: Tensile finds training iterations by torch.optim steps (a loop "
                            "that updates parameters by hand has none, and processes torch.multiprocessing.spawn starts "
                            "run without the hook), so nothing was planned or measured")

@@ -10,7 +10,9 @@ import atexit
 import logging
 import os
 import re
+import sys
 from collections.abc import Callable
+from types import TracebackType
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -62,10 +64,29 @@ def activate(
     post = register_optimizer_step_post_hook(executor.step_post_hook)
     _undo.extend([pre.remove, post.remove])
     _undo.extend(guard_outside_reads(executor))
+    _undo.append(_note_uncaught(executor))
     executor.__enter__()
     atexit.register(executor.finish)
     _active = executor
     return executor
+
+
+def _note_uncaught(executor: PlanExecutor) -> Callable[[], None]:
+    """Tell the executor of an exception that ends the script (Python calls sys.excepthook before the exit handlers
+    that write the report), the script's own hook still called; the undo puts the previous hook back."""
+    previous = sys.excepthook
+
+    def note(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
+        executor.ended_by(kind.__name__)
+        previous(kind, value, traceback)
+
+    sys.excepthook = note
+
+    def undo() -> None:
+        if sys.excepthook is note:
+            sys.excepthook = previous
+
+    return undo
 
 
 def deactivate() -> None:

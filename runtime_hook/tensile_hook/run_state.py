@@ -51,6 +51,8 @@ class RunState:
         self.budget: int | None = budget_bytes(settings.memory_budget, 0) if (settings.memory_budget or 0) > 1 else None
         report.memory_budget_bytes = self.budget
         self.disabled = False  # stood down (or in a forked child): PlanExecutor
+        # the exception that ended the script, by its type's name (sys.excepthook, before the exit's report): lifecycle
+        self.ended_by: str | None = None
 
     def say(self, message: str, level: int = logging.WARNING) -> None:
         """Said once, with the iteration it was first said in; a repeat is only counted (a GAN's other step

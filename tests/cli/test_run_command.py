@@ -445,3 +445,17 @@ def test_the_runs_own_files_are_removed_unless_kept_or_the_command_failed(capsys
     assert (kept / "report.json").exists() and f"kept in {kept}" in " ".join(capsys.readouterr().err.split())
     assert main(["run", "--keep-files", "--", sys.executable, "-c", "import torch"]) == 0
     assert len(list(tmp_path.glob("tensile-*"))) == 2
+
+
+@pytest.mark.slow
+def test_a_script_that_crashes_before_its_first_step_is_said_to_have_crashed(capfd, monkeypatch, tmp_path):
+    """Its own error, not "no optimizer step was seen" (which reads as Tensile missing the training)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    crash = "import torch\nraise FileNotFoundError('no dataset at /data/train')\n"
+    assert main(["run", "--report", str(tmp_path / "r.json"), "--", sys.executable, "-c", crash]) == 1
+    said = " ".join(capfd.readouterr().err.split())
+    assert "FileNotFoundError: no dataset at /data/train" in said, said
+    assert "the script ended with FileNotFoundError before its first optimizer step" in said, said
+    assert "no optimizer step was seen" not in said, said
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["iterations"] == [] and "ended with FileNotFoundError" in report["messages"][0]
