@@ -170,14 +170,6 @@ def parse_memory(value: object, field: str) -> int:
     return int(number)
 
 
-def parse_memory_budget(value: object, field: str) -> int:
-    """A TrainingJob's memory budget: bytes as `parse_memory` reads them, and no less than the CLI's smallest."""
-    budget = parse_memory(value, field)
-    if budget < SMALLEST_BUDGET:
-        raise KnobError(field, f"'{value}' is less than 1 MiB, which no training fits in; write a quantity like 6Gi")
-    return budget
-
-
 def parse_switch(value: object, field: str) -> bool:
     """A yes/no value in a TrainingJob: a boolean (the spec) or text (an annotation: true/false, yes/no, on/off,
     1/0); anything else is refused rather than guessed (a typo must not flip a knob)."""
@@ -205,7 +197,7 @@ MAX_SWAP_RATE = Knob("spec.scheduling.maxSwapRate", ANNOTATION_PREFIX + "max-swa
                      "--max-swap-rate", parse_swap_rate, parse_swap_rate)
 # bytes or a fraction of the vanilla peak where it is text; a TrainingJob's budget is bytes
 MEMORY_BUDGET = Knob("spec.memoryBudget", ANNOTATION_PREFIX + "memory-budget", "TENSILE_MEMORY_BUDGET",
-                     "--memory-budget", parse_budget, parse_memory_budget)
+                     "--memory-budget", parse_budget, parse_memory)
 RECOMPUTE = Knob("spec.scheduling.recompute", ANNOTATION_PREFIX + "recompute", "TENSILE_RECOMPUTE", "--no-recompute",
                  parse_true_false, parse_switch)
 PLAN_EVENTS = Knob("spec.scheduling.planEvents", ANNOTATION_PREFIX + "plan-events", "TENSILE_PLAN_EVENTS",

@@ -14,7 +14,7 @@ import json
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,14 +50,18 @@ class JobRun:
     report: Path | None = None
     started: float | None = None
     seconds: float | None = None
+    # each listed iteration's (start, end, peak bytes) on the runner's clock (time.monotonic), from its report's
+    # iteration times counted back from when the runner saw the job end: its memory over time
+    iteration_spans: list[tuple[float, float, int]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
         return self.job.name
 
 
-def forecast(run: JobRun, device: str, preset: str, directory: Path) -> None:
-    """Trace and plan the job's model (CPU, meta device); a job given by profile keeps its budget."""
+def forecast(run: JobRun, device: str, preset: str, directory: Path) -> tuple[str, ...]:
+    """Trace and plan the job's model (CPU, meta device); a job given by profile keeps its budget. What the latency
+    model noted, for the caller to say once for all jobs."""
     from tensile.forecast import optimizer_for, trace_workload
     from tensile.job_forecast import make_forecast
     from tensile.workload_io import save_workload
@@ -67,7 +71,7 @@ def forecast(run: JobRun, device: str, preset: str, directory: Path) -> None:
     if declared.model is None:
         run.demand = spec.memory_budget
         run.message = f"profile '{declared.profile}': admitted by its memory budget"
-        return
+        return ()
     optimizer = optimizer_for(declared.model, run.job.optimizer)
     workload = trace_workload(declared.model, declared.batch_size, optimizer=optimizer, dtype=declared.dtype,
                               device=device, micro_batches=declared.micro_batches, input_shape=declared.input_shape)
@@ -75,13 +79,12 @@ def forecast(run: JobRun, device: str, preset: str, directory: Path) -> None:
     # 7.1 MiB peak its plan could not reach (9.1 MiB) and every iteration ran guarded, evicting
     result = make_forecast(workload, preset, plan_events=spec.plan_events, recompute=spec.recompute,
                            max_swap_rate=spec.max_swap_rate or 1.0)
-    for note in result.notes:
-        print_note(note)
     run.vanilla_peak = result.summary["vanilla_peak_bytes"]
     run.scheduled_peak = result.summary["scheduled_peak_bytes"]
     run.demand = run.scheduled_peak if spec.memory_budget is None else min(run.scheduled_peak, spec.memory_budget)
     run.workload_path = directory / f"{run.name}.workload.json.gz"
     save_workload(workload, run.workload_path)
+    return result.notes
 
 
 def unreachable_budget(run: JobRun) -> str | None:
@@ -111,6 +114,17 @@ def job_environment(run: JobRun, agent_url: str, credential_path: str) -> dict[s
                                workload=str(run.workload_path) if run.workload_path else None, report=str(run.report),
                                max_swap_rate=spec.max_swap_rate, plan_events=spec.plan_events, recompute=spec.recompute)
     return hook_environment(run.name, variables) | {"TENSILE_TOKEN_FILE": credential_path}
+
+
+def iteration_spans(iterations: list[dict], ended: float) -> list[tuple[float, float, int]]:
+    """(start, end, peak) of a report's listed iterations, placed back to back before `ended`: the process's exit
+    after its last iteration is short beside the iterations, and a report holds their durations, not their times."""
+    spans = []
+    end = ended
+    for it in reversed(iterations):
+        spans.append((end - it["seconds"], end, it["peak_bytes"]))
+        end -= it["seconds"]
+    return spans[::-1]
 
 
 class FirstComeFirstServed:
@@ -150,6 +164,8 @@ class LocalRunner:
         gpu = agent.gpu
         self.admission = FirstComeFirstServed(gpu.capacity_bytes, gpu.context_bytes)
         self.http = Http(agent.url, timeout=2.0, retries=1)
+        self.most_at_once = 0  # jobs that ran at the same time, at most
+        self.noted: set[str] = set()  # the forecasts' notes said so far
 
     # -- phases ------------------------------------------------------------------------------------
     def forecast_all(self, on_change: Callable[[], object] = lambda: None) -> None:
@@ -162,7 +178,10 @@ class LocalRunner:
             run.phase = "Forecasting"
             on_change()
             try:
-                forecast(run, self.device, self.preset, self.reports)
+                for note in forecast(run, self.device, self.preset, self.reports):
+                    if note not in self.noted:  # the latency model's word, said once for all the jobs
+                        self.noted.add(note)
+                        print_note(note)
             except (TensileUserError, ValueError, RuntimeError) as exc:
                 run.phase, run.message = "Failed", f"forecast failed: {exc}"
                 continue
@@ -187,6 +206,7 @@ class LocalRunner:
         queue = [r for r in self.runs if r.phase == "Queued"]
         for run in self.admission.admit(queue, self.running()):
             self._start(run)
+        self.most_at_once = max(self.most_at_once, len(self.running()))
         self.agent.set_queued(sum(1 for r in self.runs if r.phase == "Queued"))
         self.refresh()
         return any(r.phase in ("Queued", "Running", "Forecasting", "Pending") for r in self.runs)
@@ -208,7 +228,8 @@ class LocalRunner:
         run.phase, run.started = "Running", time.monotonic()
 
     def _finished(self, run: JobRun, code: int) -> None:
-        run.seconds = time.monotonic() - (run.started or time.monotonic())
+        ended = time.monotonic()
+        run.seconds = ended - (run.started or ended)
         run.phase = "Succeeded" if code == 0 else "Failed"
         if code != 0:
             run.message = f"exit code {code}; see {run.log}"
@@ -221,6 +242,7 @@ class LocalRunner:
                 run.observed_peak, run.observed_planned_peak = totals.peak_bytes, totals.planned_peak_bytes
             run.iterations = totals.iterations
             run.stall_seconds = totals.stall_seconds
+            run.iteration_spans = iteration_spans(data["iterations"], ended)
             run.vanilla_peak = run.vanilla_peak or data.get("vanilla_peak_bytes")
             run.scheduled_peak = run.scheduled_peak or data.get("scheduled_peak_bytes")
 

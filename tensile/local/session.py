@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from rich.live import Live
 from tensile.local.agent import LocalAgent
 from tensile.local.jobs import LocalJob
 from tensile.local.runner import POLL_SECONDS, LocalRunner
-from tensile.local.view import job_view, plot_peaks
+from tensile.local.view import job_view, plot_peaks, sharing_summary
 
 
 def run_jobs(jobs: list[LocalJob], reports: Path | None, *, host: str, port: int, simulate: list[str],
@@ -28,6 +29,7 @@ def run_jobs(jobs: list[LocalJob], reports: Path | None, *, host: str, port: int
     for job in jobs:
         if job.unknown_annotations:  # ignored, not refused: Kubernetes takes any annotation
             console.print(f"[yellow]note:[/] {job.path} job {job.name}: {job.unknown_annotations}", highlight=False)
+    scratch = reports is None  # a folder of this run's own: removed at the end unless a job failed
     reports = reports or Path(tempfile.mkdtemp(prefix="tensile-local-"))
     cuda = torch.cuda.is_available()
     agent = LocalAgent(host, port, list(simulate)).start()
@@ -36,7 +38,8 @@ def run_jobs(jobs: list[LocalJob], reports: Path | None, *, host: str, port: int
     gpu = agent.gpu
     kind = "simulated " if gpu.simulated else ""
     title = f"Tensile local: {kind}{gpu.name} {gpu.capacity_bytes / 2**20:,.0f} MiB for jobs"
-    console.print(f"agent {agent.url} (/v1/jobs, /metrics); reports and logs in {reports}", highlight=False)
+    kept = " (removed at the end unless a job fails; --reports DIR keeps them)" if scratch else ""
+    console.print(f"agent {agent.url} (/v1/jobs, /metrics); reports and logs in {reports}{kept}", highlight=False)
     runner = LocalRunner(jobs, agent, reports, "cuda" if cuda else "cpu", "a6000" if cuda else "cpu")
     try:
         with Live(job_view(runner.runs, title), console=console, refresh_per_second=4) as live:
@@ -47,8 +50,10 @@ def run_jobs(jobs: list[LocalJob], reports: Path | None, *, host: str, port: int
             live.update(job_view(runner.runs, title))
         if not console.is_terminal:  # piped or logged: Live's last render ends without a newline
             console.line()
+        console.print(sharing_summary(runner.runs, gpu.capacity_bytes, gpu.context_bytes, runner.most_at_once))
         if plot:
-            console.print(f"plot: {plot_peaks(runner.runs, plot, title)}", highlight=False)
+            console.print(f"plot: {plot_peaks(runner.runs, plot, title, gpu.capacity_bytes)}",
+                          highlight=False)
         if linger:
             console.print(f"agent serving {agent.url}/metrics for {linger:g} s more", highlight=False)
             time.sleep(linger)
@@ -62,4 +67,8 @@ def run_jobs(jobs: list[LocalJob], reports: Path | None, *, host: str, port: int
     if failed:  # why is each one's note under the table: named here, not said twice
         console.print(f"[red]{len(failed)} of {len(runner.runs)} jobs did not succeed:[/] "
                       + ", ".join(f"{r.name} ({r.phase})" for r in failed), highlight=False)
+        if scratch:
+            console.print(f"their reports and logs are kept in {reports}", highlight=False)
+    elif scratch:
+        shutil.rmtree(reports, ignore_errors=True)
     return 1 if failed else 0

@@ -20,8 +20,8 @@ from tensile.job_forecast import make_forecast
 from tensile.knobs import memory_text
 from tensile.local.agent import LocalAgent
 from tensile.local.jobs import load_job, load_jobs
-from tensile.local.runner import LocalRunner
-from tensile.local.view import job_view, plot_peaks
+from tensile.local.runner import JobRun, LocalRunner, iteration_spans
+from tensile.local.view import declared_at_once, job_view, plot_peaks, sharing_summary
 
 JOB = """apiVersion: tensile.dev/v1alpha1
 kind: TrainingJob
@@ -91,7 +91,9 @@ def test_two_jobs_share_a_gpu_too_small_for_both_one_waits_queued(tmp_path, monk
         assert run.scheduled_peak == scheduled and run.observed_peak > 0 and run.iterations == 8
         assert run.report.exists() and run.log.exists()
     assert missing.phase == "Failed" and "no_such_script.py does not exist" in missing.message
-    png = plot_peaks(runner.runs, tmp_path / "peaks.png", "test")
+    assert [len(run.iteration_spans) for run in (first, second)] == [8, 8] and runner.most_at_once == 1
+    assert first.iteration_spans[-1][1] <= second.iteration_spans[0][0]  # queued: the second ran after the first
+    png = plot_peaks(runner.runs, tmp_path / "peaks.png", "test", runner.admission.capacity)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -182,7 +184,7 @@ def test_the_view_shows_the_peak_under_plan_beside_the_peak_of_every_iteration(t
     assert header == [["", "under"], ["observed", "plan"]], lines
     rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
     assert {row[0]: row[4:6] for row in rows} == {"live": ["9.0", "6.0"], "done": ["8.0", "5.0"]}, lines
-    png = plot_peaks([live, done], tmp_path / "peaks.png", "test")
+    png = plot_peaks([live, done], tmp_path / "peaks.png", "test", 64 * 2**20)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -224,7 +226,7 @@ def test_the_command_line_refuses_a_bad_hook_setting_in_the_environment(tmp_path
 
 
 def test_the_peaks_plot_makes_its_folder(tmp_path):
-    png = plot_peaks([], tmp_path / "new" / "folder" / "peaks.png", "test")
+    png = plot_peaks([], tmp_path / "new" / "folder" / "peaks.png", "test", 2**20)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -420,3 +422,22 @@ def test_a_misspelt_annotation_is_said_at_load_as_the_operator_says_it(tmp_path)
     assert job.spec.memory_budget is None
     assert job.unknown_annotations is not None and "did you mean tensile.dev/memory-budget?" in job.unknown_annotations
     assert load_job(_write(tmp_path, "plain")).unknown_annotations is None
+
+
+def test_iterations_are_placed_back_to_back_before_the_job_ended():
+    spans = iteration_spans([{"seconds": 2.0, "peak_bytes": 9}, {"seconds": 1.0, "peak_bytes": 5},
+                             {"seconds": 0.5, "peak_bytes": 6}], ended=10.0)
+    assert spans == [(6.5, 8.5, 9), (8.5, 9.5, 5), (9.5, 10.0, 6)]
+
+
+def test_the_summary_sets_what_ran_at_once_against_what_declared_memory_would_fit():
+    """Three jobs whose vanilla peaks (12 + 10 + 8 MiB) do not fit 24 MiB together but whose scheduled ones
+    (7 + 6 + 5 MiB) do: declared-memory sharing fits the two smallest, Tensile ran all three."""
+    mib = 2**20
+    runs = [JobRun(None, "Succeeded", vanilla_peak=v * mib, demand=d * mib, iterations=5)  # type: ignore[arg-type]
+            for v, d in ((12, 7), (10, 6), (8, 5))]
+    assert declared_at_once(runs, 24 * mib, 0) == 2 and declared_at_once(runs, 24 * mib, 4 * mib) == 1
+    said = sharing_summary(runs, 24 * mib, 0, 3).plain
+    assert said == ("Tensile ran 3 of 3 jobs at once in 24.0 MiB: their scheduled peaks need 18.0 MiB together. "
+                    "Sharing by declared memory (each job reserving its vanilla peak, 30.0 MiB together) fits 2 at "
+                    "once."), said
