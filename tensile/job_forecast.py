@@ -46,6 +46,20 @@ def reserved_peaks(workload: Workload, plan: Plan, bandwidth: float,
     return ReservedPeaks(vanilla.reserved_peak_bytes, scheduled.reserved_peak_bytes, expandable_segments)
 
 
+def admitted_bytes(forecast_summary: dict, context_bytes: int) -> int:
+    """The memory a job is admitted with on its device, its process's cap (TENSILE_MEMORY_CAP): what the caching
+    allocator reserves at the scheduled peak (`scheduled_reserved_peak_bytes`; fragmentation included, which a
+    neighbour pays for where only the tensors' bytes were counted) plus the per-job `context_bytes` (CUDA context,
+    library workspaces). Where the summary carries a memory budget below the scheduled peak, the guard holds the
+    tensors to it, and the allocator's overhead over the tensors comes on top. Never below the tensors' own bytes:
+    an older forecast, without the reserved figure, counts those alone."""
+    scheduled = int(forecast_summary["scheduled_peak_bytes"])
+    reserved = max(scheduled, int(forecast_summary.get("scheduled_reserved_peak_bytes") or scheduled))
+    budget = forecast_summary.get("memory_budget_bytes")
+    held = scheduled if budget is None else min(scheduled, int(budget))
+    return held + (reserved - scheduled) + context_bytes
+
+
 def forecast_summary(workload: Workload, vanilla: PeakResult, latency_source: str, gpu_plan: GpuPlan, plan: Plan,
                      reserved: ReservedPeaks, activations_only: bool = False) -> dict:
     """The forecast as one JSON-able object (the keys other tools rely on)."""

@@ -102,7 +102,7 @@ class PodLauncher:
         signature = booking.forecast.signature if booking.forecast else None
         pod = build_pod(body, booking.node, booking.gpu, gpu.agent if gpu else None, self.tokens.issue(body),
                         pod_budget(booking), booking.max_swap_rate, signature, self.image, booking.plan_events,
-                        booking.recompute)
+                        booking.recompute, booking.reserved_bytes + (gpu.context_bytes if gpu else 0))
         namespace, name = meta["namespace"], pod["metadata"]["name"]
 
         async def retrying(exc: Exception, delay: float) -> None:

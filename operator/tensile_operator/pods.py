@@ -13,6 +13,7 @@ import hmac
 import os
 import secrets
 
+from tensile.allocator import expandable_segments_setting
 from tensile.knobs import knob_variables
 from tensile_operator import API_VERSION
 
@@ -100,7 +101,7 @@ class JobTokens:
 
 def hook_env(job: str, gpu_uuid: str, agent: str | None, token: str, budget: int | None,
              max_swap_rate: float | None, signature: str | None, existing_path: str | None, plan_events: str,
-             recompute: bool) -> list[dict]:
+             recompute: bool, memory_cap: int | None = None) -> list[dict]:
     env = {
         "TENSILE_JOB": job,
         "TENSILE_GPU": gpu_uuid,
@@ -110,7 +111,7 @@ def hook_env(job: str, gpu_uuid: str, agent: str | None, token: str, budget: int
         # the budget and rate it was admitted with, the events admission planned with (the hook's own plans and its
         # agent's keep to the same) and spec.scheduling.recompute (the hook registers with it, so the agent plans
         # without recomputes from the start)
-        **knob_variables(budget, max_swap_rate, plan_events, recompute),
+        **knob_variables(budget, max_swap_rate, plan_events, recompute, memory_cap),  # memory_cap: its admitted size
         "PYTHONPATH": os.pathsep.join(p for p in (f"{HOOK_MOUNT}/site", f"{HOOK_MOUNT}/lib", existing_path) if p),
     }
     if agent:
@@ -122,7 +123,7 @@ def hook_env(job: str, gpu_uuid: str, agent: str | None, token: str, budget: int
 
 def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, token: str, budget: int | None,
               max_swap_rate: float | None, signature: str | None, image: str = DEFAULT_IMAGE, plan_events: str = "auto",
-              recompute: bool = True) -> dict:
+              recompute: bool = True, memory_cap: int | None = None) -> dict:
     """The pod manifest for the TrainingJob `body` placed on (node, gpu_uuid)."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
@@ -139,7 +140,11 @@ def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, token: st
     job = f"{namespace}/{name}"
     for container in spec.get("containers") or []:
         existing = next((e.get("value") for e in container.get("env") or [] if e.get("name") == "PYTHONPATH"), None)
-        ours = hook_env(job, gpu_uuid, agent, token, budget, max_swap_rate, signature, existing, plan_events, recompute)
+        ours = hook_env(job, gpu_uuid, agent, token, budget, max_swap_rate, signature, existing, plan_events, recompute,
+                        memory_cap)
+        # expandable segments, merged with the container's own allocator setting, never over it (tensile.allocator)
+        own = {e.get("name"): e.get("value") for e in container.get("env") or []}
+        ours += [{"name": k, "value": v} for k, v in expandable_segments_setting(own).items()]
         names = {e["name"] for e in ours}
         container["env"] = [e for e in container.get("env") or [] if e.get("name") not in names] + ours
         container["volumeMounts"] = [m for m in container.get("volumeMounts") or [] if m.get("name") != HOOK_VOLUME] + [mount]

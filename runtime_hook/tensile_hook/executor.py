@@ -609,9 +609,12 @@ class PlanExecutor(TorchDispatchMode):
         stats.ops = len(self.recorder.ops) if self.iteration == self.match_at else self.op_index
         if self.device_type == "cuda":
             stats.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            stats.reserved_bytes = torch.cuda.max_memory_reserved(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif stats.peak_source == "planned":  # nothing watched the storages: the forecast, marked as such
-            stats.peak_bytes = (self.report.scheduled_peak_bytes if self.active else None) or self.vanilla_peak or 0
+        else:
+            if stats.peak_source == "planned":  # nothing watched the storages: the forecast, marked as such
+                stats.peak_bytes = (self.report.scheduled_peak_bytes if self.active else None) or self.vanilla_peak or 0
+            stats.reserved_bytes = stats.peak_bytes  # no caching allocator on the CPU (IterationStats.reserved_bytes)
         self.report.add(stats)
         if not self.disabled and self.iteration == self.match_at:
             if self.op_timer is not None:
@@ -976,6 +979,7 @@ class PlanExecutor(TorchDispatchMode):
                 if attempt == 2:
                     raise _OpFailed(exc) from None
                 self._say("out of memory: evicting passively and retrying the op")
+                self.stats.out_of_memory_retries += 1
                 own = {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
                 self._evict(self.registry.device_bytes // 2, protected=own)
             except Exception as exc:
@@ -1059,6 +1063,7 @@ class PlanExecutor(TorchDispatchMode):
                     self._ensure_slot_resident(slot)
                 except torch.OutOfMemoryError:  # no room to bring it back: make some, as _run does for an op
                     self._say("out of memory bringing a tensor back: evicting passively and retrying")
+                    self.stats.out_of_memory_retries += 1
                     self._evict(slot.nbytes, protected=set(keys))
                     self._ensure_slot_resident(slot)
                 self.registry.touch(slot)
