@@ -68,14 +68,16 @@ def _cap_memory() -> Any:
 
 
 def _stood_down(reason: str, cap: Any) -> None:
-    """The hook is off from the start: the cap, where one is set, is said, and the job's report (TENSILE_REPORT) says
-    both, so that `tensile run`, `tensile local` and the user find why no iteration was reported."""
+    """The hook is off from the start, under a cap: the cap is said, and the job's report (TENSILE_REPORT) says both,
+    so that `tensile run`, `tensile local` and the user find what held the job. Without a cap nothing is written: no
+    report, as before the cap (the processes of a job of several would share it)."""
+    if cap is None:
+        return
     try:
         from tensile_hook.memory_cap import cap_text
         from tensile_hook.report import write_stood_down
 
-        if cap is not None:
-            print(f"tensile: {cap_text(cap)}, the hook being off", file=sys.stderr)
+        print(f"tensile: {cap_text(cap)}, the hook being off", file=sys.stderr)
         if os.environ.get("TENSILE_REPORT"):
             write_stood_down(os.environ["TENSILE_REPORT"], os.environ["TENSILE_JOB"], reason, cap)
     except Exception as exc:  # noqa: BLE001
