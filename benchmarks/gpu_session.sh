@@ -4,15 +4,19 @@
 #
 #   OUT=/tmp/gpu-results bash benchmarks/gpu_session.sh
 #
-# Each item's output and files land in $OUT: the CUDA tests' log, the five models' real training (MSR from
-# max_memory_allocated, EOR, bit-identity), `tensile run --model`'s report, the hook's overhead (a log and, where
-# there is one, a JSON file each), and this script's own log: the device, each item's exit status, seconds and last
-# lines. Commit the JSON files under benchmarks/results/ (named by the device) and update benchmarks/README.md.
+# Each item's output and files land in $OUT (at most 8 files come back, so the items' logs are packed into
+# items_logs.tar.gz at the end): the CUDA tests' log, the five
+# models' real training (MSR from max_memory_allocated, EOR, bit-identity), `tensile run --model`'s report, the
+# hook's overhead (a log and, where there is one, a JSON file each), several jobs on the GPU at once (alone, capped at
+# declared shares, under Tensile: a JSON file and its plot), and this script's own log: the device, each item's exit
+# status, seconds and last lines. Commit the JSON files under
+# benchmarks/results/ (named by the device) and update benchmarks/README.md.
 #
 # Settings (environment): PYTHON (python3), ITEMS (which items, in order: tests real_training run_model
-# hook_overhead), MODELS (real_training's, comma-separated; the paper's five by default), BATCH (16), and each item's
-# timeout in seconds: TESTS_S (150), REAL_S (240), RUN_S (60), OVERHEAD_S (75). On a machine without CUDA the same
-# script runs on the CPU device (the CUDA tests skip):
+# hook_overhead colocation), MODELS (real_training's, comma-separated; the paper's five by default), BATCH (16),
+# COLOC_JOBS (colocation's MODEL@BATCH,...; its own default by device), and each item's timeout in seconds: TESTS_S
+# (100), REAL_S (140), RUN_S (45), OVERHEAD_S (75), COLOC_S (170): 530 s in all. On a machine without CUDA the same
+# script runs on the CPU device (the CUDA tests skip; colocation needs about 180 s there: COLOC_S=240):
 #   MODELS=resnet50 BATCH=2 OUT=/tmp/gs PYTHON=.venv/bin/python bash benchmarks/gpu_session.sh
 set -uo pipefail
 R=$(cd "$(dirname "$0")/.." && pwd)
@@ -22,7 +26,7 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # the items that run from /tmp write
 PYTHON=${PYTHON:-python3}
 # made absolute: the tests run from /tmp
 case $PYTHON in */*) PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")" ;; esac
-ITEMS=${ITEMS:-tests real_training run_model hook_overhead}
+ITEMS=${ITEMS:-tests real_training run_model hook_overhead colocation}
 BATCH=${BATCH:-16}
 export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-160}  # rich's tables, unfolded in the logs
 LOG="$OUT/session.log"
@@ -62,22 +66,28 @@ fresh() {  # the results file an item wrote in this call (the folder holds earli
 for name in $ITEMS; do
     case $name in
         tests)  # `-m`, from outside the repository
-            item cuda_tests "${TESTS_S:-150}" bash -c "cd /tmp && '$PYTHON' -m pytest -q -p no:cacheprovider \
+            item cuda_tests "${TESTS_S:-100}" bash -c "cd /tmp && '$PYTHON' -m pytest -q -p no:cacheprovider \
                 '$R/tests/hook/test_movers_cuda.py' '$R/tests/core/test_latency_cuda.py' \
                 '$R/tests/hook/test_cuda.py'" ;;
         real_training)
-            item real_training "${REAL_S:-240}" "$PYTHON" benchmarks/real_training.py --batch-size "$BATCH" \
+            item real_training "${REAL_S:-140}" "$PYTHON" benchmarks/real_training.py --batch-size "$BATCH" \
                 ${MODELS:+--models "$MODELS"}
             fresh real_training ;;
         run_model)  # the forecast traced for this device and planned with its preset; the plan applied if it matches
-            item run_model "${RUN_S:-60}" bash -c "cd /tmp && '$PYTHON' -m tensile.cli run --model resnet50 \
+            item run_model "${RUN_S:-45}" bash -c "cd /tmp && '$PYTHON' -m tensile.cli run --model resnet50 \
                 --batch-size $BATCH --memory-budget 0.6 --report '$OUT/run_model_report.json' -- '$PYTHON' \
                 '$R/examples/train_zoo.py' resnet50 --batch-size $BATCH" ;;
         hook_overhead)
             item hook_overhead "${OVERHEAD_S:-75}" "$PYTHON" benchmarks/hook_overhead.py --device "$DEVICE" \
                 --batch-size "$BATCH"
             fresh hook_overhead ;;
-        *) say "unknown item '$name' (known: tests real_training run_model hook_overhead)" ;;
+        colocation)  # several jobs at once on a simulated share of the GPU, each capped: alone, declared, Tensile
+            item colocation "${COLOC_S:-170}" "$PYTHON" benchmarks/colocation.py ${COLOC_JOBS:+--jobs "$COLOC_JOBS"}
+            fresh colocation
+            find benchmarks/results -name "colocation*.png" -newer "$STARTED" -exec cp {} "$OUT/" \; ;;
+        *) say "unknown item '$name' (known: tests real_training run_model hook_overhead colocation)" ;;
     esac
 done
+# at most 8 files come back: the items' logs travel as one archive (their last lines are in session.log)
+(cd "$OUT" && ls ./*.log | grep -v session.log | xargs -r tar -czf items_logs.tar.gz --remove-files)
 say "done after $SECONDS s"

@@ -38,6 +38,7 @@ from rich.table import Table
 from hook_overhead import empty_plan, timed_step
 from paper_tables import MODELS as PAPER_MODELS
 from paper_tables import PAPER_TABLE_III
+from tensile.allocator import reserved_peak
 from tensile.latency.calibrate import local_device, torch_device
 from tensile.plan import PLAN_EVENTS
 from tensile_hook import activate, deactivate
@@ -65,15 +66,17 @@ def run(model_name: str, batch_size: int, steps: int, device: torch.device, sett
     try:
         model, batch, loss_fn, make_optimizer = build_zoo_parts(model_name, batch_size, device=device.type)
         optimizer = make_optimizer(model.parameters())
-        seconds, peaks = [], []
+        seconds, peaks, reserved = [], [], []
         for _ in range(steps):
             if device.type == "cuda":  # the allocator's figures change as ops are queued, not as they run
                 torch.cuda.reset_peak_memory_stats(device)
             seconds.append(timed_step(model, batch, loss_fn, optimizer, device))
             peaks.append(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+            reserved.append(torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None)
         report: HookReport | None = executor.report if executor else None
         # what the planner planned against: the recorded iteration's op latencies, summed
         recorded = sum(op.latency for op in executor.live.ops) if executor and executor.live else None
+        live = executor.live if executor else None
     finally:
         if executor is not None:
             deactivate()  # brings every tensor back before the state is read
@@ -81,7 +84,8 @@ def run(model_name: str, batch_size: int, steps: int, device: torch.device, sett
     for j, per_param in enumerate(optimizer.state.values()):
         state.update({f"opt.{j}.{k}": v.to("cpu", copy=True) for k, v in per_param.items() if isinstance(v, torch.Tensor)})
     del model, batch, optimizer
-    return {"seconds": seconds, "peaks": peaks, "state": state, "report": report, "recorded_seconds": recorded}
+    return {"seconds": seconds, "peaks": peaks, "reserved": reserved, "state": state, "report": report,
+            "recorded_seconds": recorded, "live": live}
 
 
 def identical(a: dict, b: dict) -> bool:
@@ -101,9 +105,16 @@ def compare(model_name: str, batch_size: int, steps: int, device: torch.device, 
     if device.type == "cuda":
         vanilla_peak = max(first["peaks"][FIRST_STEADY:])
         tensile_peak = max(tensile["peaks"][FIRST_STEADY:])
+        vanilla_reserved, tensile_reserved = max(first["reserved"]), max(tensile["reserved"])
     else:  # the hook's tracker of live storages is the CPU device's only peak: the vanilla one is its forecast
         vanilla_peak = report.vanilla_peak_bytes or 0
         tensile_peak = max((it.peak_bytes for it in planned), default=0)
+        vanilla_reserved, tensile_reserved = vanilla_peak, tensile_peak  # no caching allocator on the CPU
+    # the allocator model over the recorded iteration, at the allocator settings this process runs with
+    expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    live = tensile["live"]
+    forecast_reserved = (reserved_peak(live, expandable_segments=expandable).reserved_peak_bytes
+                         if live is not None and device.type == "cuda" else report.vanilla_peak_bytes)
     row = {
         "model": model_name,
         "batch_size": batch_size,
@@ -113,6 +124,12 @@ def compare(model_name: str, batch_size: int, steps: int, device: torch.device, 
         "tensile_peak_bytes": tensile_peak,
         "scheduled_peak_bytes": report.scheduled_peak_bytes,
         "forecast_vanilla_peak_bytes": report.vanilla_peak_bytes,
+        # what the process held (the caching allocator's segments) against the allocator model's forecast, and what
+        # the allocator held beyond the recorded tensors at the recorded iteration (library workspaces, rounding)
+        "vanilla_reserved_peak_bytes": vanilla_reserved,
+        "tensile_reserved_peak_bytes": tensile_reserved,
+        "forecast_vanilla_reserved_peak_bytes": forecast_reserved,
+        "workspace_bytes": report.workspace_bytes,
         "msr": 1 - tensile_peak / vanilla_peak if vanilla_peak else None,
         "paper_msr": PAPER_TABLE_III[model_name]["tensile"][0] if model_name in PAPER_TABLE_III else None,
         "vanilla_seconds": vanilla_seconds,

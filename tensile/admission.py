@@ -107,3 +107,19 @@ def admitted_bytes(scheduled_peak: int, slack: int, context: int, policy: Reques
     if amount is None or (capacity is not None and amount > capacity):
         return None
     return amount
+
+
+def forecast_admitted_bytes(forecast_summary: dict, context_bytes: int) -> int:
+    """`admitted_bytes` from a forecast (`tensile forecast --json`'s summary) on a device with no request policy (local
+    mode): what the caching allocator reserves at the scheduled peak (`scheduled_reserved_peak_bytes`: the allocator's
+    slack over the tensors, fragmentation included, which a neighbour pays for where only the tensors' bytes were
+    counted) plus the per-job `context_bytes`. Where the summary carries a memory budget below the scheduled peak, the
+    guard holds the tensors to it, and the slack comes on top. Never below the tensors' own bytes: an older forecast,
+    without the reserved figure, counts those alone."""
+    scheduled = int(forecast_summary["scheduled_peak_bytes"])
+    reserved = max(scheduled, int(forecast_summary.get("scheduled_reserved_peak_bytes") or scheduled))
+    budget = forecast_summary.get("memory_budget_bytes")
+    held = scheduled if budget is None else min(scheduled, int(budget))
+    admitted = admitted_bytes(held, reserved - scheduled, context_bytes)
+    assert admitted is not None  # no policy and no capacity: every amount is allowed
+    return admitted

@@ -381,13 +381,15 @@ class Measurements:
     the agent plans with); they drive the EWMA and the drift re-plan. Byte and stall figures are totals
     over the iterations covered; `peak_bytes` the highest; `planned_peak_bytes` the highest of the
     iterations measured under a plan (`measured_under_plan`; absent from an older hook's body);
-    `iteration_seconds` the mean."""
+    `reserved_peak_bytes` the highest the process held (on CUDA the caching allocator's max_memory_reserved, on the
+    CPU device the same as `peak_bytes`; absent from an older hook's body); `iteration_seconds` the mean."""
 
     plan_version: int | None = None
     iterations: int = 1
     op_latencies: list[list[float]] = field(default_factory=list)
     peak_bytes: int | None = None
     planned_peak_bytes: int | None = None
+    reserved_peak_bytes: int | None = None
     iteration_seconds: float | None = None
     vanilla_iteration_seconds: float | None = None  # measured without a plan, when the hook knows it
     stall_seconds: float = 0.0
@@ -402,6 +404,7 @@ class Measurements:
         _int(data, "iterations", 1, 1)
         _opt_int(data, "peak_bytes")
         _opt_int(data, "planned_peak_bytes")
+        _opt_int(data, "reserved_peak_bytes")
         _opt_float(data, "iteration_seconds")
         _opt_float(data, "vanilla_iteration_seconds")
         for key in ("stall_seconds",):
@@ -437,12 +440,14 @@ class Measurements:
         if not iterations:
             raise ContractError("iterations", "need at least one iteration")
         n = len(iterations)
+        reserved = [int(it["reserved_bytes"]) for it in iterations if it.get("reserved_bytes") is not None]
         return cls(
             plan_version=plan_version if plan_version is not None else iterations[-1].get("plan_version"),
             iterations=n,
             op_latencies=list(op_latencies or []),
             peak_bytes=max(int(it.get("peak_bytes") or 0) for it in iterations),
             planned_peak_bytes=planned_peak(iterations),
+            reserved_peak_bytes=max(reserved) if reserved else None,
             iteration_seconds=sum(float(it.get("seconds") or 0.0) for it in iterations) / n,
             stall_seconds=sum(float(it.get("stall_seconds") or 0.0) for it in iterations),
             swap_out_bytes=sum(int(it.get("swap_out_bytes") or 0) for it in iterations),

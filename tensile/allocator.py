@@ -33,7 +33,7 @@ cudaMalloc (it frees cached segments: a run that needs it is already at the cap)
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from tensile.peak import FREE, Change, effective_changes, scheduled_changes, vanilla_changes
@@ -48,6 +48,46 @@ MIN_LARGE_ALLOC = 10 * MIB  # kMinLargeAlloc
 ROUND_LARGE = 2 * MIB  # kRoundLarge: larger requests get a segment of their size rounded up to this
 LARGE_POOL_BASE = 1 << 50  # where the large pool's addresses start: its blocks sort apart from the small pool's
 MAX_ITERATIONS = 8  # iterations replayed at most while the allocator's state at an iteration start keeps changing
+
+
+# the allocator's settings, by the variable PyTorch reads first where both are set (c10/core/AllocatorConfig.cpp: the
+# device-generic PYTORCH_ALLOC_CONF since 2.9, else PYTORCH_CUDA_ALLOC_CONF)
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def _options(value: str) -> dict[str, str]:
+    """An allocator setting's options ('max_split_size_mb:128,expandable_segments:True') by name."""
+    pairs = (option.partition(":") for option in value.split(",") if option.strip())
+    return {key.strip(): setting.strip() for key, _, setting in pairs}
+
+
+def expandable_segments_setting(environ: Mapping[str, str | None]) -> dict[str, str]:
+    """The allocator variable a job's environment gets so that its CUDA memory grows in expandable segments (less
+    fragmentation: what it reserves stays nearer what its tensors hold, which a shared GPU's neighbours pay for),
+    merged with the user's own setting and never overriding it. Empty where nothing is to be set: the user's setting
+    names expandable_segments already (an explicit False stands), picks another backend (cudaMallocAsync has no
+    segments), or cannot be read here (None: a pod's value from a ConfigMap or Secret)."""
+    for name in ALLOC_CONF_VARIABLES:
+        if name not in environ:
+            continue
+        value = environ[name]
+        if value is None:
+            return {}
+        options = _options(value)
+        if "expandable_segments" in options or options.get("backend", "native") != "native":
+            return {}
+        kept = [option.strip() for option in value.split(",") if option.strip()]
+        return {name: ",".join([*kept, EXPANDABLE_SEGMENTS])}
+    return {ALLOC_CONF_VARIABLES[1]: EXPANDABLE_SEGMENTS}
+
+
+def expandable_segments_in(environ: Mapping[str, str]) -> bool:
+    """Whether a job started from `environ` by Tensile (`expandable_segments_setting` merged in) runs with expandable
+    segments: what its reserved memory is forecast with."""
+    merged = {**environ, **expandable_segments_setting(environ)}
+    name = next((name for name in ALLOC_CONF_VARIABLES if name in merged), None)
+    return name is not None and _options(merged[name]).get("expandable_segments", "").lower() == "true"
 
 
 def segment_bytes(size: int) -> int:

@@ -40,16 +40,35 @@ class KnobError(ValueError):
 
 
 @dataclass(frozen=True)
-class Knob(Generic[T, J]):
+class Setting(Generic[T]):
+    """A value the hook reads from its environment variable, which a CLI flag sets: `parse` reads the text of either
+    and raises KnobError naming the field it is given."""
+
+    variable: str  # the hook's environment variable: TENSILE_MAX_SWAP_RATE
+    option: str  # the CLI's flag: --max-swap-rate
+    parse: Callable[[str, str], T]
+
+    def from_option(self, text: str) -> T:
+        """The flag's value, refused as bad input naming the flag: the command and the hook it starts take the same."""
+        try:
+            return self.parse(text, self.option)
+        except ValueError as exc:
+            raise TensileUserError(str(exc)) from None
+
+    def from_environment(self, environ: Mapping[str, str], default: D) -> T | D:
+        """The variable's value (unset or empty: `default`), as the hook reads it."""
+        text = environ.get(self.variable)
+        return self.parse(text, self.variable) if text else default
+
+
+@dataclass(frozen=True)
+class Knob(Setting[T], Generic[T, J]):
     """One knob by each of its names, and how its values are read. `parse` reads the text of its variable or its
     flag; `parse_in_job` a value written in a TrainingJob (YAML: a number or a boolean in the spec, text in the
     annotation). Both raise KnobError naming the field they are given."""
 
     spec_field: str  # the field of a TrainingJob's spec, as a message names it: spec.scheduling.maxSwapRate
     annotation: str  # the annotation that overrides the field: tensile.dev/max-swap-rate
-    variable: str  # the hook's environment variable: TENSILE_MAX_SWAP_RATE
-    option: str  # the CLI's flag: --max-swap-rate
-    parse: Callable[[str, str], T]
     parse_in_job: Callable[[object, str], J]
 
     @property
@@ -67,18 +86,6 @@ class Knob(Generic[T, J]):
         for key in self.spec_field.split(".")[1:]:
             node = node.get(key) if isinstance(node, Mapping) else None
         return node, self.spec_field
-
-    def from_option(self, text: str) -> T:
-        """The flag's value, refused as bad input naming the flag: the command and the hook it starts take the same."""
-        try:
-            return self.parse(text, self.option)
-        except ValueError as exc:
-            raise TensileUserError(str(exc)) from None
-
-    def from_environment(self, environ: Mapping[str, str], default: D) -> T | D:
-        """The variable's value (unset or empty: `default`), as the hook reads it."""
-        text = environ.get(self.variable)
-        return self.parse(text, self.variable) if text else default
 
 
 def parse_number(text: object, field: str, valid: Callable[[float], bool], expected: str) -> float:
@@ -193,24 +200,33 @@ def parse_plan_events(value: object, field: str) -> str:
     return parse_choice(value, field, PLAN_EVENT_CHOICES, " (auto: native events only on CUDA, every event on the CPU)")
 
 
-MAX_SWAP_RATE = Knob("spec.scheduling.maxSwapRate", ANNOTATION_PREFIX + "max-swap-rate", "TENSILE_MAX_SWAP_RATE",
-                     "--max-swap-rate", parse_swap_rate, parse_swap_rate)
+MAX_SWAP_RATE = Knob(variable="TENSILE_MAX_SWAP_RATE", option="--max-swap-rate", parse=parse_swap_rate,
+                     spec_field="spec.scheduling.maxSwapRate", annotation=ANNOTATION_PREFIX + "max-swap-rate",
+                     parse_in_job=parse_swap_rate)
 # bytes or a fraction of the vanilla peak where it is text; a TrainingJob's budget is bytes
-MEMORY_BUDGET = Knob("spec.memoryBudget", ANNOTATION_PREFIX + "memory-budget", "TENSILE_MEMORY_BUDGET",
-                     "--memory-budget", parse_budget, parse_memory)
-RECOMPUTE = Knob("spec.scheduling.recompute", ANNOTATION_PREFIX + "recompute", "TENSILE_RECOMPUTE", "--no-recompute",
-                 parse_true_false, parse_switch)
-PLAN_EVENTS = Knob("spec.scheduling.planEvents", ANNOTATION_PREFIX + "plan-events", "TENSILE_PLAN_EVENTS",
-                   "--plan-events", parse_plan_events, parse_plan_events)
+MEMORY_BUDGET = Knob(variable="TENSILE_MEMORY_BUDGET", option="--memory-budget", parse=parse_budget,
+                     spec_field="spec.memoryBudget", annotation=ANNOTATION_PREFIX + "memory-budget",
+                     parse_in_job=parse_memory)
+RECOMPUTE = Knob(variable="TENSILE_RECOMPUTE", option="--no-recompute", parse=parse_true_false,
+                 spec_field="spec.scheduling.recompute", annotation=ANNOTATION_PREFIX + "recompute",
+                 parse_in_job=parse_switch)
+PLAN_EVENTS = Knob(variable="TENSILE_PLAN_EVENTS", option="--plan-events", parse=parse_plan_events,
+                   spec_field="spec.scheduling.planEvents", annotation=ANNOTATION_PREFIX + "plan-events",
+                   parse_in_job=parse_plan_events)
+# No TrainingJob names it: the memory the job was admitted with on its device (`tensile.admission.admitted_bytes`),
+# which the operator's pod, `tensile local` and `tensile run --memory-cap` give its process, whose CUDA memory the
+# hook's sitecustomize caps at it (runtime_hook/tensile_hook/memory_cap.py), whether the hook then runs or not
+MEMORY_CAP = Setting("TENSILE_MEMORY_CAP", "--memory-cap", parse_memory)
 KNOBS: tuple[Knob[Any, Any], ...] = (MAX_SWAP_RATE, MEMORY_BUDGET, RECOMPUTE, PLAN_EVENTS)
 
 
 def knob_variables(memory_budget: str | int | None = None, max_swap_rate: float | None = None,
-                   plan_events: str | None = None, recompute: bool | None = None) -> dict[str, str]:
-    """The hook's variables for a job's knobs, as the operator's pods, `tensile run` and `tensile local` set them;
-    a knob given as None is left out (the environment's value, else the hook's default, stands)."""
-    values: dict[Knob[Any, Any], object] = {MEMORY_BUDGET: memory_budget, MAX_SWAP_RATE: max_swap_rate,
-                                            PLAN_EVENTS: plan_events, RECOMPUTE: recompute}
+                   plan_events: str | None = None, recompute: bool | None = None,
+                   memory_cap: int | None = None) -> dict[str, str]:
+    """The hook's variables for a job's knobs and its memory cap, as the operator's pods, `tensile run` and `tensile
+    local` set them; one given as None is left out (the environment's value, else the hook's default, stands)."""
+    values: dict[Setting[Any], object] = {MEMORY_BUDGET: memory_budget, MAX_SWAP_RATE: max_swap_rate,
+                                          PLAN_EVENTS: plan_events, RECOMPUTE: recompute, MEMORY_CAP: memory_cap}
     return {knob.variable: _variable_text(value) for knob, value in values.items() if value is not None}
 
 

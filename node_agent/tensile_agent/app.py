@@ -154,6 +154,8 @@ class MeasurementsIn(_Request):
         default_factory=list, max_length=MAX_OP_SAMPLES, description="sampled [op index, seconds] pairs")
     peak_bytes: int | None = Field(None, ge=0, le=MAX_BYTES)
     planned_peak_bytes: int | None = Field(None, ge=0, le=MAX_BYTES, description="highest peak measured under a plan")
+    reserved_peak_bytes: int | None = Field(None, ge=0, le=MAX_BYTES, description="highest memory the process held "
+                                            "(CUDA: the caching allocator's max_memory_reserved)")
     iteration_seconds: float | None = Field(None, ge=0, le=MAX_SECONDS)
     vanilla_iteration_seconds: float | None = Field(None, ge=0, le=MAX_SECONDS)
     stall_seconds: float = Field(0.0, ge=0, le=MAX_SECONDS)
@@ -194,6 +196,7 @@ class ObservedOut(_Model):
     iterations: int
     peak_bytes: int | None
     planned_peak_bytes: int | None
+    reserved_peak_bytes: int | None
     iteration_seconds: float | None
     eor: float | None
     stall_seconds: float

@@ -63,6 +63,10 @@ class AgentCollector(Collector):
                 "tensile_job_observed_planned_peak_bytes",
                 "Highest memory peak the hook measured in iterations under the current plan: compare with the forecast scheduled peak",
                 labels=JOB_LABELS),
+            "reserved": GaugeMetricFamily(
+                "tensile_job_observed_reserved_peak_bytes",
+                "Highest memory the job's process held, as the hook measured it: on CUDA the caching allocator's "
+                "max_memory_reserved (absent until the hook sends it)", labels=JOB_LABELS),
             "iteration": GaugeMetricFamily("tensile_job_iteration_seconds", "Mean iteration time in the hook's last report", labels=JOB_LABELS),
             "predicted": GaugeMetricFamily("tensile_job_predicted_iteration_seconds", "Vanilla iteration time the plan was made with", labels=JOB_LABELS),
             "eor": GaugeMetricFamily("tensile_job_observed_eor_ratio", "Observed extra overhead rate: iteration time / the vanilla "
@@ -127,6 +131,8 @@ class AgentCollector(Collector):
                 job_metrics["observed"].add_metric(labels, obs["peak_bytes"])
             if obs["planned_peak_bytes"] is not None:
                 job_metrics["observed_planned"].add_metric(labels, obs["planned_peak_bytes"])
+            if obs["reserved_peak_bytes"] is not None:
+                job_metrics["reserved"].add_metric(labels, obs["reserved_peak_bytes"])
             if obs["iteration_seconds"] is not None:
                 job_metrics["iteration"].add_metric(labels, obs["iteration_seconds"])
             if obs["eor"] is not None:

@@ -306,6 +306,7 @@ class AgentService:
             o.iterations += m.iterations
             o.peak_bytes = higher(o.peak_bytes, m.peak_bytes)
             o.fold_planned_peak(m.planned_peak_bytes, m.plan_version, job.version)
+            o.reserved_peak_bytes = higher(o.reserved_peak_bytes, m.reserved_peak_bytes)
             if m.vanilla_iteration_seconds:
                 o.vanilla_iteration_seconds = m.vanilla_iteration_seconds
             if m.iteration_seconds is not None:

@@ -34,6 +34,7 @@ class Observed:
     peak_bytes: int | None = None  # of every iteration, the unplanned first ones too: what the device held
     planned_peak_bytes: int | None = None  # of the iterations measured under the current plan: what its forecast predicts
     planned_peak_version: int | None = None  # the plan version planned_peak_bytes was measured under
+    reserved_peak_bytes: int | None = None  # what the process held (CUDA: max_memory_reserved), when the hook sends it
     iteration_seconds: float | None = None
     vanilla_iteration_seconds: float | None = None  # the hook's own measurement without a plan, the last it sent
     eor: float | None = None  # iteration_seconds / vanilla_iteration_seconds: None until the hook measured a vanilla time

@@ -17,7 +17,7 @@ from tensile_operator.claims import JobClaims
 from tensile_operator.completion import JobCompletion
 from tensile_operator.events import NORMAL, EventRecorder, Said
 from tensile_operator.kube import Conflict, Kube, KubeError, retried, transient
-from tensile_operator.placement import Booking
+from tensile_operator.placement import Booking, Gpu
 from tensile_operator.pod_state import pinned_elsewhere, started
 from tensile_operator.pods import JobTokens, build_pod, owner_of
 from tensile_operator.statuses import JobStatuses, condition
@@ -41,6 +41,14 @@ def pod_budget(booking: Booking) -> int | None:
     if booking.budget_bytes is not None:
         return booking.budget_bytes
     return booking.reserved_bytes if booking.forecast is None else None
+
+
+def admitted_size(booking: Booking, gpu: Gpu | None) -> int:
+    """What the job was admitted with, its process's CUDA memory cap (TENSILE_MEMORY_CAP): its claim's request in `dra`
+    mode, else its booked peak plus the GPU's per-process context."""
+    if booking.claim_bytes is not None:
+        return booking.claim_bytes
+    return booking.reserved_bytes + (gpu.context_bytes if gpu else 0)
 
 
 class PodLauncher:
@@ -115,7 +123,7 @@ class PodLauncher:
         signature = booking.forecast.signature if booking.forecast else None
         pod = build_pod(body, booking.node, booking.gpu, gpu.agent if gpu else None,
                         pod_budget(booking), booking.max_swap_rate, signature, self.image, booking.plan_events,
-                        booking.recompute, claim)
+                        booking.recompute, claim, memory_cap=admitted_size(booking, gpu))
         namespace, name = meta["namespace"], pod["metadata"]["name"]
         await self.agents.admit(gpu.agent if gpu else None, booking.job, self.tokens.issue(body), booking.gpu, name,
                                 pod_budget(booking))

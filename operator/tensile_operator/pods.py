@@ -16,6 +16,7 @@ import hmac
 import os
 import secrets
 
+from tensile.allocator import expandable_segments_setting
 from tensile.knobs import knob_variables
 from tensile_operator import API_VERSION
 
@@ -110,8 +111,9 @@ class JobTokens:
 
 def hook_env(job: str, gpu_uuid: str, agent: str | None, budget: int | None,
              max_swap_rate: float | None, signature: str | None, existing_path: str | None, plan_events: str,
-             recompute: bool, visible_devices: bool = True) -> list[dict]:
-    """`visible_devices`: the GPU named by environment variables (legacy mode; with a claim, the driver does it)."""
+             recompute: bool, visible_devices: bool = True, memory_cap: int | None = None) -> list[dict]:
+    """`visible_devices`: the GPU named by environment variables (legacy mode; with a claim, the driver does it);
+    `memory_cap`: the job's admitted size, its process's CUDA memory cap (TENSILE_MEMORY_CAP)."""
     env = {
         "TENSILE_JOB": job,
         "TENSILE_GPU": gpu_uuid,
@@ -120,7 +122,7 @@ def hook_env(job: str, gpu_uuid: str, agent: str | None, budget: int | None,
         # the budget and rate it was admitted with, the events admission planned with (the hook's own plans and its
         # agent's keep to the same) and spec.scheduling.recompute (the hook registers with it, so the agent plans
         # without recomputes from the start)
-        **knob_variables(budget, max_swap_rate, plan_events, recompute),
+        **knob_variables(budget, max_swap_rate, plan_events, recompute, memory_cap),  # memory_cap: its admitted size
         "PYTHONPATH": os.pathsep.join(p for p in (f"{HOOK_MOUNT}/site", f"{HOOK_MOUNT}/lib", existing_path) if p),
     }
     if agent:
@@ -132,9 +134,9 @@ def hook_env(job: str, gpu_uuid: str, agent: str | None, budget: int | None,
 
 def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, budget: int | None,
               max_swap_rate: float | None, signature: str | None, image: str = DEFAULT_IMAGE, plan_events: str = "auto",
-              recompute: bool = True, claim: str | None = None) -> dict:
+              recompute: bool = True, claim: str | None = None, memory_cap: int | None = None) -> dict:
     """The pod manifest for the TrainingJob `body` placed on (node, gpu_uuid); with `claim`, its GPU is that
-    ResourceClaim's (the pod names no node and no device)."""
+    ResourceClaim's (the pod names no node and no device). `memory_cap`: its process's CUDA memory cap."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     template = copy.deepcopy(body["spec"].get("template") or {})
@@ -159,11 +161,14 @@ def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, budget: i
     for container in spec.get("containers") or []:
         existing = next((e.get("value") for e in container.get("env") or [] if e.get("name") == "PYTHONPATH"), None)
         ours = hook_env(job, gpu_uuid, agent, budget, max_swap_rate, signature, existing, plan_events, recompute,
-                        visible_devices=claim is None)
+                        visible_devices=claim is None, memory_cap=memory_cap)
         if claim is not None:
             resources = container.setdefault("resources", {})
             others = [c for c in resources.get("claims") or [] if c.get("name") != CLAIM]
             resources["claims"] = others + [{"name": CLAIM}]
+        # expandable segments, merged with the container's own allocator setting, never over it (tensile.allocator)
+        own = {e.get("name"): e.get("value") for e in container.get("env") or []}
+        ours += [{"name": k, "value": v} for k, v in expandable_segments_setting(own).items()]
         names = {e["name"] for e in ours}
         container["env"] = [e for e in container.get("env") or [] if e.get("name") not in names] + ours
         container["volumeMounts"] = [m for m in container.get("volumeMounts") or []

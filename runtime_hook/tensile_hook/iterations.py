@@ -170,10 +170,13 @@ class Iterations:
         stats.ops = self.dispatch.ops_recorded() if recorded else state.op_index
         if state.device_type == "cuda":
             stats.peak_bytes = torch.cuda.max_memory_allocated(state.device)
+            stats.reserved_bytes = torch.cuda.max_memory_reserved(state.device)
             torch.cuda.reset_peak_memory_stats(state.device)
-        elif stats.peak_source == "planned":  # nothing watched the storages: the forecast, marked as such
-            forecast = state.report.scheduled_peak_bytes if state.active else None
-            stats.peak_bytes = forecast or self.plans.vanilla_peak or 0
+        else:
+            if stats.peak_source == "planned":  # nothing watched the storages: the forecast, marked as such
+                forecast = state.report.scheduled_peak_bytes if state.active else None
+                stats.peak_bytes = forecast or self.plans.vanilla_peak or 0
+            stats.reserved_bytes = stats.peak_bytes  # no caching allocator on the CPU (IterationStats.reserved_bytes)
         state.report.add(stats)
         if not state.disabled and recorded:
             live = self.dispatch.recorded()

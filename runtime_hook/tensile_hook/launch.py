@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tensile.agent_client import Http
 from tensile.agent_contract import GPU_PATTERN
+from tensile.allocator import expandable_segments_setting
 from tensile.errors import TensileUserError
 from tensile.knobs import knob_variables
 from tensile.workload_io import load_workload
@@ -21,23 +22,26 @@ SITE_DIR = Path(__file__).parent / "site"  # its sitecustomize switches the hook
 def hook_variables(*, memory_budget: str | None = None, workload: str | None = None, plan: str | None = None,
                    agent: str | None = None, token: str | None = None, gpu: str | None = None,
                    max_swap_rate: float | None = None, report: str | None = None, plan_events: str | None = None,
-                   recompute: bool = True) -> dict[str, str]:
+                   recompute: bool = True, memory_cap: int | None = None) -> dict[str, str]:
     """The TENSILE_* variables of these settings. One not given (None, empty) is left out, and recompute is set
-    only when off: the environment's value, else the hook's default, stands."""
+    only when off: the environment's value, else the hook's default, stands. `memory_cap`: the bytes the job was
+    admitted with, its process's CUDA memory cap (tensile_hook.memory_cap)."""
     named = {"TENSILE_WORKLOAD": workload, "TENSILE_PLAN": plan, "TENSILE_AGENT": agent, "TENSILE_TOKEN": token,
              "TENSILE_GPU": gpu, "TENSILE_REPORT": report}
-    knobs = knob_variables(memory_budget, max_swap_rate, plan_events, None if recompute else False)
+    knobs = knob_variables(memory_budget, max_swap_rate, plan_events, None if recompute else False, memory_cap)
     return {name: value for name, value in (named | knobs).items() if value}
 
 
 def hook_environment(job: str, variables: Mapping[str, str],
                      environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """`environ` (default: this process's) with the hook switched on for `job`: its site folder first on PYTHONPATH
-    and `variables` (`hook_variables`) over the environment's own."""
+    """`environ` (default: this process's) with the hook switched on for `job`: its site folder first on PYTHONPATH,
+    `variables` (`hook_variables`) over the environment's own, and the CUDA allocator's expandable segments merged
+    with the environment's own allocator setting (never over it: tensile.allocator)."""
     env = dict(os.environ if environ is None else environ)
     env["TENSILE_JOB"] = job
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), env.get("PYTHONPATH", "")) if p)
     env.update(variables)
+    env.update(expandable_segments_setting(env))
     return env
 
 

@@ -12,6 +12,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
 from types import TracebackType
 
 import torch
@@ -20,6 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from tensile.plan import Plan
 from tensile_hook.executor import PlanExecutor
 from tensile_hook.iterations import IterationListener
+from tensile_hook.memory_cap import MemoryCap
 from tensile_hook.outside_reads import guard_outside_reads
 from tensile_hook.plan_book import Planner
 from tensile_hook.settings import HookSettings
@@ -103,9 +105,10 @@ def deactivate() -> None:
         _undo.pop()()
 
 
-def activate_from_env() -> PlanExecutor:
+def activate_from_env(memory_cap: MemoryCap | None = None) -> PlanExecutor:
     """What sitecustomize calls: settings, plan and planner from TENSILE_* variables; with
-    TENSILE_AGENT the node agent plans (the local planner is the fallback while it cannot)."""
+    TENSILE_AGENT the node agent plans (the local planner is the fallback while it cannot). `memory_cap`: the cap
+    sitecustomize set on the process's CUDA memory, for the report."""
     from tensile_hook.plan_source import agent_link, load_plan_files, local_planner
 
     check_torch(str(torch.__version__))
@@ -128,6 +131,7 @@ def activate_from_env() -> PlanExecutor:
         _undo.insert(0, link.close)  # deactivate(): after the executor's finish, before the rest is undone
     if exit_on_sigterm():
         _undo.append(default_sigterm)
+    executor.report.memory_cap = asdict(memory_cap) if memory_cap is not None else None
     return executor
 
 

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from tensile.agent_contract import higher, measured_under_plan, planned_peak
+from tensile.knobs import memory_text
 from tensile.plan import EVENT_KINDS
+from tensile_hook.memory_cap import MemoryCap
 
 
 @dataclass
@@ -22,12 +24,20 @@ class IterationStats:
     path: str = "dispatch"  # dispatch (every op seen, exact) | native (module, step and autograd node hooks; no op in Python)
     peak_bytes: int = 0
     peak_source: str = "measured"  # measured | planned: a native CPU iteration not observed reports the forecast
+    # what the process held at the iteration's peak. CUDA: the caching allocator's max_memory_reserved (its segments:
+    # what a neighbour on a shared GPU finds taken, fragmentation included). The CPU device has no caching allocator
+    # (PyTorch's CPU allocator hands each freed block back), so there it is peak_bytes itself: the tracked storages'
+    # peak (or the forecast, where peak_source is planned), not a measurement of anything more. None: not measured
+    reserved_bytes: int | None = None
     seconds: float = 0.0
     stall_seconds: float = 0.0
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     recompute_bytes: int = 0
     passive_evictions: int = 0
+    # allocation failures (torch.OutOfMemoryError: the device full, or the job's memory cap reached) the guard turned
+    # into passive evictions and a retry
+    out_of_memory_retries: int = 0
     events: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVENT_KINDS, 0))
     hook_seconds: float = 0.0  # the hook's own logic, without the mover's copies or the recomputes' replays
     transfer_seconds: float = 0.0  # time in the mover's calls (enqueuing copies on CUDA; handing memory over, no copy, on the CPU device)
@@ -43,8 +53,9 @@ class IterationStats:
 KEPT_ITERATIONS = 1000  # a long run's report lists its first and its last this many iterations one by one
 
 
+# IterationStats' figures that add up over iterations
 SUMMED = ("seconds", "stall_seconds", "swap_out_bytes", "swap_in_bytes", "recompute_bytes", "passive_evictions",
-          "hook_seconds", "transfer_seconds", "recompute_seconds", "ops")  # IterationStats' figures that add up over iterations
+          "out_of_memory_retries", "hook_seconds", "transfer_seconds", "recompute_seconds", "ops")
 
 
 @dataclass
@@ -141,6 +152,7 @@ class OmittedIterations:
         for kind, count in stats.events.items():
             totals.events[kind] = totals.events.get(kind, 0) + count
         totals.peak_bytes = max(totals.peak_bytes, stats.peak_bytes)
+        totals.reserved_bytes = higher(totals.reserved_bytes, stats.reserved_bytes)
         totals.iteration, totals.mode, totals.path, totals.plan_version = stats.iteration, stats.mode, stats.path, stats.plan_version
         totals.peak_source = stats.peak_source
         totals.memory_budget_bytes, totals.scheduled_peak_bytes = stats.memory_budget_bytes, stats.scheduled_peak_bytes
@@ -164,6 +176,9 @@ class HookReport:
     signature_match: bool | None = None
     live_signature: str | None = None
     stood_down: str | None = None
+    # the process's CUDA memory cap (tensile_hook.memory_cap.MemoryCap's fields), set before the hook started and kept
+    # whether it ran or stood down; None: no cap (none given, or the CPU device)
+    memory_cap: dict | None = None
     messages: list[str] = field(default_factory=list)  # each said once, from the iteration it was first said in
     repeated: dict[str, int] = field(default_factory=dict)  # message -> how many more times it was said
     omitted: OmittedIterations = field(default_factory=OmittedIterations)
@@ -184,6 +199,14 @@ class HookReport:
         return asdict(self)
 
 
+def write_stood_down(path: str | os.PathLike, job: str, reason: str, cap: MemoryCap | None) -> None:
+    """The report of a process whose hook never started (sitecustomize: several processes, a failure at start): why,
+    and the memory cap it runs under all the same."""
+    device = f"cuda:{cap.device}" if cap is not None else "unknown"
+    report = HookReport(job=job, device=device, stood_down=reason, memory_cap=asdict(cap) if cap else None)
+    ReportWriter(path, 0.0).write(report)
+
+
 @dataclass(frozen=True)
 class RunTotals:
     """A report file's whole run: its listed iterations and the ones it totals (`omitted`) together."""
@@ -191,8 +214,10 @@ class RunTotals:
     iterations: int
     planned: int  # iterations under a plan
     peak_bytes: int  # of every iteration: what the device had to hold
+    reserved_peak_bytes: int | None  # of every iteration: what the process held (IterationStats.reserved_bytes)
     planned_peak_bytes: int | None  # of the iterations measured under a plan
     stall_seconds: float
+    out_of_memory_retries: int  # allocation failures the guard turned into passive evictions
     under_plan: UnderPlan  # by plan, against each one's forecast and the budget in force: what `tensile run` says
 
     @classmethod
@@ -210,10 +235,28 @@ class RunTotals:
             iterations=len(listed) + omitted["count"],
             planned=sum(1 for it in listed if it["mode"] == "planned") + omitted["modes"].get("planned", 0),
             peak_bytes=max([it["peak_bytes"] for it in listed] + [omitted["totals"]["peak_bytes"]]),
+            reserved_peak_bytes=max((r for r in [*(it.get("reserved_bytes") for it in listed),
+                                                 omitted["totals"].get("reserved_bytes")] if r is not None),
+                                    default=None),
             planned_peak_bytes=higher(planned_peak(listed), omitted["planned_peak_bytes"]),
             stall_seconds=sum(it["stall_seconds"] for it in listed) + omitted["totals"]["stall_seconds"],
+            out_of_memory_retries=sum(it.get("out_of_memory_retries", 0) for it in listed)
+            + omitted["totals"].get("out_of_memory_retries", 0),
             under_plan=under_plan,
         )
+
+
+def memory_cap_outcome(data: Mapping[str, Any], totals: RunTotals) -> str | None:
+    """Which happened, for a run's summary: its CUDA memory capped (with the hook running, or stood down: then the cap
+    alone held the job to its admission), and allocation failures the guard turned into evictions; None: neither."""
+    said = []
+    cap = data.get("memory_cap")
+    if cap:
+        off = " with the hook stood down" if data.get("stood_down") else ""
+        said.append(f"CUDA memory capped at {memory_text(cap['cap_bytes'])}{off}")
+    if totals.out_of_memory_retries:
+        said.append(f"{totals.out_of_memory_retries} out-of-memory errors turned into passive evictions and retried")
+    return "; ".join(said) or None
 
 
 class ReportWriter:

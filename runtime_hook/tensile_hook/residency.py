@@ -102,6 +102,7 @@ class Residency:
                     self.ensure_slot_resident(slot)
                 except torch.OutOfMemoryError:  # no room to bring it back: make some, as `run_op` does for an op
                     self.state.say("out of memory bringing a tensor back: evicting passively and retrying")
+                    self.state.stats.out_of_memory_retries += 1
                     self.evict(slot.nbytes, protected=set(keys))
                     self.ensure_slot_resident(slot)
                 self.registry.touch(slot)
@@ -127,6 +128,7 @@ class Residency:
                 if attempt == 2:
                     raise OpFailed(exc) from None
                 self.state.say("out of memory: evicting passively and retrying the op")
+                self.state.stats.out_of_memory_retries += 1
                 own = {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
                 self.evict(self.registry.device_bytes // 2, protected=own)
             except Exception as exc:

@@ -23,11 +23,11 @@ from tensile.commands import output_file
 from tensile.console import print_note
 from tensile.errors import TensileUserError
 from tensile.trace_choices import DEFAULT_BATCH_SIZE, DTYPE_NAMES, OPTIMIZER_NAMES
-from tensile.knobs import MAX_SWAP_RATE, MEMORY_BUDGET, PLAN_EVENTS, RECOMPUTE
+from tensile.knobs import MAX_SWAP_RATE, MEMORY_BUDGET, MEMORY_CAP, PLAN_EVENTS, RECOMPUTE
 from tensile.training_command import local_command
 from tensile.plan import PLAN_EVENTS as PLAN_EVENT_CHOICES, load_plan
 from tensile_hook.launch import check_environment, hook_environment, hook_variables
-from tensile_hook.report import PlanPeak, RunTotals, UnderPlan
+from tensile_hook.report import PlanPeak, RunTotals, UnderPlan, memory_cap_outcome
 from tensile_hook.settings import HookSettings
 from tensile.workload_io import load_workload, save_workload
 
@@ -63,6 +63,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="the agent's GPU the job runs on (TENSILE_GPU): needed where the agent has several")
     parser.add_argument(MAX_SWAP_RATE.option, type=float,
                         help="the share of the GPU's swap traffic in (0, 1] plans may use")
+    parser.add_argument(MEMORY_CAP.option, metavar="BYTES",
+                        help=f"cap the command's CUDA memory at this ({MEMORY_CAP.variable}: e.g. 12Gi, what it was "
+                             "admitted with), also where the hook stands down: past it the job gets an out-of-memory "
+                             "error of its own, which the hook turns into evictions where it can")
     parser.add_argument("--report", help="write the hook's JSON report here")
     parser.add_argument("--keep-files", action="store_true",
                         help="keep the run's own files (without --report, the hook's report; with --model, the traced "
@@ -92,6 +96,8 @@ def _check(args: argparse.Namespace) -> list[str]:
         MEMORY_BUDGET.from_option(args.memory_budget)
     if args.max_swap_rate is not None:
         MAX_SWAP_RATE.from_option(str(args.max_swap_rate))
+    if args.memory_cap is not None:
+        args.memory_cap = MEMORY_CAP.from_option(args.memory_cap)
     if args.agent:
         try:
             Http(args.agent)  # the client's own check of the URL, before the hook in the child meets it
@@ -171,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         args.job = _unique_job(command) if args.agent else "local"
     variables = hook_variables(memory_budget=args.memory_budget, workload=args.workload, plan=args.plan,
                                agent=args.agent, token=args.token, gpu=args.gpu, max_swap_rate=args.max_swap_rate,
-                               report=args.report, plan_events=args.plan_events, recompute=args.recompute)
+                               report=args.report, plan_events=args.plan_events, recompute=args.recompute,
+                               memory_cap=args.memory_cap)
     env = hook_environment(args.job, variables)
     # before --model's tracing and its files, which stand in for the environment's: a bad setting is refused before
     # anything is done or made
@@ -222,6 +229,9 @@ def _run_in(scratch: Path, args: argparse.Namespace, command: list[str], env: di
             console.print(f"[yellow]tensile: {over}[/]")
         if data.get("stood_down"):
             console.print(f"[yellow]tensile: the hook stood down: {data['stood_down']}[/]")
+        capped = memory_cap_outcome(data, totals)
+        if capped:
+            console.print(f"tensile: {capped}", highlight=False)
     if args.plot:
         if data is not None and data["iterations"]:
             from tensile.plots import plot_iterations

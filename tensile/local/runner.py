@@ -1,16 +1,18 @@
 """The local runner (docs/local-mode.md): TrainingJobs on one machine, admitted onto one GPU by their forecast
 scheduled peaks, each run as a subprocess under the hook and linked to the in-process node agent.
 
-Admission is first come, first served: the next job starts when the sum of the running jobs' demands
-(forecast scheduled peak, or the memory budget of a job without a traceable model, plus the GPU's
-per-job context) leaves room for its own; the others wait, queued. A traced job whose memory budget is
-below the lowest peak its plan can reach fails (the operator's `BudgetUnreachable`): admitted by that
-budget, it would hold more of the GPU than it was admitted with.
+Admission is first come, first served: the next job starts when the sum of the running jobs' admitted sizes
+(what the caching allocator reserves at the forecast scheduled peak, `tensile.admission.forecast_admitted_bytes`, or the
+memory budget of a job without a traceable model, plus the GPU's per-job context) leaves room for its own; the
+others wait, queued. Each job's process is capped at its admitted size (TENSILE_MEMORY_CAP). A traced job whose
+memory budget is below the lowest peak its plan can reach fails (the operator's `BudgetUnreachable`): admitted by
+that budget, it would hold more of the GPU than it was admitted with.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 from tensile.agent_contract import higher
 from tensile.child_process import ends_with_this_process
 from tensile.console import print_note
+from tensile.admission import forecast_admitted_bytes
 from tensile.knobs import unreachable_budget_text
 from tensile.local.jobs import LocalJob
 
@@ -39,9 +42,12 @@ class JobRun:
     vanilla_peak: int | None = None
     scheduled_peak: int | None = None
     workload_path: Path | None = None
-    demand: int | None = None  # bytes it holds on the GPU for admission
+    demand: int | None = None  # the bytes its tensors are held to (its budget, else its forecast scheduled peak)
+    # the forecast (`forecast_summary`) with the budget the job is held to: what its admitted size is made from
+    summary: dict | None = None
     observed_peak: int | None = None  # of every iteration: the unplanned first ones run at the vanilla peak
     observed_planned_peak: int | None = None  # of the iterations measured under a plan: compare with scheduled_peak
+    observed_reserved_peak: int | None = None  # what the process held (CUDA: max_memory_reserved; CPU: observed_peak)
     iterations: int = 0
     stall_seconds: float = 0.0
     message: str = ""
@@ -62,6 +68,7 @@ class JobRun:
 def forecast(run: JobRun, device: str, preset: str, directory: Path) -> tuple[str, ...]:
     """Trace and plan the job's model (CPU, meta device); a job given by profile keeps its budget. What the latency
     model noted, for the caller to say once for all jobs."""
+    from tensile.allocator import expandable_segments_in
     from tensile.forecast import optimizer_for, trace_workload
     from tensile.job_forecast import make_forecast
     from tensile.workload_io import save_workload
@@ -78,10 +85,12 @@ def forecast(run: JobRun, device: str, preset: str, directory: Path) -> tuple[st
     # with its max swapping rate, as the agent plans it: without, mlp-wide (maxSwapRate 0.5) was admitted at a
     # 7.1 MiB peak its plan could not reach (9.1 MiB) and every iteration ran guarded, evicting
     result = make_forecast(workload, preset, plan_events=spec.plan_events, recompute=spec.recompute,
-                           max_swap_rate=spec.max_swap_rate or 1.0)
+                           max_swap_rate=spec.max_swap_rate or 1.0,
+                           expandable_segments=expandable_segments_in(os.environ))
     run.vanilla_peak = result.summary["vanilla_peak_bytes"]
     run.scheduled_peak = result.summary["scheduled_peak_bytes"]
     run.demand = run.scheduled_peak if spec.memory_budget is None else min(run.scheduled_peak, spec.memory_budget)
+    run.summary = result.summary | {"memory_budget_bytes": spec.memory_budget}
     run.workload_path = directory / f"{run.name}.workload.json.gz"
     save_workload(workload, run.workload_path)
     return result.notes
@@ -103,16 +112,17 @@ def unreachable_budget(run: JobRun) -> str | None:
     return f"BudgetUnreachable: {spec.budget_field} {text}"
 
 
-def job_environment(run: JobRun, agent_url: str, credential_path: str) -> dict[str, str]:
+def job_environment(run: JobRun, agent_url: str, credential_path: str, admitted: int) -> dict[str, str]:
     """The environment the job runs in: this process's, with the hook switched on and told what `tensile run` would
     be (the local agent and the file of its credential, the budget the job was admitted with, its knobs, where to
-    write its report)."""
+    write its report) and its CUDA memory capped at its `admitted` size."""
     from tensile_hook.launch import hook_environment, hook_variables
 
     spec = run.job.spec
     variables = hook_variables(memory_budget=str(run.demand) if run.demand else None, agent=agent_url,
                                workload=str(run.workload_path) if run.workload_path else None, report=str(run.report),
-                               max_swap_rate=spec.max_swap_rate, plan_events=spec.plan_events, recompute=spec.recompute)
+                               max_swap_rate=spec.max_swap_rate, plan_events=spec.plan_events, recompute=spec.recompute,
+                               memory_cap=admitted)
     return hook_environment(run.name, variables) | {"TENSILE_TOKEN_FILE": credential_path}
 
 
@@ -135,6 +145,9 @@ class FirstComeFirstServed:
         self.context = context
 
     def need(self, run: JobRun) -> int:
+        """The job's admitted size: from its forecast (reserved + context), or its budget plus context."""
+        if run.summary is not None:
+            return forecast_admitted_bytes(run.summary, self.context)
         return (run.demand or 0) + self.context
 
     def fits_alone(self, run: JobRun) -> bool:
@@ -217,7 +230,7 @@ class LocalRunner:
     def _start(self, run: JobRun) -> None:
         run.report = self.reports / f"{run.name}.report.json"
         run.log = self.reports / f"{run.name}.log"
-        env = job_environment(run, self.agent.url, self.agent.credential_path)
+        env = job_environment(run, self.agent.url, self.agent.credential_path, self.admission.need(run))
         with open(run.log, "wb") as log:
             try:
                 run.process = subprocess.Popen(run.job.command, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -240,6 +253,7 @@ class LocalRunner:
             totals = RunTotals.of(data)
             if totals.iterations:
                 run.observed_peak, run.observed_planned_peak = totals.peak_bytes, totals.planned_peak_bytes
+                run.observed_reserved_peak = totals.reserved_peak_bytes
             run.iterations = totals.iterations
             run.stall_seconds = totals.stall_seconds
             run.iteration_spans = iteration_spans(data["iterations"], ended)
@@ -262,6 +276,7 @@ class LocalRunner:
             observed = seen["observed"]
             run.observed_peak = higher(run.observed_peak, observed.get("peak_bytes"))
             run.observed_planned_peak = higher(run.observed_planned_peak, observed.get("planned_peak_bytes"))
+            run.observed_reserved_peak = higher(run.observed_reserved_peak, observed.get("reserved_peak_bytes"))
             run.iterations = max(run.iterations, observed.get("iterations") or 0)
             run.stall_seconds = observed.get("stall_seconds") or 0.0
             if run.vanilla_peak is None and seen.get("forecast"):  # a profile job: the agent's plan forecasts it

@@ -29,12 +29,19 @@ def job_view(runs: list[JobRun], title: str) -> Group:
     table = Table(title=title)
     table.caption = ("peaks in MiB: forecast vanilla and scheduled; observed by the hook in every iteration "
                      "(the first ones run unplanned) and under plan (compare with sched.)")
-    for column in ("job", "phase", "vanilla", "sched.", "observed", "under\nplan", "iter", "stalls s"):
+    # what the processes held, where it is more than their tensors (CUDA's caching allocator); the CPU device has no
+    # caching allocator, so there it is the observed peak again, and an 80-column terminal has no room for a copy
+    reserved = any(run.observed_reserved_peak not in (None, run.observed_peak) for run in runs)
+    if reserved:
+        table.caption += "; reserved: what the process held (the CUDA allocator's segments)"
+    columns = ("job", "phase", "vanilla", "sched.", "observed", "under\nplan") + (("reserved",) if reserved else ())
+    for column in (*columns, "iter", "stalls s"):
         table.add_column(column, justify="left" if column in ("job", "phase") else "right", no_wrap=True)
     for run in runs:
         style = PHASE_STYLE.get(run.phase, "")
+        held = (_mib(run.observed_reserved_peak),) if reserved else ()
         table.add_row(run.name, f"[{style}]{run.phase}[/]" if style else run.phase, _mib(run.vanilla_peak),
-                      _mib(run.scheduled_peak), _mib(run.observed_peak), _mib(run.observed_planned_peak),
+                      _mib(run.scheduled_peak), _mib(run.observed_peak), _mib(run.observed_planned_peak), *held,
                       str(run.iterations), f"{run.stall_seconds:.3f}")
     notes = [Text.assemble((f"{run.name}: ", "bold"), run.message) for run in runs if run.message]
     return Group(table, *notes)

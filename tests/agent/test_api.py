@@ -263,6 +263,24 @@ def test_the_peak_under_plan_is_folded_apart_from_the_peak_of_every_iteration(ag
             "current plan: compare with the forecast scheduled peak") in metrics
 
 
+def test_the_reserved_peak_is_exported_once_the_hook_sends_it(agent_server, tiny_workload):
+    """What the process held (CUDA: max_memory_reserved) beside its tensors' peak: absent until a hook sends it (an
+    older hook never does), then the highest sent."""
+    server = agent_server()
+    client = register(server.url, tiny_workload())
+    client.wait_for_plan(30)
+    older = Measurements.from_iterations([{"mode": "recording", "peak_bytes": 9_000_000}])
+    assert client.post_measurements(older).accepted
+    assert _gauge(get(server.url, "/metrics")[1], "tensile_job_observed_reserved_peak_bytes", "a") is None
+    for reserved in (12_000_000, 10_000_000):
+        sent = Measurements.from_iterations([{"mode": "recording", "peak_bytes": 9_000_000,
+                                              "reserved_bytes": reserved}])
+        assert client.post_measurements(sent).accepted
+    (view,) = get(server.url, "/v1/jobs")[1]["jobs"]
+    assert view["observed"]["reserved_peak_bytes"] == 12_000_000
+    assert _gauge(get(server.url, "/metrics")[1], "tensile_job_observed_reserved_peak_bytes", "a") == 12e6
+
+
 def test_the_peak_under_plan_is_that_of_the_current_plan_version(agent_server, tiny_workload):
     """After a re-plan the figure compared with the new forecast starts over from the first post under the new
     version (not the max since registration); a late post under the older plan is ignored."""

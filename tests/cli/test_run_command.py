@@ -459,3 +459,19 @@ def test_a_script_that_crashes_before_its_first_step_is_said_to_have_crashed(cap
     assert "no optimizer step was seen" not in said, said
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["iterations"] == [] and "ended with FileNotFoundError" in report["messages"][0]
+
+
+def test_tensile_run_refuses_a_memory_cap_that_is_no_size(capsys):
+    assert main(["run", "--memory-cap", "lots", "--", sys.executable, "-c", "pass"]) == 2
+    assert "--memory-cap: 'lots' is not a memory size" in " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.slow
+def test_tensile_run_gives_the_command_its_memory_cap_and_expandable_segments(capfd, monkeypatch, tmp_path):
+    """The cap reaches the command's sitecustomize as TENSILE_MEMORY_CAP (bytes); the allocator setting gains
+    expandable segments beside the user's own."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    probe = "import os; print(os.environ['TENSILE_MEMORY_CAP'], os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
+    assert main(["run", "--memory-cap", "64Mi", "--report", str(tmp_path / "r.json"), "--",
+                 sys.executable, "-c", probe]) == 0
+    assert f"{64 * 2**20} max_split_size_mb:128,expandable_segments:True" in capfd.readouterr().out

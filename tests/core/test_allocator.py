@@ -172,3 +172,25 @@ def test_zoo_models_allocate_their_vanilla_peak(traced, model):
         peaks = reserved_peak(workload, expandable_segments=expandable)
         assert peaks.allocated_peak_bytes == analyze_vanilla(workload).peak_bytes
         assert peaks.reserved_peak_bytes >= peaks.allocated_peak_bytes
+
+
+@pytest.mark.parametrize("environ, setting", [
+    ({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"},
+     {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:True"}),
+    ({"PYTORCH_CUDA_ALLOC_CONF": ""}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, {}),  # the user's explicit choice stands
+    ({"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6, expandable_segments : True"}, {}),
+    ({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}, {}),  # no segments to expand
+    ({"PYTORCH_CUDA_ALLOC_CONF": None}, {}),  # a pod's value from a ConfigMap: unread, left alone
+    # PyTorch reads PYTORCH_ALLOC_CONF where both are set: the merge goes there
+    ({"PYTORCH_ALLOC_CONF": "roundup_power2_divisions:4", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"},
+     {"PYTORCH_ALLOC_CONF": "roundup_power2_divisions:4,expandable_segments:True"}),
+])
+def test_expandable_segments_are_merged_with_the_users_allocator_setting_never_over_it(environ, setting):
+    from tensile.allocator import expandable_segments_in, expandable_segments_setting
+
+    assert expandable_segments_setting(environ) == setting
+    if None not in environ.values():
+        expected = "False" not in str(environ) and "cudaMallocAsync" not in str(environ)
+        assert expandable_segments_in(environ) is expected

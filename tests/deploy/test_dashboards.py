@@ -93,9 +93,10 @@ def test_the_jobs_observed_peak_under_plan_is_plotted_against_the_forecasts():
     panels = {p["title"]: [t["expr"] for t in p["targets"]] for p in shipped()["tensile-jobs.json"]["panels"]}
     peaks, accuracy = panels["Peaks: forecast against observed"], panels["Observed peak / forecast scheduled peak"]
     forecasts = ["tensile_job_forecast_vanilla_peak_bytes", "tensile_job_forecast_scheduled_peak_bytes"]
-    observed = ["tensile_job_observed_peak_bytes", "tensile_job_observed_planned_peak_bytes"]
+    observed = ["tensile_job_observed_peak_bytes", "tensile_job_observed_planned_peak_bytes",
+                "tensile_job_observed_reserved_peak_bytes"]
     assert [expr.split("{")[0] for expr in peaks] == forecasts + observed
-    assert [expr.split("{")[0] for expr in accuracy] == observed[::-1]  # each over the scheduled forecast
+    assert [expr.split("{")[0] for expr in accuracy] == observed[1::-1]  # each over the scheduled forecast
 
 
 def test_the_eor_panel_shows_the_measured_eor_and_the_forecast_apart():

@@ -23,6 +23,8 @@ from tensile.local.jobs import load_job, load_jobs
 from tensile.local.runner import JobRun, LocalRunner, iteration_spans
 from tensile.local.view import declared_at_once, job_view, plot_peaks, sharing_summary
 
+MIB = 2**20
+
 JOB = """apiVersion: tensile.dev/v1alpha1
 kind: TrainingJob
 metadata:
@@ -247,15 +249,15 @@ def test_a_jobs_plan_events_and_recompute_reach_its_forecast_and_its_hook(tmp_pa
         "  template:", "  scheduling:\n    planEvents: native\n  template:"))
     job = load_job(path)
     assert job.spec.plan_events == "native"
-    assert job_environment(JobRun(job), "http://127.0.0.1:1", "/dev/null")["TENSILE_PLAN_EVENTS"] == "native"
+    assert job_environment(JobRun(job), "http://127.0.0.1:1", "/dev/null", MIB)["TENSILE_PLAN_EVENTS"] == "native"
     annotated = path.read_text().replace("metadata:\n", "metadata:\n  annotations:\n    tensile.dev/plan-events: all\n")
     path.write_text(annotated)
     assert load_job(path).spec.plan_events == "all"
     plain = load_job(_write(tmp_path, "plain"))
     assert plain.spec.plan_events == "auto" and plain.spec.recompute
-    assert "TENSILE_RECOMPUTE" not in job_environment(JobRun(plain), "http://127.0.0.1:1", "/dev/null")
+    assert "TENSILE_RECOMPUTE" not in job_environment(JobRun(plain), "http://127.0.0.1:1", "/dev/null", MIB)
     path.write_text(annotated.replace("metadata:\n  annotations:\n", "metadata:\n  annotations:\n    tensile.dev/recompute: \"off\"\n"))
-    assert job_environment(JobRun(load_job(path)), "http://127.0.0.1:1", "/dev/null")["TENSILE_RECOMPUTE"] == "false"
+    assert job_environment(JobRun(load_job(path)), "http://127.0.0.1:1", "/dev/null", MIB)["TENSILE_RECOMPUTE"] == "false"
 
 
 def test_a_jobs_annotations_override_its_budget_and_swap_rate_as_in_the_cluster(tmp_path):
@@ -441,3 +443,40 @@ def test_the_summary_sets_what_ran_at_once_against_what_declared_memory_would_fi
     assert said == ("Tensile ran 3 of 3 jobs at once in 24.0 MiB: their scheduled peaks need 18.0 MiB together. "
                     "Sharing by declared memory (each job reserving its vanilla peak, 30.0 MiB together) fits 2 at "
                     "once."), said
+
+
+def test_a_job_is_admitted_by_what_its_allocator_reserves_and_capped_at_it(tmp_path, monkeypatch):
+    """Admission counts reserved memory plus context (tensile.admission.forecast_admitted_bytes), not the tensors' bytes
+    alone, and the job's process is capped at that size; its allocator setting gains expandable segments."""
+    from tensile.local.runner import FirstComeFirstServed, JobRun, job_environment
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    admission = FirstComeFirstServed(capacity=100 * MIB, context=5 * MIB)
+    summary = {"scheduled_peak_bytes": 40 * MIB, "scheduled_reserved_peak_bytes": 52 * MIB, "memory_budget_bytes": None}
+    run = JobRun(load_job(_write(tmp_path, "reserving")), demand=40 * MIB, summary=summary)
+    assert admission.need(run) == 57 * MIB  # 52 reserved + 5 context
+    held = JobRun(run.job, demand=30 * MIB, summary=summary | {"memory_budget_bytes": 30 * MIB})
+    assert admission.need(held) == 47 * MIB  # tensors held to 30, the allocator's 12 over them, 5 context
+    assert [r.name for r in admission.admit([run, held], [])] == ["reserving"]  # 104 MiB together: one waits
+    env = job_environment(run, "http://127.0.0.1:1", "/dev/null", admission.need(run))
+    assert env["TENSILE_MEMORY_CAP"] == str(57 * MIB) and env["TENSILE_MEMORY_BUDGET"] == str(40 * MIB)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    profile = JobRun(run.job, demand=20 * MIB)  # admitted by its budget: no forecast
+    assert admission.need(profile) == 25 * MIB
+
+
+def test_the_view_shows_reserved_memory_where_it_is_more_than_the_tensors(tmp_path):
+    """On CUDA the caching allocator holds more than the tensors (what a neighbour pays for): the view shows it; on
+    the CPU device (no caching allocator) reserved is the observed peak again, and the column stays out."""
+    from rich.console import Console
+
+    from tensile.local.runner import JobRun
+
+    job = load_job(_write(tmp_path, "held"))
+    for reserved, shown in ((9 * MIB, True), (8 * MIB, False)):
+        run = JobRun(job, phase="Running", observed_peak=8 * MIB, observed_reserved_peak=reserved)
+        console = Console(width=120, record=True, file=io.StringIO())
+        console.print(job_view([run], "test"))
+        text = console.export_text()
+        assert ("reserved" in text and "9.0" in text) is shown, text

@@ -214,6 +214,23 @@ def test_the_hook_init_container_passes_pod_security_restricted():
     assert users and users[-1].split(":")[0].isdigit() and int(users[-1].split(":")[0]) > 0, users
 
 
+def test_a_pod_caps_its_cuda_memory_and_expands_segments_beside_the_users_allocator_setting():
+    """TENSILE_MEMORY_CAP carries the admitted size to the hook's sitecustomize; PYTORCH_CUDA_ALLOC_CONF gains
+    expandable segments merged with the container's own setting, and an explicit choice of the user's stands."""
+    body = trainingjob("x", None, profile="p", memoryBudget="1Gi")
+    body["metadata"] |= {"namespace": "default", "uid": "u-x"}
+    first, second, third = ({"name": n, "image": "i"} for n in ("first", "second", "third"))
+    second["env"] = [{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "max_split_size_mb:128"}]
+    third["env"] = [{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:False"}]
+    body["spec"]["template"]["spec"]["containers"] = [first, second, third]
+    pod = build_pod(body, "node-a", "GPU-a0", None, "t", GIB, None, None, memory_cap=GIB + 512 * MIB)
+    envs = [{e["name"]: e["value"] for e in c["env"]} for c in pod["spec"]["containers"]]
+    assert [env["TENSILE_MEMORY_CAP"] for env in envs] == [str(GIB + 512 * MIB)] * 3
+    assert [env["PYTORCH_CUDA_ALLOC_CONF"] for env in envs] == [
+        "expandable_segments:True", "max_split_size_mb:128,expandable_segments:True", "expandable_segments:False"]
+    assert [e["name"] for e in pod["spec"]["containers"][1]["env"]].count("PYTORCH_CUDA_ALLOC_CONF") == 1
+
+
 # ---- 6. a job no GPU can hold ----------------------------------------------------------------------------------
 
 def test_a_job_larger_than_every_gpu_is_said_to_fit_none_even_alone(forecaster):

@@ -66,6 +66,9 @@ def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster)
                 assert env["TENSILE_RECOMPUTE"] == "false"  # its hook registers so: the agent plans no recompute
                 assert status["forecast"]["activationsOnly"] is True
                 assert env["PYTHONPATH"].startswith("/tensile/site")
+                # capped at what it was admitted with (its scheduled peak and the GPU's context; none simulated here)
+                assert env["TENSILE_MEMORY_CAP"] == str(status["forecast"]["scheduledPeakBytes"])
+                assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
                 assert pod["spec"]["initContainers"][0]["command"][:3] == ["python", "-m", "tensile_hook.install"]
                 # the knob annotations of a placed job go to its agent
                 await c.annotate("one", {"tensile.dev/max-swap-rate": "0.25"})

@@ -6,6 +6,7 @@ without Tensile.
 
 import os
 import sys
+from typing import Any
 
 # torchrun's launcher, by the module that is it (`python -m torch.distributed.run`) or by its script's name
 LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
@@ -50,18 +51,54 @@ def _processes() -> int:
         return 1
 
 
+def _cap_memory() -> Any:
+    """The process's CUDA memory capped at its admitted size (TENSILE_MEMORY_CAP; tensile_hook.memory_cap), before
+    and whatever the hook then does: None where no cap is set (none given, no CUDA, or setting it failed)."""
+    if not os.environ.get("TENSILE_MEMORY_CAP"):
+        return None
+    try:
+        import torch
+
+        from tensile_hook.memory_cap import cap_memory
+
+        return cap_memory(torch.cuda, os.environ)
+    except Exception as exc:  # noqa: BLE001 - the user's training must start regardless
+        print(f"tensile: CUDA memory not capped ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return None
+
+
+def _stood_down(reason: str, cap: Any) -> None:
+    """The hook is off from the start, under a cap: the cap is said, and the job's report (TENSILE_REPORT) says both,
+    so that `tensile run`, `tensile local` and the user find what held the job. Without a cap nothing is written: no
+    report, as before the cap (the processes of a job of several would share it)."""
+    if cap is None:
+        return
+    try:
+        from tensile_hook.memory_cap import cap_text
+        from tensile_hook.report import write_stood_down
+
+        print(f"tensile: {cap_text(cap)}, the hook being off", file=sys.stderr)
+        if os.environ.get("TENSILE_REPORT"):
+            write_stood_down(os.environ["TENSILE_REPORT"], os.environ["TENSILE_JOB"], reason, cap)
+    except Exception as exc:  # noqa: BLE001
+        print(f"tensile: the hook's report not written ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+
 if os.environ.get("TENSILE_JOB") and not _started_by_multiprocessing() and not _launcher():
+    cap = _cap_memory()
     processes = _processes()
     if processes > 1:
         # each process has its GPU's memory to plan, and they would share the job's report and agent registration
         if os.environ.get("RANK", "0") == "0":
             print(f"tensile: hook not active: a job of {processes} processes (WORLD_SIZE) is not carried; Tensile "
                   "plans a job of one process on one GPU, so training runs without Tensile", file=sys.stderr)
+            _stood_down(f"a job of {processes} processes (WORLD_SIZE) is not carried", cap)
     else:
         try:
             from tensile_hook import activate_from_env
 
-            activate_from_env()
+            activate_from_env(cap)
         except Exception as exc:  # noqa: BLE001 - the user's training must start regardless
             print(f"tensile: hook not active ({type(exc).__name__}: {exc}); training runs without Tensile",
                   file=sys.stderr)
+            _stood_down(f"{type(exc).__name__}: {exc}", cap)

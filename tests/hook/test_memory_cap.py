@@ -1,0 +1,81 @@
+"""The cap on a job process's CUDA memory (tensile_hook.memory_cap), with a stand-in for torch.cuda that records the
+calls: the CPU machines that run the suite have no CUDA device to cap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.support.recording_cuda import RecordingCuda
+
+from tensile_hook.memory_cap import cap_memory
+from tensile_hook.report import HookReport, RunTotals, memory_cap_outcome
+
+GIB = 2**30
+
+
+def test_the_cap_is_the_admitted_size_as_a_share_of_the_devices_memory():
+    cuda = RecordingCuda()
+    cap = cap_memory(cuda, {"TENSILE_MEMORY_CAP": "20Gi"})
+    assert cap is not None
+    assert (cap.cap_bytes, cap.device, cap.device_bytes, cap.fraction) == (20 * GIB, 0, 80 * GIB, 0.25)
+    assert cuda.calls == [("device", 0), ("set_per_process_memory_fraction", 0.25, 0, 0)]
+
+
+def test_a_process_a_launcher_numbers_caps_its_own_device_with_it_current():
+    """Set with device 0 current, a torchrun job's eight processes each made a CUDA context on GPU 0."""
+    cuda = RecordingCuda(devices=4)
+    cap = cap_memory(cuda, {"TENSILE_MEMORY_CAP": str(8 * GIB), "LOCAL_RANK": "2"})
+    assert cap is not None and cap.device == 2
+    assert cuda.calls == [("device", 2), ("set_per_process_memory_fraction", 0.1, 2, 2)]
+
+
+@pytest.mark.parametrize("environ, cuda", [({}, RecordingCuda()),
+                                           ({"TENSILE_MEMORY_CAP": "1Gi"}, RecordingCuda(available=False))])
+def test_no_cap_without_an_admitted_size_or_without_cuda(environ, cuda):
+    assert cap_memory(cuda, environ) is None and cuda.calls == []
+
+
+def test_a_cap_above_the_device_is_the_whole_device():
+    cuda = RecordingCuda(total=16 * GIB)
+    cap = cap_memory(cuda, {"TENSILE_MEMORY_CAP": "20Gi"})
+    assert cap is not None and cap.fraction == 1.0
+
+
+def test_an_out_of_memory_error_the_guard_retries_is_counted_and_said(planless):
+    """The cap (or a full device) raises torch.OutOfMemoryError; where the hook runs, the guard evicts and retries,
+    and the report says how often."""
+    other = torch.ones(2**18)
+    planless.registry.watch(other.untyped_storage())
+    attempts = []
+
+    def out_of_memory_once(x: torch.Tensor) -> torch.Tensor:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated: the process's cap)")
+        return x + 1
+
+    planless._run(out_of_memory_once, (torch.zeros(4),), {})
+    assert planless.stats.out_of_memory_retries == 1 and planless.stats.passive_evictions == 1
+    report = HookReport("job", "cuda:0", memory_cap={"cap_bytes": 20 * GIB, "device": 0, "device_bytes": 80 * GIB,
+                                                     "fraction": 0.25})
+    report.add(planless.stats)
+    data = report.to_dict()
+    assert memory_cap_outcome(data, RunTotals.of(data)) == ("CUDA memory capped at 20,480 MiB; 1 out-of-memory errors "
+                                                            "turned into passive evictions and retried")
+
+
+def test_a_report_without_a_cap_or_a_retry_says_nothing_of_them():
+    data = HookReport("job", "cpu").to_dict()
+    assert memory_cap_outcome(data, RunTotals.of(data)) is None
+
+
+def test_on_the_cpu_device_reserved_is_what_the_tracked_storages_peak_at(planless):
+    """No caching allocator on the CPU: the report's reserved figure is the observed peak, said so, not measured."""
+    x = torch.ones(2**16, requires_grad=True)
+    optimizer = torch.optim.SGD([x], lr=0.1)
+    for _ in range(2):
+        (x * 2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    stats = planless.report.iterations
+    assert stats and all(it.reserved_bytes == it.peak_bytes > 0 for it in stats)
