@@ -113,8 +113,8 @@ def job_main(args: argparse.Namespace) -> int:
                 timeline["peaks"].append(torch.cuda.max_memory_allocated())
                 timeline["reserved"].append(torch.cuda.max_memory_reserved())
                 torch.cuda.reset_peak_memory_stats()
-            if watcher is not None and args.declared and watcher.stats.peak_bytes > args.declared:
-                raise torch.OutOfMemoryError(f"simulated: {watcher.stats.peak_bytes} bytes, over the declared "
+            if watcher is not None and args.declared and watcher.state.stats.peak_bytes > args.declared:
+                raise torch.OutOfMemoryError(f"simulated: {watcher.state.stats.peak_bytes} bytes, over the declared "
                                              f"{args.declared}")
     except torch.OutOfMemoryError as exc:
         print(f"out of memory: {exc}", file=sys.stderr)
@@ -146,6 +146,21 @@ def job_command(spec: JobSpec, steps: int, folder: Path, policy: str, declared: 
     return command + (["--declared", str(declared)] if declared else [])
 
 
+def _stderr_file(folder: Path, policy: str, spec: JobSpec) -> Path:
+    return folder / f"{policy}-{spec.name}.stderr"
+
+
+def _refuse_crashes(policy: str, jobs: list[JobSpec], codes: dict[str, int | None], folder: Path) -> None:
+    """A job that failed other than by running out of memory measured nothing: the figures would lie by omission."""
+    for spec in jobs:
+        code = codes.get(spec.name)
+        if code not in (0, OOM_EXIT):
+            logs = [path for path in (_stderr_file(folder, policy, spec), folder / f"{spec.name}.log") if path.exists()]
+            said = logs[0].read_text()[-2000:] if logs else ""
+            raise SystemExit(f"colocation: {policy}: job {spec.name} failed with exit status {code}, not of "
+                             f"running out of memory; the measurement is void:\n{said}")
+
+
 def _plain_environment() -> dict[str, str]:
     """This process's environment without Tensile's hook (the jobs of (a) and (b) run without it)."""
     return {k: v for k, v in os.environ.items() if not k.startswith("TENSILE_")}
@@ -155,8 +170,9 @@ def run_alone(jobs: list[JobSpec], steps: int, folder: Path) -> dict:
     started = time.time()
     codes = {}
     for spec in jobs:
-        codes[spec.name] = subprocess.run(job_command(spec, steps, folder, "alone"), env=_plain_environment(),
-                                          cwd=ROOT, capture_output=True).returncode
+        with _stderr_file(folder, "alone", spec).open("w") as stderr:
+            codes[spec.name] = subprocess.run(job_command(spec, steps, folder, "alone"), env=_plain_environment(),
+                                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr).returncode
     return {"seconds": time.time() - started, "at_once": 1, "exit_codes": codes, "started": started}
 
 
@@ -165,7 +181,7 @@ def run_declared(jobs: list[JobSpec], steps: int, folder: Path, capacity: int) -
     started = time.time()
     processes = {spec.name: subprocess.Popen(job_command(spec, steps, folder, "declared", share),
                                              env=_plain_environment(), cwd=ROOT, stdout=subprocess.DEVNULL,
-                                             stderr=subprocess.DEVNULL)
+                                             stderr=_stderr_file(folder, "declared", spec).open("w"))
                  for spec in jobs}
     codes = {name: process.wait() for name, process in processes.items()}
     return {"seconds": time.time() - started, "at_once": len(jobs), "exit_codes": codes, "started": started,
@@ -340,6 +356,7 @@ def measure(jobs: list[JobSpec], steps: int) -> dict:
                     outcome = run_declared(jobs, steps, folder, capacity)
                 else:
                     outcome = run_tensile(jobs, steps, folder, capacity)
+            _refuse_crashes(name, jobs, outcome["exit_codes"], folder)
             figures = [job_figures(spec, folder, name, outcome["exit_codes"].get(spec.name)) for spec in jobs]
             started = outcome.pop("started")
             used = ([[round(t - started, 4), b] for t, b in sampler.samples] if sampler.samples

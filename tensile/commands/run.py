@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if (args.keep_files or returncode != 0) and any(scratch.iterdir()):
             console.print(f"tensile: the run's files (report, traced workload, plan) kept in {scratch}",
-                          highlight=False)
+                          highlight=False, soft_wrap=True)  # a path broken over lines cannot be pasted
         else:
             shutil.rmtree(scratch, ignore_errors=True)
 

@@ -68,7 +68,7 @@ def run_jobs(jobs: list[LocalJob], reports: Path | None, *, host: str, port: int
         console.print(f"[red]{len(failed)} of {len(runner.runs)} jobs did not succeed:[/] "
                       + ", ".join(f"{r.name} ({r.phase})" for r in failed), highlight=False)
         if scratch:
-            console.print(f"their reports and logs are kept in {reports}", highlight=False)
+            console.print(f"their reports and logs are kept in {reports}", highlight=False, soft_wrap=True)
     elif scratch:
         shutil.rmtree(reports, ignore_errors=True)
     return 1 if failed else 0

@@ -210,9 +210,10 @@ def test_a_budget_is_a_fraction_of_the_vanilla_peak_or_an_amount_of_memory():
 
     assert resolve("0.5", 1000) == 500
     assert resolve("2GiB", 1) == 2 * 1024**3
-    assert resolve("1500", 1000) == 1500
-    with pytest.raises(TensileUserError):
-        resolve("lots", 1000)
+    assert resolve("2097152", 1000) == 2 * 1024**2
+    for refused in ("lots", "1500"):  # a bare number is bytes, and under 1 MiB no training fits
+        with pytest.raises(TensileUserError):
+            resolve(refused, 1000)
 
 
 @pytest.mark.slow

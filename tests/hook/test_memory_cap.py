@@ -45,7 +45,7 @@ def test_an_out_of_memory_error_the_guard_retries_is_counted_and_said(planless):
     """The cap (or a full device) raises torch.OutOfMemoryError; where the hook runs, the guard evicts and retries,
     and the report says how often."""
     other = torch.ones(2**18)
-    planless.registry.watch(other.untyped_storage())
+    planless.residency.registry.watch(other.untyped_storage())
     attempts = []
 
     def out_of_memory_once(x: torch.Tensor) -> torch.Tensor:
@@ -54,11 +54,11 @@ def test_an_out_of_memory_error_the_guard_retries_is_counted_and_said(planless):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated: the process's cap)")
         return x + 1
 
-    planless._run(out_of_memory_once, (torch.zeros(4),), {})
-    assert planless.stats.out_of_memory_retries == 1 and planless.stats.passive_evictions == 1
+    planless.residency.run_op(out_of_memory_once, (torch.zeros(4),), {})
+    assert planless.state.stats.out_of_memory_retries == 1 and planless.state.stats.passive_evictions == 1
     report = HookReport("job", "cuda:0", memory_cap={"cap_bytes": 20 * GIB, "device": 0, "device_bytes": 80 * GIB,
                                                      "fraction": 0.25})
-    report.add(planless.stats)
+    report.add(planless.state.stats)
     data = report.to_dict()
     assert memory_cap_outcome(data, RunTotals.of(data)) == ("CUDA memory capped at 20,480 MiB; 1 out-of-memory errors "
                                                             "turned into passive evictions and retried")
