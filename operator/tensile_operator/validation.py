@@ -96,6 +96,36 @@ def tensilenode_writer_problem(user: Mapping, node: str, agent_accounts: set[str
     return None
 
 
+SERVER_SET = ("resourceVersion", "managedFields", "generation")  # metadata the API server sets on any write
+
+
+def trainingjob_writer_problem(user: Mapping, old: Mapping | None, new: Mapping | None,
+                               agent_accounts: set[str]) -> str | None:
+    """Why `user` may not make this write of a TrainingJob (or its status), or None. A node agent's account writes only
+    the observed figures (`status.observed`) of a job placed on its own node (its token's `node-name`): the operator
+    books capacity from the rest of the status (placement, forecast, reserved bytes), so a stolen agent credential can
+    neither move nor resize a booking, nor write the figures of a job on another node. Anyone else is left to RBAC."""
+    if user.get("username") not in agent_accounts:
+        return None
+    meta = (new or old or {}).get("metadata") or {}
+    job = f"{meta.get('namespace')}/{meta.get('name')}"
+    node = (((old or {}).get("status") or {}).get("placement") or {}).get("node")
+    nodes = list((user.get("extra") or {}).get(NODE_NAME_EXTRA) or [])
+    if node is None or nodes != [node]:
+        return (f"{user.get('username')} may write only the figures of a job placed on its own node "
+                f"({', '.join(nodes) or 'its token names no node'}), not of {job} (placed on {node or 'no node'})")
+
+    def beyond_observed(body: Mapping | None) -> dict:
+        body = dict(body or {})
+        body["metadata"] = {k: v for k, v in (body.get("metadata") or {}).items() if k not in SERVER_SET}
+        body["status"] = {k: v for k, v in (body.get("status") or {}).items() if k != "observed"}
+        return body
+
+    if beyond_observed(old) != beyond_observed(new):
+        return f"{user.get('username')} may write only status.observed of TrainingJob {job}"
+    return None
+
+
 def warnings(annotations: dict | None) -> list[str]:
     """What the webhook warns about (`kubectl` prints each) without refusing the job: misspelt tensile.dev/* annotations."""
     unknown = model.unknown_annotations(annotations)
