@@ -101,7 +101,8 @@ def build_registry(app: OperatorApp, webhook: kopf.WebhookServer | None = None, 
             warnings.extend(admission_warnings(dict(meta.annotations)))  # kubectl prints them; the job is not refused
             # the class may be created later: the job waits for it
             warnings.extend(app.scheduler.priorities.warnings(dict(spec)))
-            problems = await check(dict(spec), dict(meta.annotations), app.capacity.gpus, app.forecaster)
+            problems = await check(dict(spec), dict(meta.annotations), app.capacity.gpus, app.forecaster,
+                                   namespace=meta.get("namespace") or "")
             if problems:
                 raise kopf.AdmissionError("; ".join(str(p) for p in problems), code=422)
 

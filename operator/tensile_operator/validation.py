@@ -16,7 +16,8 @@ FORECAST_WAIT_SECONDS = 5.0  # a webhook must answer fast; a slower forecast is 
 
 
 async def check(spec: dict, annotations: dict | None, gpus: list[Gpu], forecaster: Forecaster,
-                wait: float = FORECAST_WAIT_SECONDS) -> list[model.SpecProblem]:
+                wait: float = FORECAST_WAIT_SECONDS, namespace: str = "") -> list[model.SpecProblem]:
+    """`namespace`: the job's, whose stored profiles it may name."""
     try:
         job = model.parse_spec(spec, annotations)
     except model.SpecError as exc:
@@ -35,7 +36,8 @@ async def check(spec: dict, annotations: dict | None, gpus: list[Gpu], forecaste
             except TensileUserError as exc:
                 problems.append(model.SpecProblem("spec.workload.model",
                                                   f"{exc}; or use spec.workload.profile with {budget_field}"))
-    elif workload.profile is not None and forecaster.profiles.get(workload.profile) is None and job.memory_budget is None:
+    elif (workload.profile is not None and forecaster.profiles.get(namespace, workload.profile) is None
+          and job.memory_budget is None):
         problems.append(model.SpecProblem(budget_field, f"required: profile '{workload.profile}' is not stored yet, "
                                           "so the job is admitted by its budget (e.g. memoryBudget: 8Gi)"))
     if gpus and not job.selector.empty and not any(
