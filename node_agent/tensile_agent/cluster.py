@@ -9,7 +9,8 @@ API calls it makes (the chart's ClusterRole for the agent):
   tensilenodes         get, create        (the node's own object, created when missing)
   tensilenodes/status  patch              (merge patch of .status)
   trainingjobs/status  patch              (merge patch of .status.observed; 404 ignored: a job the
-                                           operator did not place, e.g. `tensile run --agent`)
+                                           operator did not place, e.g. `tensile run --agent`; the webhook
+                                           refuses any other field, and a job placed on another node)
   tokenreviews         create             (tensile_agent.auth: the credentials of the pods and the operator)
 """
 

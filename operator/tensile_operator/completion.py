@@ -120,14 +120,14 @@ class JobCompletion:
             self._profiling.discard(key)
 
     async def _store_profile(self, key: str, booking: Booking) -> bool:
-        """The live workload the job's hook gave its agent, stored under the booking's profile name."""
+        """The live workload the job's hook gave its agent, stored under the booking's profile name in its namespace."""
         agent = self.capacity.agent_of(booking)
         if not booking.profile or agent is None:
             return False
         live = await self.agents.live_workload(agent, key, self.tokens.get(key))
         if live is None:
             return False
-        self.forecaster.store_profile(booking.profile, live)
+        self.forecaster.store_profile(key.split("/", 1)[0], booking.profile, live)
         log.info("%s: its live workload is now profile %r", key, booking.profile)
         booking.profile = None  # stored: not asked for again
         return True

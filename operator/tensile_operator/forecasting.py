@@ -8,7 +8,8 @@ scheduling.recompute): that changes the lowest reachable peak, not the trace, so
 several scopes is traced once (the traced workloads are kept by spec). Traces run one at a time on a worker thread
 (tracing is CPU-bound and the operator shares its cores); concurrent requests for the same key wait
 for the one trace in flight. Stored profiles (a job's live workload, uploaded after its first run)
-are workloads by name, kept in memory and, when a directory is configured, on disk.
+are workloads by namespace and name, kept in memory and, when a directory is configured, on disk (a folder per
+namespace): a job names only the profiles of its own namespace.
 
 The caches keep the CACHED_WORKLOADS most recently used entries each: a forecast holds 0.6 MB (VGG-16)
 to 23 MB (BERT-base, GPT-2) of memory at batch 16 (tracemalloc, after a collection), so an operator that
@@ -108,30 +109,41 @@ def _trace(spec: WorkloadSpec) -> Workload:
 
 
 class ProfileStore:
-    """Workloads by profile name (what a job without a forecastable model ran, measured live)."""
+    """Workloads by namespace and profile name (what a job without a forecastable model ran, measured live). A namespace
+    is a tenant: its jobs neither read nor replace another namespace's profile of the same name."""
 
     def __init__(self, directory: str | Path | None = None):
         self.directory = Path(directory) if directory else None
         # with a directory the files are the store and memory keeps the most recently used; without
         # one, memory is the only copy and keeps them all
-        self._profiles: Lru[str, Workload] = Lru(CACHED_WORKLOADS if self.directory else sys.maxsize)
+        self._profiles: Lru[tuple[str, str], Workload] = Lru(CACHED_WORKLOADS if self.directory else sys.maxsize)
 
-    def get(self, name: str) -> Workload | None:
-        if name not in self._profiles and self.directory is not None:
-            path = self.directory / f"{name}.json.gz"
-            if path.exists():
-                from tensile.workload_io import load_workload
+    def _file(self, namespace: str, name: str) -> Path | None:
+        """The profile's file in its namespace's folder; None without a directory, or without a namespace (the store's
+        top folder is no namespace's)."""
+        if self.directory is None or not namespace:
+            return None
+        return self.directory / namespace / f"{name}.json.gz"
 
-                self._profiles.put(name, load_workload(str(path)))
-        return self._profiles.get(name)
+    def get(self, namespace: str, name: str) -> Workload | None:
+        key = (namespace, name)
+        path = self._file(namespace, name)
+        if key not in self._profiles and path is not None and path.exists():
+            from tensile.workload_io import load_workload
 
-    def put(self, name: str, workload: Workload) -> None:
-        self._profiles.put(name, workload)
-        if self.directory is not None:
+            self._profiles.put(key, load_workload(str(path)))
+        return self._profiles.get(key)
+
+    def put(self, namespace: str, name: str, workload: Workload) -> None:
+        if not namespace:
+            raise ValueError(f"profile {name!r}: a profile is stored in the namespace of the job that ran it")
+        self._profiles.put((namespace, name), workload)
+        path = self._file(namespace, name)
+        if path is not None:
             from tensile.workload_io import save_workload
 
-            self.directory.mkdir(parents=True, exist_ok=True)
-            save_workload(workload, str(self.directory / f"{name}.json.gz"))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_workload(workload, str(path))
 
 
 class Forecaster:
@@ -184,16 +196,17 @@ class Forecaster:
                 self._by_key.put(key, future)
             return future
 
-    async def forecast(self, spec: WorkloadSpec, scope: PlanScope) -> JobForecast | None:
+    async def forecast(self, spec: WorkloadSpec, scope: PlanScope, namespace: str = "") -> JobForecast | None:
         """The spec's forecast, planned with the events of `scope` (model.JobSpec's); None when the
-        workload is a profile not stored yet (admit by budget)."""
+        workload is a profile not stored yet (admit by budget). `namespace`: the job's, whose profiles it may name (a
+        model's forecast does not depend on it)."""
         if spec.model is None:
-            return await self.from_profile(spec.profile or "", scope)
+            return await self.from_profile(namespace, spec.profile or "", scope)
         # shielded: a cancelled waiter (an operator stopping) must not cancel the shared trace
         return await asyncio.shield(asyncio.wrap_future(self.submit(spec, scope)))
 
-    async def from_profile(self, name: str, scope: PlanScope) -> JobForecast | None:
-        workload = self.profiles.get(name)
+    async def from_profile(self, namespace: str, name: str, scope: PlanScope) -> JobForecast | None:
+        workload = self.profiles.get(namespace, name)
         if workload is None:
             return None
         found = self._by_signature.get((workload.signature, scope))
@@ -204,15 +217,15 @@ class Forecaster:
             freeze_long_lived()
         return found
 
-    def ready(self, spec: WorkloadSpec, scope: PlanScope) -> bool:
-        """Whether `forecast(spec, scope)` answers at once (no trace or plan to wait for)."""
+    def ready(self, spec: WorkloadSpec, scope: PlanScope, namespace: str = "") -> bool:
+        """Whether `forecast(spec, scope, namespace)` answers at once (no trace or plan to wait for)."""
         if spec.model is not None:
             return self.cached(spec, scope) is not None
-        workload = self.profiles.get(spec.profile or "")
+        workload = self.profiles.get(namespace, spec.profile or "")
         return workload is None or (workload.signature, scope) in self._by_signature
 
-    def store_profile(self, name: str, workload: Workload) -> None:
-        self.profiles.put(name, workload)
+    def store_profile(self, namespace: str, name: str, workload: Workload) -> None:
+        self.profiles.put(namespace, name, workload)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

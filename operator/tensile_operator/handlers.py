@@ -14,6 +14,7 @@ from tensile_operator.app import OperatorApp
 from tensile.knobs import ANNOTATION_PREFIX, KNOBS
 from tensile_operator.pods import JOB_LABEL
 from tensile_operator.validation import check, leaves_the_job_alone, tensilenode_writer_problem
+from tensile_operator.validation import trainingjob_writer_problem
 from tensile_operator.validation import warnings as admission_warnings
 
 PEERING = "tensile"
@@ -100,7 +101,8 @@ def build_registry(app: OperatorApp, webhook: kopf.WebhookServer | None = None, 
             warnings.extend(admission_warnings(dict(meta.annotations)))  # kubectl prints them; the job is not refused
             # the class may be created later: the job waits for it
             warnings.extend(app.scheduler.priorities.warnings(dict(spec)))
-            problems = await check(dict(spec), dict(meta.annotations), app.capacity.gpus, app.forecaster)
+            problems = await check(dict(spec), dict(meta.annotations), app.capacity.gpus, app.forecaster,
+                                   namespace=meta.get("namespace") or "")
             if problems:
                 raise kopf.AdmissionError("; ".join(str(p) for p in problems), code=422)
 
@@ -111,6 +113,13 @@ def build_registry(app: OperatorApp, webhook: kopf.WebhookServer | None = None, 
                           operations=["CREATE", "UPDATE"], subresource="*")
         async def _node_writer(name: str, **cause: Any) -> None:
             problem = tensilenode_writer_problem(cause.get("userinfo") or {}, name, agents)
+            if problem:
+                raise kopf.AdmissionError(problem, code=403)
+
+        @kopf.on.validate(**tj, id="tensile-job-writers", operations=["CREATE", "UPDATE"], subresource="*")
+        async def _job_writer(**cause: Any) -> None:
+            user = cause.get("userinfo") or {}
+            problem = trainingjob_writer_problem(user, cause.get("old"), cause.get("new"), agents)
             if problem:
                 raise kopf.AdmissionError(problem, code=403)
 

@@ -74,7 +74,8 @@ class JobIntake:
                                       condition("Validated", False, "InvalidSpec", str(exc)), *noted)
             return
         valid = [condition("Validated", True, "Valid"), *noted]
-        if self.forecaster.ready(spec.workload, spec.scope):  # cached: straight to Queued, one status write less
+        # cached: straight to Queued, one status write less
+        if self.forecaster.ready(spec.workload, spec.scope, namespace):
             self.statuses.merge(key, valid)
         elif status.get("phase") != "Forecasting":
             forecasting = {"phase": "Forecasting", "message": "tracing and planning on the CPU"}
@@ -83,7 +84,7 @@ class JobIntake:
         failure: ForecastError | None = None
         started = time.perf_counter()
         try:
-            forecast = await self.forecaster.forecast(spec.workload, spec.scope)
+            forecast = await self.forecaster.forecast(spec.workload, spec.scope, namespace)
         except ForecastError as exc:
             failure = exc
         self.metrics.forecast_seconds.observe(time.perf_counter() - started)

@@ -16,7 +16,8 @@ FORECAST_WAIT_SECONDS = 5.0  # a webhook must answer fast; a slower forecast is 
 
 
 async def check(spec: dict, annotations: dict | None, gpus: list[Gpu], forecaster: Forecaster,
-                wait: float = FORECAST_WAIT_SECONDS) -> list[model.SpecProblem]:
+                wait: float = FORECAST_WAIT_SECONDS, namespace: str = "") -> list[model.SpecProblem]:
+    """`namespace`: the job's, whose stored profiles it may name."""
     try:
         job = model.parse_spec(spec, annotations)
     except model.SpecError as exc:
@@ -35,7 +36,8 @@ async def check(spec: dict, annotations: dict | None, gpus: list[Gpu], forecaste
             except TensileUserError as exc:
                 problems.append(model.SpecProblem("spec.workload.model",
                                                   f"{exc}; or use spec.workload.profile with {budget_field}"))
-    elif workload.profile is not None and forecaster.profiles.get(workload.profile) is None and job.memory_budget is None:
+    elif (workload.profile is not None and forecaster.profiles.get(namespace, workload.profile) is None
+          and job.memory_budget is None):
         problems.append(model.SpecProblem(budget_field, f"required: profile '{workload.profile}' is not stored yet, "
                                           "so the job is admitted by its budget (e.g. memoryBudget: 8Gi)"))
     if gpus and not job.selector.empty and not any(
@@ -93,6 +95,36 @@ def tensilenode_writer_problem(user: Mapping, node: str, agent_accounts: set[str
         bound = ", ".join(nodes) or ("its token names no node: Kubernetes 1.30 or later binds service-account tokens "
                                      "to their pod's node")
         return f"{user.get('username')} may write only the TensileNode of its own node ({bound}), not {node}"
+    return None
+
+
+SERVER_SET = ("resourceVersion", "managedFields", "generation")  # metadata the API server sets on any write
+
+
+def trainingjob_writer_problem(user: Mapping, old: Mapping | None, new: Mapping | None,
+                               agent_accounts: set[str]) -> str | None:
+    """Why `user` may not make this write of a TrainingJob (or its status), or None. A node agent's account writes only
+    the observed figures (`status.observed`) of a job placed on its own node (its token's `node-name`): the operator
+    books capacity from the rest of the status (placement, forecast, reserved bytes), so a stolen agent credential can
+    neither move nor resize a booking, nor write the figures of a job on another node. Anyone else is left to RBAC."""
+    if user.get("username") not in agent_accounts:
+        return None
+    meta = (new or old or {}).get("metadata") or {}
+    job = f"{meta.get('namespace')}/{meta.get('name')}"
+    node = (((old or {}).get("status") or {}).get("placement") or {}).get("node")
+    nodes = list((user.get("extra") or {}).get(NODE_NAME_EXTRA) or [])
+    if node is None or nodes != [node]:
+        return (f"{user.get('username')} may write only the figures of a job placed on its own node "
+                f"({', '.join(nodes) or 'its token names no node'}), not of {job} (placed on {node or 'no node'})")
+
+    def beyond_observed(body: Mapping | None) -> dict:
+        body = dict(body or {})
+        body["metadata"] = {k: v for k, v in (body.get("metadata") or {}).items() if k not in SERVER_SET}
+        body["status"] = {k: v for k, v in (body.get("status") or {}).items() if k != "observed"}
+        return body
+
+    if beyond_observed(old) != beyond_observed(new):
+        return f"{user.get('username')} may write only status.observed of TrainingJob {job}"
     return None
 
 

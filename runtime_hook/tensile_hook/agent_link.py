@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tensile.agent_client import AgentClient, AgentError
 from tensile.agent_contract import FAILED, MAX_OP_SAMPLES, ContractError, Measurements, PlanResponse
-from tensile.knobs import budget_bytes
+from tensile.knobs import budget_bytes, memory_text
 from tensile.plan import Plan, plan_from_data, plan_problems, rebind, summary
 from tensile_hook.latency_samples import OpSamples
 from tensile_hook.plan_book import Planner
@@ -275,7 +275,7 @@ class AgentLink:
             return
         self._unfit, self._unfit_said = None, True
         budget = report.memory_budget_bytes
-        guard = (f"the budget guard keeps this job under {budget} bytes ({budget / 2**20:,.1f} MiB)" if budget
+        guard = (f"the budget guard keeps this job under {memory_text(budget)}" if budget
                  else "no budget is set: give --memory-budget")
         self._notes.append(f"the node agent cannot fit this GPU's jobs: {unfit[1]}; {guard}")
 

@@ -16,6 +16,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from tensile.knobs import memory_text
 from tensile_hook.active_plan import ActivePlan
 from tensile_hook.compiled import COMPILE_SKIPPED, dynamo_frames
 from tensile_hook.latency_samples import OpSampler
@@ -140,14 +141,14 @@ class Paths:
         state = self.state
         workspace = state.report.workspace_bytes
         if measured is not None:
-            why = f"ran iteration {measured.iteration} at a measured peak of {measured.peak_bytes} bytes"
+            why = f"ran iteration {measured.iteration} at a measured peak of {memory_text(measured.peak_bytes)}"
             if workspace:
-                why += f" ({workspace} of them the CUDA allocator's beyond the tensors: workspaces)"
+                why += f" ({memory_text(workspace)} of it the CUDA allocator's beyond the tensors: workspaces)"
         elif expected is None:
             why = "comes without a forecast of its scheduled peak"
         else:
-            why = f"forecasts a scheduled peak of {expected} bytes"
-        said = (f"plan version {plan.plan.version} {why}, against a memory budget of {state.budget} bytes: its "
+            why = f"forecasts a scheduled peak of {memory_text(expected)}"
+        said = (f"plan version {plan.plan.version} {why}, against a memory budget of {memory_text(state.budget or 0)}: its "
                 "iterations run on the dispatch path, where the budget guard swaps out what the plan leaves on the "
                 "device")
         if measured is None and expected is not None and native_plans(state.settings, state.device_type):

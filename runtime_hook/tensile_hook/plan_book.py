@@ -14,7 +14,7 @@ from tensile.workload import Workload
 from tensile_hook.active_plan import ActivePlan
 from tensile_hook.residency import BUDGET_TOLERANCE_BYTES
 from tensile_hook.run_state import RunState
-from tensile.knobs import budget_bytes
+from tensile.knobs import budget_bytes, memory_text
 from tensile_hook.shapes import MAX_SHAPE_SETS, ShapeKey, ShapeSet, describe
 
 log = logging.getLogger("tensile.hook")
@@ -62,14 +62,14 @@ class PlanBook:
         if budget is None or budget == state.budget:
             return
         if source == "agent":
-            state.say(f"plan version {plan.version} holds the job to a memory budget of {budget} bytes, not "
-                      f"{state.budget}: the node agent's (a TrainingJob's budget annotation changes it)", logging.INFO)
+            state.say(f"plan version {plan.version} holds the job to a memory budget of {memory_text(budget)}, not "
+                      f"{memory_text(state.budget or 0)}: the node agent's (a TrainingJob's budget annotation changes it)", logging.INFO)
         elif state.settings.memory_budget is None:
-            state.say(f"{_plan_named(plan, source)} holds the job to the memory budget it was made for, {budget} bytes",
+            state.say(f"{_plan_named(plan, source)} holds the job to the memory budget it was made for, {memory_text(budget)}",
                       logging.INFO)
         else:  # the user's own budget stands; the plan may then not keep to it, and the guard evicts what it must
-            state.say(f"{_plan_named(plan, source)} was made for a memory budget of {budget} bytes; the job keeps its "
-                      f"own, {state.budget} (TENSILE_MEMORY_BUDGET, --memory-budget)", logging.INFO)
+            state.say(f"{_plan_named(plan, source)} was made for a memory budget of {memory_text(budget)}; the job keeps its "
+                      f"own, {memory_text(state.budget or 0)} (TENSILE_MEMORY_BUDGET, --memory-budget)", logging.INFO)
             return
         self.plan_budget = state.budget = state.report.memory_budget_bytes = budget
 
@@ -107,7 +107,7 @@ class PlanBook:
             state.budget = None  # made bytes again by `set_vanilla`
         self.set_vanilla(analyze_vanilla(live).peak_bytes)
         if shared:
-            state.say(f"the memory budget is now {state.budget} bytes: {fraction:g} of this workload's vanilla peak, "
+            state.say(f"the memory budget is now {memory_text(state.budget or 0)}: {fraction:g} of this workload's vanilla peak, "
                       "not of the one the plan forecast", logging.INFO)
 
     def _plan_for(self, live: Workload) -> None:

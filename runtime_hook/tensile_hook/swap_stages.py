@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from tensile.knobs import memory_text
 from tensile_hook.active_plan import ActivePlan
 from tensile_hook.native_align import SwapLearner
 from tensile_hook.native_host import NativeHost
@@ -79,7 +80,7 @@ class NativeSwaps:
         if unmapped:
             kept = sum(active.workload.tensors[tensor].size for tensor in unmapped)
             if state.budget is not None and (state.report.scheduled_peak_bytes or 0) + kept > state.budget:
-                state.say(f"{said}: the {kept} bytes they would leave on the device could take the job over its "
+                state.say(f"{said}: the {memory_text(kept)} they would leave on the device could take the job over its "
                           "memory budget, so its iterations run on the dispatch path, guarded")
                 active.native = None
                 return

@@ -58,10 +58,10 @@ def test_stored_profiles_keep_the_recent_ones_in_memory_and_the_rest_on_disk(tmp
     on_disk, in_memory = ProfileStore(tmp_path), ProfileStore()
     names = [f"profile-{i}" for i in range(CACHED_WORKLOADS + 3)]
     for name in names:
-        on_disk.put(name, workload)
-        in_memory.put(name, workload)
-    assert len(on_disk._profiles) == CACHED_WORKLOADS and names[0] not in on_disk._profiles
-    assert len(list(tmp_path.glob("*.json.gz"))) == len(names)
-    back = on_disk.get(names[0])  # evicted from memory: read from its file
+        on_disk.put("default", name, workload)
+        in_memory.put("default", name, workload)
+    assert len(on_disk._profiles) == CACHED_WORKLOADS and ("default", names[0]) not in on_disk._profiles
+    assert len(list(tmp_path.glob("default/*.json.gz"))) == len(names)
+    back = on_disk.get("default", names[0])  # evicted from memory: read from its file
     assert back is not None and back is not workload and back.signature == workload.signature
-    assert all(in_memory.get(name) is workload for name in names)
+    assert all(in_memory.get("default", name) is workload for name in names)

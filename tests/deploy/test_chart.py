@@ -361,7 +361,7 @@ def tls_handshake(ca_pem: str, cert_pem: str, key_pem: str, hostname: str, tmp_p
 
 def webhook_parts(objs: list[dict]) -> tuple[dict, dict, dict]:
     config = one(objs, "ValidatingWebhookConfiguration")
-    hook, _ = config["webhooks"]  # the TrainingJobs', then the TensileNodes' (test_an_agent_writes_only_its_own_node)
+    hook, _, _ = config["webhooks"]  # the TrainingJobs', the TensileNodes' and the agents' TrainingJob writes
     service = next(s for s in find(objs, "Service") if s["metadata"]["name"] == hook["clientConfig"]["service"]["name"])
     return config, hook, service
 
@@ -557,7 +557,7 @@ def test_the_tensilenodes_webhook_guards_the_agents_writes(chart: Chart) -> None
     from tensile_operator.handlers import build_registry
 
     objs = case(chart, "defaults")
-    _, nodes = one(objs, "ValidatingWebhookConfiguration")["webhooks"]
+    _, nodes, _ = one(objs, "ValidatingWebhookConfiguration")["webhooks"]
     registry = build_registry(OperatorApp(), kopf.WebhookServer(port=1))
     assert nodes["clientConfig"]["service"]["path"] in {"/" + h.id for h in registry._webhooks.get_all_handlers()}
     (rule,) = nodes["rules"]
@@ -566,3 +566,20 @@ def test_the_tensilenodes_webhook_guards_the_agents_writes(chart: Chart) -> None
     agent = one(objs, "DaemonSet", "agent")["spec"]["template"]["spec"]["serviceAccountName"]
     accounts = env_of(container(one(objs, "Deployment", "operator")))["TENSILE_AGENT_ACCOUNTS"]["value"]
     assert accounts == f"system:serviceaccount:{NAMESPACE}:{agent}"
+
+
+def test_the_trainingjobs_webhook_guards_the_agents_writes(chart: Chart) -> None:
+    """Every write of a TrainingJob or its status goes to the handler that lets an agent write only the observed figures
+    of a job on its own node (the operator books capacity from the rest of the status)."""
+    import kopf
+
+    from tensile_operator.app import OperatorApp
+    from tensile_operator.handlers import build_registry
+
+    objs = case(chart, "defaults")
+    _, _, writers = one(objs, "ValidatingWebhookConfiguration")["webhooks"]
+    registry = build_registry(OperatorApp(), kopf.WebhookServer(port=1))
+    assert writers["clientConfig"]["service"]["path"] in {"/" + h.id for h in registry._webhooks.get_all_handlers()}
+    (rule,) = writers["rules"]
+    assert (rule["resources"], rule["operations"], rule["scope"]) == (["trainingjobs", "trainingjobs/status"],
+                                                                      ["CREATE", "UPDATE"], "Namespaced")

@@ -18,6 +18,7 @@ from tests.support.agent_harness import agent_job as _job
 from tests.support.agent_harness import wait_for as _wait
 
 from tests.support import tracing_models
+from tensile.knobs import memory_text
 from tensile.agent_client import AgentClient, update_knobs
 from tensile.forecast import trace_workload
 from tensile.peak import analyze_vanilla
@@ -308,7 +309,7 @@ def test_a_budget_the_operator_lowers_while_the_job_runs_holds_the_hooks_guard(a
     hooked, report, _ = _fit_linked(link, settings, steps, after_step)
     assert_identical(plain, hooked)
     assert report.memory_budget_bytes == budget
-    assert any(f"memory budget of {budget} bytes" in m for m in report.messages), report.messages
+    assert any(f"memory budget of {memory_text(budget)}" in m for m in report.messages), report.messages
     assert all(it.peak_bytes <= budget + report.guard_slack_bytes for it in report.iterations[4:])
 
 

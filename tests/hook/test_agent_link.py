@@ -13,6 +13,7 @@ import torch
 
 from tests.support import tracing_models
 from tests.support.agent_harness import free_port
+from tensile.knobs import memory_text
 from tensile.agent_client import AgentClient
 from tensile_hook import activate, deactivate
 from tensile_hook.agent_link import AgentLink
@@ -47,7 +48,7 @@ def test_the_agents_cannot_fit_verdict_is_said_once_with_the_guards_budget(agent
     said = [m for m in report.messages if "the node agent cannot fit this GPU's jobs" in m]
     assert len(said) == 1, report.messages
     assert report.plan_source == "agent" and report.memory_budget_bytes is not None
-    assert f"the budget guard keeps this job under {report.memory_budget_bytes} bytes" in said[0]
+    assert f"the budget guard keeps this job under {memory_text(report.memory_budget_bytes)}" in said[0]
 
 
 def _hung_agent() -> tuple[str, socket.socket]:

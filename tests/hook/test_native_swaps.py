@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tests.support import tracing_models
+from tensile.knobs import memory_text
 from tensile.devices import PRESETS
 from tensile.peak import analyze_plan, analyze_vanilla
 from tensile.plan import Event, Forecast, Plan
@@ -194,8 +195,8 @@ def test_a_plan_whose_forecast_the_budget_does_not_hold_says_why_it_runs_guarded
                            settings=HookSettings(job="job", plan_events=events, memory_budget=float(budget)))
     assert_identical(plain, state)
     said = [m for m in report.messages if "against a memory budget" in m]
-    assert said == [f"iteration 2: plan version 1 forecasts a scheduled peak of {peaks[0].scheduled_peak_bytes} bytes, "
-                    f"against a memory budget of {budget} bytes: its iterations run on the dispatch path, where the "
+    assert said == [f"iteration 2: plan version 1 forecasts a scheduled peak of {memory_text(peaks[0].scheduled_peak_bytes)}, "
+                    f"against a memory budget of {memory_text(budget)}: its iterations run on the dispatch path, where the "
                     "budget guard swaps out what the plan leaves on the device"
                     + (" (its events are native events only, as TENSILE_PLAN_EVENTS=native, or auto on CUDA, asks: "
                        "with all, the plan may swap parameters and optimizer state too)" if events == "native" else "")], report.messages
@@ -215,8 +216,8 @@ def test_a_plan_whose_iterations_the_budget_does_not_hold_says_why_it_runs_guard
     first = report.iterations[2]
     assert first.mode == "planned" and first.peak_bytes > report.memory_budget_bytes
     said = [m for m in report.messages if "against a memory budget" in m]
-    assert said == [f"iteration 2: plan version 1 ran iteration 2 at a measured peak of {first.peak_bytes} bytes, against "
-                    f"a memory budget of {report.memory_budget_bytes} bytes: its iterations run on the dispatch path, "
+    assert said == [f"iteration 2: plan version 1 ran iteration 2 at a measured peak of {memory_text(first.peak_bytes)}, against "
+                    f"a memory budget of {memory_text(report.memory_budget_bytes)}: its iterations run on the dispatch path, "
                     "where the budget guard swaps out what the plan leaves on the device"], report.messages
     assert all(it.path == "dispatch" for it in report.iterations)
 

@@ -85,7 +85,7 @@ def test_knobs_reach_the_agent_and_release_unregisters(tmp_path, tiny_workload):
                 {"name": "train", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}]})
             await c.wait(lambda: "default/first" not in agent_jobs(agent.url), 30, "unregistered on completion")
             assert phase(c.job("first")) == "Succeeded"
-            assert forecaster.profiles.get("tiny-mlp").signature == workload.signature
+            assert forecaster.profiles.get("default", "tiny-mlp").signature == workload.signature
 
             # 4. the next job of that profile is forecast from it, and the operator registers it with the agent with
             #    that forecast before its hook runs: planned before its first iteration (TENSILE's cold start). Its

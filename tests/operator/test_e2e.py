@@ -98,7 +98,7 @@ def test_two_agents_two_jobs_train_under_their_agents_plans(tmp_path):
     try:
         jobs = asyncio.run(scenario())
         # the first runs' live workload is the profile the next jobs of that name are forecast from
-        profile = forecaster.profiles.get("tiny-mlp")
+        profile = forecaster.profiles.get("default", "tiny-mlp")
     finally:
         forecaster.close()
     assert profile is not None and profile.ops, "the live workload was not stored as profile tiny-mlp"

@@ -22,11 +22,12 @@ def _review(operation: str, new: dict, old: dict | None = None, user: str = "tes
         "userInfo": {"username": user, "groups": ["system:authenticated"]}, "object": new, "oldObject": old, "dryRun": False, "options": None}}
 
 
-async def _post(port: int, review: dict) -> dict:
+async def _post(port: int, review: dict, handler: str = "tensile-validate") -> dict:
+    """The webhook's answer to `review` at the path of Kopf's `handler`, once its server is up."""
     async with aiohttp.ClientSession() as http:
         for _ in range(100):
             try:
-                async with http.post(f"http://127.0.0.1:{port}/tensile-validate", json=review) as r:
+                async with http.post(f"http://127.0.0.1:{port}/{handler}", json=review) as r:
                     return (await r.json())["response"]
             except aiohttp.ClientConnectionError:
                 await asyncio.sleep(0.1)
@@ -128,15 +129,7 @@ def test_an_agent_writes_only_its_own_nodes_tensilenode(tmp_path, forecaster, mo
             op = await start_operator(forecaster, webhook=kopf.WebhookServer(addr="127.0.0.1", port=port, insecure=True))
             try:
                 async def review(node: str, user: str, token_node: str | None, subresource: str | None = None) -> dict:
-                    async with aiohttp.ClientSession() as http:
-                        for _ in range(100):
-                            try:
-                                async with http.post(f"http://127.0.0.1:{port}/tensile-nodes",
-                                                     json=_node_review(node, user, token_node, subresource)) as r:
-                                    return (await r.json())["response"]
-                            except aiohttp.ClientConnectionError:
-                                await asyncio.sleep(0.1)
-                    raise AssertionError("webhook server not up")
+                    return await _post(port, _node_review(node, user, token_node, subresource), "tensile-nodes")
 
                 assert (await review("node-a", AGENT, "node-a"))["allowed"] is True
                 assert (await review("node-a", AGENT, "node-a", "status"))["allowed"] is True
@@ -150,3 +143,75 @@ def test_an_agent_writes_only_its_own_nodes_tensilenode(tmp_path, forecaster, mo
                 await op.stop()
 
     asyncio.run(scenario())
+
+
+def _status_review(old: dict, new: dict, user: str, token_node: str | None) -> dict:
+    review = _review("UPDATE", new, old, user)
+    extra = {"authentication.kubernetes.io/node-name": [token_node]} if token_node else {}
+    review["request"] |= {"subResource": "status", "userInfo": {"username": user, "extra": extra}}
+    return review
+
+
+@pytest.mark.cluster
+def test_an_agent_writes_only_the_observed_figures_of_its_own_nodes_jobs(tmp_path, forecaster, monkeypatch):
+    """The agents' role may patch any TrainingJob's status (its `observed` figures), and the operator books capacity
+    from the rest of the status: a stolen agent credential could move or resize any job's booking. The webhook lets the
+    agents' user change only `status.observed`, of a job placed on the node its token is bound to; the bookings the
+    operator rebuilds from the statuses are the same after such a write."""
+    from tensile_operator.app import OperatorApp
+    from tensile_operator.placement import Gpu
+
+    monkeypatch.setenv("TENSILE_AGENT_ACCOUNTS", AGENT)
+    gib = 1 << 30
+    placed = trainingjob("x", None, profile="p", memoryBudget="2Gi")
+    placed["metadata"] |= {"namespace": "default", "resourceVersion": "7"}
+    placed["status"] = {"phase": "Running", "placement": {"gpu": "GPU-a0", "node": "node-a"},
+                        "forecast": {"source": "budget", "reservedBytes": 2 * gib}}
+    observed = copy.deepcopy(placed)
+    observed["metadata"] |= {"resourceVersion": "8", "managedFields": [{"manager": "tensile-agent"}]}
+    observed["status"]["observed"] = {"peakBytes": gib, "iterations": 3}
+    moved = copy.deepcopy(observed)
+    moved["status"]["placement"] = {"gpu": "GPU-b0", "node": "node-b"}
+    grown = copy.deepcopy(observed)
+    grown["status"]["forecast"]["reservedBytes"] = 1
+    respec = copy.deepcopy(observed)
+    respec["spec"]["memoryBudget"] = "1Gi"
+
+    async def scenario() -> None:
+        async with cluster(tmp_path):
+            port = free_port()
+            op = await start_operator(forecaster, webhook=kopf.WebhookServer(addr="127.0.0.1", port=port, insecure=True))
+            try:
+                async def review(new: dict, token_node: str | None, user: str = AGENT) -> dict:
+                    return await _post(port, _status_review(placed, new, user, token_node), "tensile-job-writers")
+
+                assert (await review(observed, "node-a"))["allowed"] is True
+                for changed in (moved, grown, respec):
+                    refused = await review(changed, "node-a")
+                    assert refused["allowed"] is False and refused["status"]["code"] == 403, refused
+                    message = refused["status"]["message"]
+                    assert f"{AGENT} may write only status.observed of TrainingJob default/x" in message
+                refused = await review(observed, "node-b")  # another node's agent
+                assert refused["allowed"] is False and refused["status"]["code"] == 403, refused
+                assert ("may write only the figures of a job placed on its own node (node-b), not of default/x "
+                        "(placed on node-a)") in refused["status"]["message"]
+                assert (await review(observed, None))["allowed"] is False  # a token bound to no node
+                assert (await review(moved, None, "system:serviceaccount:tensile-system:tensile-operator"))["allowed"]
+            finally:
+                await op.stop()
+
+    async def rebuilt(body: dict) -> dict:
+        class Listing:
+            async def list_trainingjobs(self) -> list[dict]:
+                return [body]
+
+            async def list_pods(self, selector: str) -> list[dict]:
+                return []
+
+        app = OperatorApp(forecaster, kube=Listing())
+        app.capacity.inventory["node-a"] = [Gpu("node-a", "GPU-a0", "Simulated GPU", 4 * gib, 4 * gib, simulated=True)]
+        await app.completion.rebuild_ledger()
+        return app.capacity.ledger.bookings
+
+    asyncio.run(scenario())
+    assert asyncio.run(rebuilt(observed)) == asyncio.run(rebuilt(placed)) != {}
