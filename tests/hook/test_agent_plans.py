@@ -4,11 +4,14 @@ job trains on (bit for bit) on its last good plan or its own; a malformed answer
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from tests.support import tracing_models
+from tests.support.agent_harness import wait_for
 from tests.support.bit_identity import assert_identical
 from tests.support.training import STEPS, fit_model, state_of
 from tensile.agent_client import AgentClient
@@ -30,19 +33,23 @@ class _Corrupting(AgentClient):
         super().__init__(url, job, max_backoff=0.2)
         self.spoil = spoil
         self.calls = 0
+        self.answered = threading.Event()  # a call returned an answer, spoiled or not, rather than raising
 
     def fetch_plan(self) -> PlanResponse | None:
         self.calls += 1
-        return self.spoil(super().fetch_plan(), self.calls)
+        answer = self.spoil(super().fetch_plan(), self.calls)
+        self.answered.set()
+        return answer
 
 
-def _train(agent_url: str, client: AgentClient) -> tuple[dict, list[str], str | None]:
+def _train(agent_url: str, client: AgentClient, after_step: Callable[[int], None] | None = None,
+           ) -> tuple[dict, list[str], str | None]:
     settings = HookSettings(job=client.ref.key, agent_url=agent_url, agent_wait=5.0, agent_interval=0.05,
                             agent_timeout=0.5, agent_max_backoff=0.2)
     link = AgentLink(settings, client, local_planner(settings, CPU)).start()
     executor = activate(settings, planner=link.planner, device=CPU, listener=link.listener)
     try:
-        state = state_of(*fit_model(tracing_models.views, 4, STEPS + 2))
+        state = state_of(*fit_model(tracing_models.views, 4, STEPS + 2, after_step=after_step))
     finally:
         deactivate()
         link.close()
@@ -82,7 +89,12 @@ def test_a_malformed_answer_makes_the_link_back_off_and_retry(agent_server):
     plain = state_of(*fit_model(tracing_models.views, 4, STEPS + 2))
     agent = agent_server(simulate=["a6000:8GiB"])
     client = _Corrupting(agent.url, "ns/retried", malformed_twice)
-    hooked, messages, source = _train(agent.url, client)
+
+    def after_step(step: int) -> None:  # training faster than the backoff ended before the link could try again
+        if step == 3:  # the job registered at the end of its recorded iterations
+            wait_for(client.answered.is_set, 10, "a good answer after the two malformed ones")
+
+    hooked, messages, source = _train(agent.url, client, after_step)
     assert_identical(plain, hooked)
     assert client.calls > 2 and any("the agent link failed (KeyError" in m and "trying again" in m for m in messages), messages
     assert any("the agent link works again" in m for m in messages), messages
