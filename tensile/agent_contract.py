@@ -382,7 +382,9 @@ class Measurements:
     over the iterations covered; `peak_bytes` the highest; `planned_peak_bytes` the highest of the
     iterations measured under a plan (`measured_under_plan`; absent from an older hook's body);
     `reserved_peak_bytes` the highest the process held (on CUDA the caching allocator's max_memory_reserved, on the
-    CPU device the same as `peak_bytes`; absent from an older hook's body); `iteration_seconds` the mean."""
+    CPU device the same as `peak_bytes`; absent from an older hook's body); `out_of_memory_retries` the allocation
+    failures the hook's guard turned into passive evictions and a retry (absent from an older hook's body: 0);
+    `iteration_seconds` the mean."""
 
     plan_version: int | None = None
     iterations: int = 1
@@ -396,6 +398,7 @@ class Measurements:
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     recompute_bytes: int = 0
+    out_of_memory_retries: int = 0
     signature_match: bool | None = None
 
     def validate(self) -> Measurements:
@@ -409,7 +412,7 @@ class Measurements:
         _opt_float(data, "vanilla_iteration_seconds")
         for key in ("stall_seconds",):
             _float(data, key)
-        for key in ("swap_out_bytes", "swap_in_bytes", "recompute_bytes"):
+        for key in ("swap_out_bytes", "swap_in_bytes", "recompute_bytes", "out_of_memory_retries"):
             _int(data, key)
         _opt_bool(data, "signature_match")
         samples = self.op_latencies
@@ -453,6 +456,7 @@ class Measurements:
             swap_out_bytes=sum(int(it.get("swap_out_bytes") or 0) for it in iterations),
             swap_in_bytes=sum(int(it.get("swap_in_bytes") or 0) for it in iterations),
             recompute_bytes=sum(int(it.get("recompute_bytes") or 0) for it in iterations),
+            out_of_memory_retries=sum(int(it.get("out_of_memory_retries") or 0) for it in iterations),
             signature_match=signature_match,
         ).validate()
 

@@ -231,6 +231,14 @@ def jobs_dashboard() -> Dashboard:
     )
     stalls = Panel("Stalls", "Share of wall time ops waited for tensors that were not resident.", "percentunit",
                    (Target(rate("tensile_job_stall_seconds_total", *JOB_LABELS), who),))
+    out_of_memory = Panel(
+        "Out-of-memory retries",
+        "Out-of-memory errors per second (the device full, or the job's memory cap reached) the hook's guard turned "
+        "into passive evictions and a retry of the op. Any at all: the process held more than there was room for "
+        "(compare its observed reserved peak with its share); ops then wait for the tensors each retry evicted.",
+        "ops",
+        (Target(rate("tensile_job_out_of_memory_retries_total", *JOB_LABELS), who),),
+    )
     eor = Panel("EOR: observed and forecast",
                 "Extra overhead rate, 100% is none. Observed: the measured iteration time against the vanilla time the "
                 "hook measured (no line until a hook sends one: the agent exports no EOR it has no vanilla time for). "
@@ -244,11 +252,13 @@ def jobs_dashboard() -> Dashboard:
     iteration = Panel("Iteration time", "Measured mean iteration time, and the vanilla time the plan was made with.", "s",
                       (Target(sel("tensile_job_iteration_seconds", *JOB_LABELS), f"{who} observed"),
                        Target(sel("tensile_job_predicted_iteration_seconds", *JOB_LABELS), f"{who} planned for")))
-    return Dashboard("tensile-jobs", "Tensile / Jobs", "Per job: forecast against observed peaks, swap traffic, stalls, EOR, plans.",
+    return Dashboard("tensile-jobs", "Tensile / Jobs",
+                     "Per job: forecast against observed peaks, swap traffic, stalls, out-of-memory retries, "
+                     "EOR, plans.",
                      (Variable("namespace", "Namespace", "tensile_job_plan_version"),
                       Variable("job", "Job", 'tensile_job_plan_version{namespace=~"$namespace"}'),
                       Variable("gpu", "GPU", "tensile_job_plan_version")),
-                     (peaks, accuracy, swap, stalls, eor, version, iteration))
+                     (peaks, accuracy, swap, stalls, out_of_memory, eor, version, iteration))
 
 
 def build() -> dict[str, dict]:

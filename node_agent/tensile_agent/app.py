@@ -162,6 +162,8 @@ class MeasurementsIn(_Request):
     swap_out_bytes: int = Field(0, ge=0, le=MAX_BYTES)
     swap_in_bytes: int = Field(0, ge=0, le=MAX_BYTES)
     recompute_bytes: int = Field(0, ge=0, le=MAX_BYTES)
+    out_of_memory_retries: int = Field(0, ge=0, le=BIG, description="allocation failures the hook's guard turned into "
+                                                                   "passive evictions and a retry")
     signature_match: bool | None = None
 
 
@@ -203,6 +205,7 @@ class ObservedOut(_Model):
     swap_out_bytes: int
     swap_in_bytes: int
     recompute_bytes: int
+    out_of_memory_retries: int
     plan_version: int | None
     signature_match: bool | None
     updated_at: float | None

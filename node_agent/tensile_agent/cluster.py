@@ -54,6 +54,7 @@ def tensilenode_status(state: AgentState, agent_url: str | None) -> dict:
                 "job": j["job"], "external": j["external"], "vanillaPeakBytes": j["vanilla_peak_bytes"],
                 "scheduledPeakBytes": j["scheduled_peak_bytes"], "observedPeakBytes": j["observed_peak_bytes"],
                 "observedPlannedPeakBytes": j["observed_planned_peak_bytes"],
+                "observedReservedPeakBytes": j["observed_reserved_peak_bytes"],
                 "planVersion": j["plan_version"]}.items() if v is not None} for j in s["jobs"]],
         }
         if s["used_bytes"] is not None:
@@ -71,8 +72,10 @@ def tensilenode_status(state: AgentState, agent_url: str | None) -> dict:
 
 def observed_status(job: Any) -> dict:
     o = job.observed
-    fields = {"peakBytes": o.peak_bytes, "plannedPeakBytes": o.planned_peak_bytes, "iterations": o.iterations,
-              "iterationSeconds": o.iteration_seconds, "stallSeconds": o.stall_seconds, "planVersion": o.plan_version,
+    fields = {"peakBytes": o.peak_bytes, "plannedPeakBytes": o.planned_peak_bytes,
+              "reservedPeakBytes": o.reserved_peak_bytes, "iterations": o.iterations,
+              "iterationSeconds": o.iteration_seconds, "stallSeconds": o.stall_seconds,
+              "outOfMemoryRetries": o.out_of_memory_retries, "planVersion": o.plan_version,
               "signatureMatch": o.signature_match}
     return {k: v for k, v in fields.items() if v is not None} | {"updatedAt": utc_timestamp()}
 

@@ -85,6 +85,9 @@ class AgentCollector(Collector):
             "stall": CounterMetricFamily("tensile_job_stall_seconds", "Time ops waited for tensors not resident", labels=JOB_LABELS),
             "swapped": CounterMetricFamily("tensile_job_swapped_bytes", "Bytes swapped, by direction (out: device to host)", labels=[*JOB_LABELS, "direction"]),
             "recomputed": CounterMetricFamily("tensile_job_recomputed_bytes", "Bytes recomputed", labels=JOB_LABELS),
+            "out_of_memory": CounterMetricFamily(
+                "tensile_job_out_of_memory_retries", "Out-of-memory errors (the device full, or the job's memory cap "
+                "reached) the hook's guard turned into passive evictions and a retry", labels=JOB_LABELS),
         }
 
         summaries = {uuid: state.gpu_summary(uuid) for uuid in inventory.gpus}
@@ -144,6 +147,7 @@ class AgentCollector(Collector):
             counters["swapped"].add_metric([*labels, "out"], obs["swap_out_bytes"])
             counters["swapped"].add_metric([*labels, "in"], obs["swap_in_bytes"])
             counters["recomputed"].add_metric(labels, obs["recompute_bytes"])
+            counters["out_of_memory"].add_metric(labels, obs["out_of_memory_retries"])
         yield from (gpu_info, memory, capacity, used, util, vanilla, scheduled, jobs_g, round_s, planning, replans)
         yield from job_metrics.values()
         yield from counters.values()

@@ -320,6 +320,7 @@ class AgentService:
             o.swap_out_bytes += m.swap_out_bytes
             o.swap_in_bytes += m.swap_in_bytes
             o.recompute_bytes += m.recompute_bytes
+            o.out_of_memory_retries += m.out_of_memory_retries
             if m.plan_version is not None:
                 o.plan_version = m.plan_version
             if m.signature_match is not None:

@@ -42,6 +42,7 @@ class Observed:
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     recompute_bytes: int = 0
+    out_of_memory_retries: int = 0  # allocation failures the hook's guard turned into passive evictions and a retry
     plan_version: int | None = None
     signature_match: bool | None = None
     updated_at: float | None = None
@@ -246,6 +247,7 @@ class AgentState:
             views = [{"job": j.key, "external": j.external, "status": j.status, "vanilla_peak_bytes": j.vanilla_peak,
                       "scheduled_peak_bytes": j.scheduled_peak, "observed_peak_bytes": j.observed.peak_bytes,
                       "observed_planned_peak_bytes": j.observed.planned_peak_bytes,
+                      "observed_reserved_peak_bytes": j.observed.reserved_peak_bytes,
                       "plan_version": j.version} for j in jobs]
         return gpu.to_dict() | {
             "used_bytes": used,

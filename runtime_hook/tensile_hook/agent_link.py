@@ -431,7 +431,8 @@ class AgentLink:
         figures = [{"mode": s.mode, "peak_bytes": s.peak_bytes, "peak_source": s.peak_source, "seconds": s.seconds,
                     "stall_seconds": s.stall_seconds, "swap_out_bytes": s.swap_out_bytes, "swap_in_bytes": s.swap_in_bytes,
                     "recompute_bytes": s.recompute_bytes, "plan_version": s.plan_version,
-                    "reserved_bytes": s.reserved_bytes} for s in pending]
+                    "reserved_bytes": s.reserved_bytes, "out_of_memory_retries": s.out_of_memory_retries}
+                   for s in pending]
         samples: list[list[float]] = [[index, s] for index, s in zip(indices, seconds)]
         measurements = Measurements.from_iterations(figures, op_latencies=samples, signature_match=self._match_posted)
         return self.client.post_measurements(measurements) is not None

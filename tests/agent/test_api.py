@@ -281,6 +281,26 @@ def test_the_reserved_peak_is_exported_once_the_hook_sends_it(agent_server, tiny
     assert _gauge(get(server.url, "/metrics")[1], "tensile_job_observed_reserved_peak_bytes", "a") == 12e6
 
 
+def test_out_of_memory_retries_are_totalled_and_exported_as_a_counter(agent_server, tiny_workload):
+    """The out-of-memory errors the hook's guard retried add up over posts, in /v1/jobs and as a per-job counter that
+    starts at 0 (rate() counts the first retry); an older hook's post without them adds none."""
+    server = agent_server()
+    client = register(server.url, tiny_workload())
+    client.wait_for_plan(30)
+    assert _gauge(get(server.url, "/metrics")[1], "tensile_job_out_of_memory_retries_total", "a") == 0
+    for retries in ([2, 0], [1]):
+        sent = Measurements.from_iterations([{"mode": "planned", "peak_bytes": 6_000_000, "out_of_memory_retries": r}
+                                             for r in retries])
+        assert client.post_measurements(sent).accepted
+    older = {"plan_version": 1, "iterations": 1, "peak_bytes": 6_000_000, "iteration_seconds": 0.1}
+    assert call(server.url, "POST", "/v1/jobs/ns/a/measurements", older, client.token)[0] == 200
+    (view,) = get(server.url, "/v1/jobs")[1]["jobs"]
+    assert view["observed"]["out_of_memory_retries"] == 3
+    metrics = get(server.url, "/metrics")[1]
+    assert _gauge(metrics, "tensile_job_out_of_memory_retries_total", "a") == 3
+    assert "# TYPE tensile_job_out_of_memory_retries_total counter" in metrics
+
+
 def test_the_peak_under_plan_is_that_of_the_current_plan_version(agent_server, tiny_workload):
     """After a re-plan the figure compared with the new forecast starts over from the first post under the new
     version (not the max since registration); a late post under the older plan is ignored."""

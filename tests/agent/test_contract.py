@@ -95,6 +95,20 @@ def test_measurements_from_an_older_hook_without_the_planned_peak_still_validate
         assert info.value.field == "planned_peak_bytes", bad
 
 
+def test_measurements_carry_the_out_of_memory_retries_of_their_iterations():
+    """The retries the hook's guard made of out-of-memory errors are summed over the iterations a post covers, survive
+    the round trip, are checked as a count, and are 0 in an older hook's body, which has none."""
+    m = c.Measurements.from_iterations([{"peak_bytes": 10, "out_of_memory_retries": 2}, {"peak_bytes": 20},
+                                        {"peak_bytes": 30, "out_of_memory_retries": 1}])
+    assert m.out_of_memory_retries == 3
+    assert c.Measurements.from_dict(m.to_dict()) == m
+    assert c.Measurements.from_dict({"iterations": 2, "peak_bytes": 10}).out_of_memory_retries == 0
+    for bad in (-1, True, 1.5, "2"):
+        with pytest.raises(c.ContractError) as info:
+            c.Measurements.from_dict({"out_of_memory_retries": bad})
+        assert info.value.field == "out_of_memory_retries", bad
+
+
 def test_knobs_take_operator_names():
     knobs = c.Knobs.from_dict({"maxSwapRate": 0.25, "memoryBudgetBytes": 1000, "recompute": False})
     assert knobs.to_dict() == {"max_swap_rate": 0.25, "memory_budget_bytes": 1000, "recompute": False}

@@ -147,6 +147,48 @@ def test_the_link_posts_what_tells_the_peak_under_plan_from_the_others(agent_ser
         link.close()
 
 
+def test_an_out_of_memory_error_the_guard_retried_reaches_the_agent(agent_server, monkeypatch):
+    """An op that runs out of memory (the device full, or the job's memory cap reached) is retried by the guard after
+    passive evictions: the retry goes out with its iteration's other figures and the agent totals it (the link sent
+    every figure of the iteration but this one, so nothing outside the job's own report ever heard of them)."""
+    from tensile_hook.residency import Residency
+
+    plain = fit(tracing_models.views, 4, STEPS)
+    agent = agent_server()
+    settings = _agent_settings(agent.url, "ns/oom", agent_wait=30.0)
+    link = AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2),
+                     local_planner(settings, torch.device("cpu")))
+    link.start(_live_workload(tracing_models.views, 4))  # registered from the start: every iteration's figures go out
+    run_op, armed, attempts = Residency.run_op, [False], []
+
+    def out_of_memory_once(self, func, args, kwargs):  # type: ignore[no-untyped-def]
+        if not armed[0]:
+            return run_op(self, func, args, kwargs)
+        armed[0] = False
+
+        def first_attempt_fails(*a, **k):  # type: ignore[no-untyped-def]
+            attempts.append(func)
+            if len(attempts) == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return func(*a, **k)
+
+        return run_op(self, first_attempt_fails, args, kwargs)
+
+    monkeypatch.setattr(Residency, "run_op", out_of_memory_once)
+
+    def after_step(step: int) -> None:
+        if step == 1:  # the next op runs under the agent's plan, on the dispatch path
+            armed[0] = True
+        if step == STEPS - 1:  # the iteration of the retry ended before this one began: its figures are at the link
+            _wait(lambda: _job(agent.url, "oom")["observed"]["out_of_memory_retries"] > 0, 30, "the retry at the agent")
+            assert _job(agent.url, "oom")["observed"]["out_of_memory_retries"] == 1
+
+    hooked, report, _ = _fit_linked(link, settings, STEPS, after_step)
+    assert len(attempts) == 2 and sum(it.out_of_memory_retries for it in report.iterations) == 1
+    assert report.plan_source == "agent" and report.iterations[2].mode == "planned"
+    assert_identical(plain, hooked)
+
+
 @pytest.mark.slow
 def test_the_agent_dies_mid_run_training_is_unharmed_and_registers_again(tmp_path):
     plain, hooked, report = tmp_path / "plain.pt", tmp_path / "hooked.pt", tmp_path / "report.json"
