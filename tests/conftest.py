@@ -16,9 +16,12 @@ from tensile.workload import Workload
 def pytest_configure(config: pytest.Config) -> None:
     """Each worker of `pytest -n N` (and the processes its tests start) computes on its share of the cores. With every
     process on as many threads as there are cores, OpenMP's threads spin waiting for one another on cores the other
-    workers hold: on 2 cores the suite took four times as long, one zoo model's test 6 s alone and 6 minutes there."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    workers hold: on 2 cores the suite took four times as long, one zoo model's test 6 s alone and 6 minutes there.
+    OpenMP reads OMP_NUM_THREADS once, when a process starts, for every thread of it (torch.set_num_threads sets only
+    the calling thread's): the controller sets it here, before it starts the workers, which inherit it."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT") or getattr(config.option, "numprocesses", None) or 1
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // int(workers)) if str(workers).isdigit() else 1  # -n auto: a worker per core
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
