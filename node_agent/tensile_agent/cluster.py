@@ -62,7 +62,8 @@ def tensilenode_status(state: AgentState, agent_url: str | None) -> dict:
         if s["utilization"] is not None:
             entry["utilization"] = s["utilization"]
         gpus.append(entry)
-    status: dict[str, Any] = {"gpus": gpus, "updatedAt": utc_timestamp()}
+    # agentEpoch: this process, so that the operator sees a restart (which forgot its admissions) and admits again
+    status: dict[str, Any] = {"gpus": gpus, "agentEpoch": state.epoch, "updatedAt": utc_timestamp()}
     if agent_url:
         status["agentAddress"] = agent_url
     if state.inventory.reason:

@@ -2,8 +2,9 @@
 
 Flow (docs/operator.md): `JobIntake` (validate, forecast, queue) -> `Scheduler` (place, book, write the placement) ->
 `PodLauncher` (the pod) -> `PodFollower` (the pod followed, the job deleted) -> `JobCompletion` (the end written, the
-room released), all on the `CapacityLedger`; `Replacement` places again a job whose GPU went, and `JobEdits` takes a
-job's edits. The Kopf handlers (`handlers.py`) call the collaborator each event is for.
+room released), all on the `CapacityLedger`; `Replacement` places again a job whose GPU went, `Readmission` admits a
+restarted agent's jobs again, and `JobEdits` takes a job's edits. The Kopf handlers (`handlers.py`) call the
+collaborator each event is for.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tensile_operator.placement import JointPlanner
 from tensile_operator.pod_creation import PodLauncher
 from tensile_operator.pods import DEFAULT_IMAGE, JobTokens
 from tensile_operator.queueing import JobQueue, QueueConfig
+from tensile_operator.readmission import Readmission
 from tensile_operator.replacement import Replacement
 from tensile_operator.scheduler import Scheduler
 from tensile_operator.statuses import JobStatuses, job_key
@@ -73,14 +75,16 @@ class OperatorApp:
                                        self.completion, self.intake, self.edits, self.background)
         self.follower = PodFollower(self.kube, self.capacity, self.queue, self.statuses, self.pods, self.completion,
                                     self.replacement, tokens)
+        self.readmission = Readmission(self.kube, self.capacity, self.statuses, self.pods, self.agents, tokens)
 
     async def node_changed(self, body: dict | None, name: str) -> None:
         """A TensileNode published, updated or removed (`body` None): the jobs booked there are checked against what
-        it lists now (`Replacement.check_node`)."""
+        it lists now (`Replacement.check_node`), and admitted again by a restarted agent (`Readmission`)."""
         self.capacity.set_node(body, name)
         self.queue.poke()
         await self.capacity.ready.wait()
         await self.replacement.check_node(name)
+        await self.readmission.node_changed(body, name)
 
     async def start(self) -> None:
         """Rebuild from the cluster, then run the scheduler (Kopf startup)."""

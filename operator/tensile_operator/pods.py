@@ -96,8 +96,12 @@ class JobTokens:
     def issue(self, body: dict) -> str:
         """The TrainingJob's token, kept for its job."""
         meta = body["metadata"]
-        token = job_token(self._key, meta["namespace"], meta["name"], meta.get("uid", ""))
-        self._tokens[f"{meta['namespace']}/{meta['name']}"] = token
+        return self.issue_for(meta["namespace"], meta["name"], meta.get("uid", ""))
+
+    def issue_for(self, namespace: str, name: str, uid: str) -> str:
+        """The token of the TrainingJob `namespace/name` with that uid, kept for its job."""
+        token = job_token(self._key, namespace, name, uid)
+        self._tokens[f"{namespace}/{name}"] = token
         return token
 
     def get(self, key: str) -> str:

@@ -7,15 +7,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import threading
 
 import pytest
 from tests.support.agent_harness import ThreadedAgent, agent_jobs
-from tests.support.operator_harness import cluster, phase, pod_env, start_operator, trainingjob
+from tests.support.operator_harness import OPERATOR_ACCOUNT, Cluster, cluster, phase, pod_env, start_operator
+from tests.support.operator_harness import trainingjob
 
 from tensile.agent_client import AgentClient
+from tensile_agent.auth import TokenReviewer
 from tensile_operator.forecasting import Forecaster
 from tensile_operator.pods import pod_name
 from tensile.plan import native_plan_events
+from tensile.workload import Workload
 
 pytestmark = pytest.mark.cluster
 MIB = 2**20
@@ -23,7 +27,8 @@ MIB = 2**20
 
 @contextlib.asynccontextmanager
 async def agent_and_operator(tmp_path, forecaster: Forecaster):  # type: ignore[no-untyped-def]
-    """The emulated cluster, a real agent publishing node-a's TensileNode there, and the operator once it has."""
+    """The emulated cluster, a real agent publishing node-a's TensileNode there, and the operator once it has (stopped
+    at the end, also if the test did)."""
     async with cluster(tmp_path) as c:
         agent = ThreadedAgent(["a6000:8GiB"], cluster_api=c.custom_objects_api(), node="node-a",
                               authenticator=c.agent_authenticator())
@@ -33,7 +38,7 @@ async def agent_and_operator(tmp_path, forecaster: Forecaster):  # type: ignore[
             await c.wait(lambda: ((c.node("node-a") or {}).get("status") or {}).get("gpus"), 30, "the agent's TensileNode")
             assert c.node("node-a")["status"]["agentAddress"] == agent.url
             op = await start_operator(forecaster)
-            yield c, agent
+            yield c, agent, op
         finally:
             if op is not None:
                 await op.stop()
@@ -58,7 +63,7 @@ def test_knobs_reach_the_agent_and_release_unregisters(tmp_path, tiny_workload):
         return hook
 
     async def scenario() -> None:
-        async with agent_and_operator(tmp_path, forecaster) as (c, agent):
+        async with agent_and_operator(tmp_path, forecaster) as (c, agent, _):
             # 1. a job without a profile yet: admitted by its budget, registered by its hook
             await c.apply(trainingjob("first", None, profile="tiny-mlp", memoryBudget="256Mi"))
             hook = await hook_for(c, "first")
@@ -121,7 +126,7 @@ def test_knobs_changed_before_the_hook_registers_reach_the_agent_once_it_has(tmp
     workload = tiny_workload()
 
     async def scenario() -> None:
-        async with agent_and_operator(tmp_path, forecaster) as (c, agent):
+        async with agent_and_operator(tmp_path, forecaster) as (c, agent, _):
             await c.apply(trainingjob("early", None, profile="tiny-mlp", memoryBudget="256Mi"))
             await c.wait(lambda: c.pods(), 30, "the job's pod")
             await c.annotate("early", {"tensile.dev/max-swap-rate": "0.25"})
@@ -135,6 +140,131 @@ def test_knobs_changed_before_the_hook_registers_reach_the_agent_once_it_has(tmp
             assert await asyncio.to_thread(hook.register, workload=workload) is not None
             await c.wait(lambda: agent_jobs(agent.url)["default/early"]["max_swap_rate"] == 0.25, 30, "the knobs sent again")
             await c.wait(lambda: knobs_applied().get("reason") == "Forwarded", 30, "the condition updated")
+
+    forecaster = Forecaster()
+    try:
+        asyncio.run(scenario())
+    finally:
+        forecaster.close()
+
+
+class TokenReviewsAway:
+    """The API server's TokenReviews, unanswered while `away` is set (the agent then refuses every call, 503)."""
+
+    def __init__(self, api: object) -> None:
+        self.api = api
+        self.away = threading.Event()
+        self.refused = 0
+
+    def create_token_review(self, body: dict) -> object:
+        if self.away.is_set():
+            self.refused += 1
+            raise ConnectionError("the API server does not answer")
+        return self.api.create_token_review(body)  # type: ignore[attr-defined]
+
+
+def restarted(c: Cluster, agent: ThreadedAgent, authenticator: TokenReviewer | None = None) -> ThreadedAgent:
+    """`agent` stopped and node-a's agent started again at its address: a new process, a new epoch, no admissions."""
+    agent.__exit__(None, None, None)
+    return ThreadedAgent(["a6000:8GiB"], cluster_api=c.custom_objects_api(), node="node-a",
+                         authenticator=authenticator or c.agent_authenticator(), port=agent.port).__enter__()
+
+
+async def admitted_hook(c: Cluster, name: str, workload: Workload) -> AgentClient:
+    """The job's hook, registered with the agent from what the operator put in its pod and with the pod's credential."""
+    await c.wait(lambda: c.pods(), 30, f"{name}'s pod")
+    env = pod_env(c.pods()[0]) | {"TENSILE_TOKEN_FILE": c.pod_token_file(c.pods()[0])}
+    hook = AgentClient.from_env(env, max_backoff=0.2)
+    assert await asyncio.to_thread(hook.register, workload=workload) is not None
+    return hook
+
+
+async def registered_again(hook: AgentClient, agent: ThreadedAgent, job: str) -> None:
+    """The hook's next calls register it again with the restarted agent (each refused, 403 not_admitted, until the
+    operator admits the job there)."""
+    deadline = asyncio.get_running_loop().time() + 30
+    while not (hook.registrations == 2 and job in agent_jobs(agent.url)):
+        assert asyncio.get_running_loop().time() < deadline, f"not registered again: {hook.last_error}"
+        await asyncio.to_thread(hook.poll)
+        await asyncio.sleep(0.05)
+    assert hook.last_error is None
+
+
+class TokenReviewsAway:
+    """The API server's TokenReviews, unanswered while `away` is set (the agent then refuses every call, 503)."""
+
+    def __init__(self, api: object) -> None:
+        self.api = api
+        self.away = threading.Event()
+        self.refused = 0
+
+    def create_token_review(self, body: dict) -> object:
+        if self.away.is_set():
+            self.refused += 1
+            raise ConnectionError("the API server does not answer")
+        return self.api.create_token_review(body)  # type: ignore[attr-defined]
+
+
+def test_a_restarted_agent_has_its_jobs_admitted_again(tmp_path, tiny_workload, caplog):
+    """The agent keeps the operator's admissions in memory only: restarted, it refused the pods' registrations (403
+    `not_admitted`) for good. Its new epoch in its TensileNode has the operator admit its jobs again (a re-admission
+    that fails is made again at the TensileNode's next event), and the job's hook, registering again with its pod's
+    credential, is taken."""
+    workload = tiny_workload()
+
+    async def scenario() -> None:
+        async with agent_and_operator(tmp_path, forecaster) as (c, agent, _):
+            await c.apply(trainingjob("steady", None, profile="tiny-mlp", memoryBudget="256Mi"))
+            hook = await admitted_hook(c, "steady", workload)
+            epoch = c.node("node-a")["status"]["agentEpoch"]
+
+            # restarted while the API server does not answer its TokenReviews: the operator's admission is refused
+            reviews = TokenReviewsAway(c.authentication_api())
+            reviews.away.set()
+            agent = await asyncio.to_thread(restarted, c, agent, TokenReviewer({OPERATOR_ACCOUNT}, api=reviews))
+            try:
+                await c.wait(lambda: c.node("node-a")["status"]["agentEpoch"] != epoch, 30, "the new epoch published")
+                await c.wait(lambda: "admitting default/steady again failed" in caplog.text, 30, "the failure logged")
+                assert reviews.refused and "default/steady" not in agent_jobs(agent.url)
+
+                reviews.away.clear()  # answered again: the TensileNode's next event admits the job again
+                await c.request("PATCH", "/apis/tensile.dev/v1alpha1/tensilenodes/node-a",
+                                {"metadata": {"labels": {"example.com/touched": "yes"}}})
+                await registered_again(hook, agent, "default/steady")
+            finally:
+                await asyncio.to_thread(agent.__exit__, None, None, None)
+
+    forecaster = Forecaster()
+    try:
+        asyncio.run(scenario())
+    finally:
+        forecaster.close()
+
+
+def test_an_agent_restarted_while_the_operator_was_down_has_its_jobs_admitted_again(tmp_path, tiny_workload):
+    """A restarted operator does not make a running job's pod again (nor admit it then): the first epoch it sees of
+    each agent has that agent's jobs admitted again, in case it restarted meanwhile."""
+    workload = tiny_workload()
+
+    async def scenario() -> None:
+        async with agent_and_operator(tmp_path, forecaster) as (c, agent, op):
+            await c.apply(trainingjob("steady", None, profile="tiny-mlp", memoryBudget="256Mi"))
+            hook = await admitted_hook(c, "steady", workload)
+            await c.set_pod_status(c.pods()[0], {"phase": "Running"})
+            await c.wait(lambda: c.job("steady")["status"].get("podName"), 30, "the job running")
+            epoch = c.node("node-a")["status"]["agentEpoch"]
+
+            await op.stop()
+            agent = await asyncio.to_thread(restarted, c, agent)
+            try:
+                await c.wait(lambda: c.node("node-a")["status"]["agentEpoch"] != epoch, 30, "the new epoch published")
+                op = await start_operator(forecaster)
+                try:
+                    await registered_again(hook, agent, "default/steady")
+                finally:
+                    await op.stop()
+            finally:
+                await asyncio.to_thread(agent.__exit__, None, None, None)
 
     forecaster = Forecaster()
     try:

@@ -81,8 +81,9 @@ class ThreadedAgent:
     """Agent + uvicorn in a thread of the test process (state inspectable from the test)."""
 
     def __init__(self, simulate: list[str] | None = None, cluster_api: object | None = None,  # type: ignore[no-untyped-def]
-                 authenticator: object | None = None, **config) -> None:
-        self.port = free_port()
+                 authenticator: object | None = None, port: int | None = None, **config) -> None:
+        """`port`: a stopped agent's, to restart it at its address (else a free one)."""
+        self.port = port or free_port()
         config.setdefault("planning", "thread")  # no child process per test (the restart test runs the default)
         if cluster_api is not None:  # publishing to a (test) cluster: advertise this loopback address
             config.setdefault("advertise", f"http://127.0.0.1:{self.port}")
