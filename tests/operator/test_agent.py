@@ -135,9 +135,7 @@ def test_knobs_changed_before_the_hook_registers_reach_the_agent_once_it_has(tmp
                 return {x["type"]: x for x in (c.job("early").get("status") or {}).get("conditions", [])}.get("KnobsApplied", {})
 
             await c.wait(lambda: knobs_applied().get("reason") == "WaitingForHook", 30, "the knobs waiting for the hook")
-            env = pod_env(c.pods()[0]) | {"TENSILE_TOKEN_FILE": c.pod_token_file(c.pods()[0])}
-            hook = AgentClient.from_env(env, max_backoff=0.2)  # the hook registers, from its pod's env
-            assert await asyncio.to_thread(hook.register, workload=workload) is not None
+            await admitted_hook(c, "early", workload)
             await c.wait(lambda: agent_jobs(agent.url)["default/early"]["max_swap_rate"] == 0.25, 30, "the knobs sent again")
             await c.wait(lambda: knobs_applied().get("reason") == "Forwarded", 30, "the condition updated")
 
@@ -188,21 +186,6 @@ async def registered_again(hook: AgentClient, agent: ThreadedAgent, job: str) ->
         await asyncio.to_thread(hook.poll)
         await asyncio.sleep(0.05)
     assert hook.last_error is None
-
-
-class TokenReviewsAway:
-    """The API server's TokenReviews, unanswered while `away` is set (the agent then refuses every call, 503)."""
-
-    def __init__(self, api: object) -> None:
-        self.api = api
-        self.away = threading.Event()
-        self.refused = 0
-
-    def create_token_review(self, body: dict) -> object:
-        if self.away.is_set():
-            self.refused += 1
-            raise ConnectionError("the API server does not answer")
-        return self.api.create_token_review(body)  # type: ignore[attr-defined]
 
 
 def test_a_restarted_agent_has_its_jobs_admitted_again(tmp_path, tiny_workload, caplog):
