@@ -129,6 +129,10 @@ def _plot(comparison: Comparison, directory: str, capacity: int, budget: int | N
     paths = []
     for policy, per_job in curves.items():
         fig, ax = plt.subplots(figsize=(11, 4.5))
+        # each job's first iteration starts with all its tensors on the device (the plan's swaps across iterations
+        # begin after it): the peaks in the table and the budget hold from the second on
+        warm_up_ms = max(job.iteration_seconds[0] for job in comparison.simulations[policy].jobs.values()) * 1e3
+        ax.axvspan(0, warm_up_ms, color="#eeeeee", zorder=0, label="first iterations: not measured (warm-up)")
         for job, (xs, ys) in per_job.items():
             ax.step(xs, ys, where="post", lw=2.0 if job == GPU_TOTAL else 1.0,
                     color="black" if job == GPU_TOTAL else None, label=job)
