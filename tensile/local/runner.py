@@ -48,6 +48,7 @@ class JobRun:
     observed_peak: int | None = None  # of every iteration: the unplanned first ones run at the vanilla peak
     observed_planned_peak: int | None = None  # of the iterations measured under a plan: compare with scheduled_peak
     observed_reserved_peak: int | None = None  # what the process held (CUDA: max_memory_reserved; CPU: observed_peak)
+    out_of_memory_retries: int = 0  # allocation failures (its cap, a full device) the guard evicted for and retried
     iterations: int = 0
     stall_seconds: float = 0.0
     message: str = ""
@@ -255,6 +256,7 @@ class LocalRunner:
                 run.observed_peak, run.observed_planned_peak = totals.peak_bytes, totals.planned_peak_bytes
                 run.observed_reserved_peak = totals.reserved_peak_bytes
             run.iterations = totals.iterations
+            run.out_of_memory_retries = totals.out_of_memory_retries
             run.stall_seconds = totals.stall_seconds
             run.iteration_spans = iteration_spans(data["iterations"], ended)
             run.vanilla_peak = run.vanilla_peak or data.get("vanilla_peak_bytes")
@@ -278,6 +280,7 @@ class LocalRunner:
             run.observed_planned_peak = higher(run.observed_planned_peak, observed.get("planned_peak_bytes"))
             run.observed_reserved_peak = higher(run.observed_reserved_peak, observed.get("reserved_peak_bytes"))
             run.iterations = max(run.iterations, observed.get("iterations") or 0)
+            run.out_of_memory_retries = max(run.out_of_memory_retries, observed.get("out_of_memory_retries") or 0)
             run.stall_seconds = observed.get("stall_seconds") or 0.0
             if run.vanilla_peak is None and seen.get("forecast"):  # a profile job: the agent's plan forecasts it
                 run.vanilla_peak = seen["forecast"]["vanilla_peak_bytes"]

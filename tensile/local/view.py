@@ -43,8 +43,19 @@ def job_view(runs: list[JobRun], title: str) -> Group:
         table.add_row(run.name, f"[{style}]{run.phase}[/]" if style else run.phase, _mib(run.vanilla_peak),
                       _mib(run.scheduled_peak), _mib(run.observed_peak), _mib(run.observed_planned_peak), *held,
                       str(run.iterations), f"{run.stall_seconds:.3f}")
-    notes = [Text.assemble((f"{run.name}: ", "bold"), run.message) for run in runs if run.message]
+    notes = [Text.assemble((f"{run.name}: ", "bold"), "; ".join(said)) for run in runs if (said := _notes(run))]
     return Group(table, *notes)
+
+
+def _notes(run: JobRun) -> list[str]:
+    """What to say of a job under the table: its message, and the out-of-memory errors (its cap, a full device) the
+    hook turned into evictions and retries, so that a job that met its limit and went on is seen to have."""
+    said = [run.message] if run.message else []
+    if run.out_of_memory_retries:
+        count = run.out_of_memory_retries
+        said.append(f"{count} out-of-memory error{'s' if count > 1 else ''} the hook evicted for and retried; the job "
+                    "went on")
+    return said
 
 
 def declared_at_once(runs: list[JobRun], capacity: int, context: int) -> int:

@@ -480,3 +480,19 @@ def test_the_view_shows_reserved_memory_where_it_is_more_than_the_tensors(tmp_pa
         console.print(job_view([run], "test"))
         text = console.export_text()
         assert ("reserved" in text and "9.0" in text) is shown, text
+
+
+def test_the_view_shows_out_of_memory_retries_where_a_job_had_any(tmp_path):
+    """A job that met its cap or a full device, and went on because the hook evicted and retried, is said so under the
+    table; without any, nothing is said."""
+    from rich.console import Console
+
+    from tensile.local.runner import JobRun
+
+    job = load_job(_write(tmp_path, "capped"))
+    for retries, shown in ((3, True), (0, False)):
+        run = JobRun(job, phase="Running", observed_peak=8 * MIB, out_of_memory_retries=retries)
+        console = Console(width=120, record=True, file=io.StringIO())
+        console.print(job_view([run], "test"))
+        text = console.export_text()
+        assert ("capped: 3 out-of-memory errors the hook evicted for and retried" in " ".join(text.split())) is shown, text
