@@ -38,6 +38,7 @@ Run: python benchmarks/colocation.py [--jobs MODEL@BATCH,...] [--steps 15] [--pl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -179,11 +180,14 @@ def run_alone(jobs: list[JobSpec], steps: int, folder: Path) -> dict:
 def run_declared(jobs: list[JobSpec], steps: int, folder: Path, capacity: int) -> dict:
     share = capacity // len(jobs)
     started = time.time()
-    processes = {spec.name: subprocess.Popen(job_command(spec, steps, folder, "declared", share),
-                                             env=_plain_environment(), cwd=ROOT, stdout=subprocess.DEVNULL,
-                                             stderr=_stderr_file(folder, "declared", spec).open("w"))
-                 for spec in jobs}
-    codes = {name: process.wait() for name, process in processes.items()}
+    with contextlib.ExitStack() as files:
+        processes = {}
+        for spec in jobs:
+            stderr = files.enter_context(_stderr_file(folder, "declared", spec).open("w"))
+            processes[spec.name] = subprocess.Popen(job_command(spec, steps, folder, "declared", share),
+                                                    env=_plain_environment(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                                    stderr=stderr)
+        codes = {name: process.wait() for name, process in processes.items()}
     return {"seconds": time.time() - started, "at_once": len(jobs), "exit_codes": codes, "started": started,
             "declared_bytes": share}
 

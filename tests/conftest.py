@@ -16,7 +16,7 @@ from tensile.workload import Workload
 def pytest_configure(config: pytest.Config) -> None:
     """Each worker of `pytest -n N` (and the processes its tests start) computes on its share of the cores. With every
     process on as many threads as there are cores, OpenMP's threads spin waiting for one another on cores the other
-    workers hold: on 2 cores the suite took four times as long, one zoo model's test 6 s alone and 6 minutes there.
+    workers hold: on 2 cores the suite took 13 min with two threads a worker, 6 min with one (docs/architecture.md).
     OpenMP reads OMP_NUM_THREADS once, when a process starts, for every thread of it (torch.set_num_threads sets only
     the calling thread's): the controller sets it here, before it starts the workers, which inherit it."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT") or getattr(config.option, "numprocesses", None) or 1

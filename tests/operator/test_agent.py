@@ -45,9 +45,17 @@ async def agent_and_operator(tmp_path, forecaster: Forecaster):  # type: ignore[
             await asyncio.to_thread(agent.__exit__, None, None, None)
 
 
-def test_knobs_reach_the_agent_and_release_unregisters(tmp_path, tiny_workload):
+@pytest.fixture
+def forecaster():  # type: ignore[no-untyped-def]
+    """A forecast cache of each test's own, not the module's (conftest): these tests store and read profiles, which
+    one cache would carry from test to test."""
+    cache = Forecaster()
+    yield cache
+    cache.close()
+
+
+def test_knobs_reach_the_agent_and_release_unregisters(tmp_path, forecaster, tiny_workload):
     workload = tiny_workload()
-    forecaster = Forecaster()
 
     async def hook_for(c, name: str) -> AgentClient:  # type: ignore[no-untyped-def]
         """Register the job as its hook would, from what the operator put in the pod."""
@@ -113,13 +121,10 @@ def test_knobs_reach_the_agent_and_release_unregisters(tmp_path, tiny_workload):
             await c.wait(lambda: "default/second" not in agent_jobs(agent.url) and c.job("second") is None, 30,
                          "unregistered on deletion")
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        forecaster.close()
+    asyncio.run(scenario())
 
 
-def test_knobs_changed_before_the_hook_registers_reach_the_agent_once_it_has(tmp_path, tiny_workload):
+def test_knobs_changed_before_the_hook_registers_reach_the_agent_once_it_has(tmp_path, forecaster, tiny_workload):
     """A job's annotations can change while its pod starts, before its hook registers: the agent answers 404.
     Said as "no agent reachable" and never sent again, the knobs would miss the hook, which would register with its
     pod's environment and run under the old knobs."""
@@ -139,11 +144,7 @@ def test_knobs_changed_before_the_hook_registers_reach_the_agent_once_it_has(tmp
             await c.wait(lambda: agent_jobs(agent.url)["default/early"]["max_swap_rate"] == 0.25, 30, "the knobs sent again")
             await c.wait(lambda: knobs_applied().get("reason") == "Forwarded", 30, "the condition updated")
 
-    forecaster = Forecaster()
-    try:
-        asyncio.run(scenario())
-    finally:
-        forecaster.close()
+    asyncio.run(scenario())
 
 
 class TokenReviewsAway:
@@ -188,7 +189,7 @@ async def registered_again(hook: AgentClient, agent: ThreadedAgent, job: str) ->
     assert hook.last_error is None
 
 
-def test_a_restarted_agent_has_its_jobs_admitted_again(tmp_path, tiny_workload, caplog):
+def test_a_restarted_agent_has_its_jobs_admitted_again(tmp_path, forecaster, tiny_workload, caplog):
     """The agent keeps the operator's admissions in memory only: restarted, it refused the pods' registrations (403
     `not_admitted`) for good. Its new epoch in its TensileNode has the operator admit its jobs again (a re-admission
     that fails is made again at the TensileNode's next event), and the job's hook, registering again with its pod's
@@ -217,14 +218,10 @@ def test_a_restarted_agent_has_its_jobs_admitted_again(tmp_path, tiny_workload, 
             finally:
                 await asyncio.to_thread(agent.__exit__, None, None, None)
 
-    forecaster = Forecaster()
-    try:
-        asyncio.run(scenario())
-    finally:
-        forecaster.close()
+    asyncio.run(scenario())
 
 
-def test_an_agent_restarted_while_the_operator_was_down_has_its_jobs_admitted_again(tmp_path, tiny_workload):
+def test_an_agent_restarted_while_the_operator_was_down_has_its_jobs_admitted_again(tmp_path, forecaster, tiny_workload):
     """A restarted operator does not make a running job's pod again (nor admit it then): the first epoch it sees of
     each agent has that agent's jobs admitted again, in case it restarted meanwhile."""
     workload = tiny_workload()
@@ -249,11 +246,7 @@ def test_an_agent_restarted_while_the_operator_was_down_has_its_jobs_admitted_ag
             finally:
                 await asyncio.to_thread(agent.__exit__, None, None, None)
 
-    forecaster = Forecaster()
-    try:
-        asyncio.run(scenario())
-    finally:
-        forecaster.close()
+    asyncio.run(scenario())
 
 
 if __name__ == "__main__":
