@@ -153,10 +153,12 @@ def _stderr_file(folder: Path, policy: str, spec: JobSpec) -> Path:
 
 def _refuse_crashes(policy: str, jobs: list[JobSpec], codes: dict[str, int | None], folder: Path) -> None:
     """A job that failed other than by running out of memory measured nothing: the figures would lie by omission."""
+    from tensile.local.runner import job_log
+
     for spec in jobs:
         code = codes.get(spec.name)
         if code not in (0, OOM_EXIT):
-            logs = [path for path in (_stderr_file(folder, policy, spec), folder / f"{spec.name}.log") if path.exists()]
+            logs = [path for path in (_stderr_file(folder, policy, spec), job_log(folder, spec.name)) if path.exists()]
             said = logs[0].read_text()[-2000:] if logs else ""
             raise SystemExit(f"colocation: {policy}: job {spec.name} failed with exit status {code}, not of "
                              f"running out of memory; the measurement is void:\n{said}")
@@ -269,9 +271,10 @@ class NvmlSampler:
 
 def job_figures(spec: JobSpec, folder: Path, policy: str, code: int | None) -> dict:
     """One job's figures under one policy, from its timeline and its hook's report (where it has one)."""
+    from tensile.local.runner import job_report
+
     timeline_path = folder / f"{policy}-{spec.name}.timeline.json"
-    # tensile local names a job's report by the job alone
-    report_path = folder / (f"{spec.name}.report.json" if policy == "tensile" else f"{policy}-{spec.name}.report.json")
+    report_path = job_report(folder, spec.name) if policy == "tensile" else folder / f"{policy}-{spec.name}.report.json"
     timeline = json.loads(timeline_path.read_text()) if timeline_path.exists() else None
     report = json.loads(report_path.read_text()) if report_path.exists() else None
     steps = timeline["steps"] if timeline else []

@@ -127,6 +127,16 @@ def job_environment(run: JobRun, agent_url: str, credential_path: str, admitted:
     return hook_environment(run.name, variables) | {"TENSILE_TOKEN_FILE": credential_path}
 
 
+def job_log(reports: Path, name: str) -> Path:
+    """Where the runner writes a job's stdout and stderr: named here once, for whoever reads them back."""
+    return reports / f"{name}.log"
+
+
+def job_report(reports: Path, name: str) -> Path:
+    """Where a job's hook writes its report (TENSILE_REPORT): named here once, for whoever reads it back."""
+    return reports / f"{name}.report.json"
+
+
 def iteration_spans(iterations: list[dict], ended: float) -> list[tuple[float, float, int]]:
     """(start, end, peak) of a report's listed iterations, placed back to back before `ended`: the process's exit
     after its last iteration is short beside the iterations, and a report holds their durations, not their times."""
@@ -229,8 +239,8 @@ class LocalRunner:
         return [r for r in self.runs if r.phase == "Running"]
 
     def _start(self, run: JobRun) -> None:
-        run.report = self.reports / f"{run.name}.report.json"
-        run.log = self.reports / f"{run.name}.log"
+        run.report = job_report(self.reports, run.name)
+        run.log = job_log(self.reports, run.name)
         env = job_environment(run, self.agent.url, self.agent.credential_path, self.admission.need(run))
         with open(run.log, "wb") as log:
             try:
