@@ -99,9 +99,14 @@ def _victims_plan(agent: ThreadedAgent) -> tuple[int, int | None, list]:
 
 
 def _victims_standing(agent: ThreadedAgent) -> tuple[list[str], tuple[int, int | None, list], int | None]:
-    """The agent's jobs, the victim's plan and the victim's budget: what no attack may change."""
-    budget = agent.agent.state.jobs["team-a/victim"].memory_budget_bytes
-    return list(agent.agent.state.jobs), _victims_plan(agent), budget
+    """The agent's jobs, the victim's plan and the victim's budget: what no attack may change. Read as a client reads
+    them, through the API: the jobs listed, the victim's job and plan with its token."""
+    status, listed = call(agent.url, "GET", "/v1/jobs")
+    assert status == 200, listed
+    status, victim = call(agent.url, "GET", VICTIM, token=VICTIM_TOKEN)
+    assert status == 200, victim
+    jobs = [f"{j['namespace']}/{j['job']}" for j in listed["jobs"]]  # type: ignore[index]
+    return jobs, _victims_plan(agent), victim["memory_budget_bytes"]  # type: ignore[index]
 
 
 @dataclass(frozen=True)
