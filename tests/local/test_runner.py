@@ -496,3 +496,54 @@ def test_the_view_shows_out_of_memory_retries_where_a_job_had_any(tmp_path):
         console.print(job_view([run], "test"))
         text = console.export_text()
         assert ("capped: 3 out-of-memory errors the hook evicted for and retried" in " ".join(text.split())) is shown, text
+
+
+def test_out_of_memory_retries_are_read_from_the_agent_while_a_job_runs_and_from_its_report_at_the_end(
+        tmp_path, tiny_workload):
+    """The runner reads a job's retries twice: from the agent's observation while it runs, and from its hook's report
+    when it ends (the whole run's, past the hook's last post to the agent). On the CPU no allocation fails: the hook's
+    own iteration records carry the retries, posted as its link posts them and written by its report writer."""
+    from dataclasses import asdict
+
+    from rich.console import Console
+
+    from tensile.agent_client import AgentClient, credential_file
+    from tensile.agent_contract import Measurements
+    from tensile.local.runner import job_report
+    from tensile_hook.report import HookReport, IterationStats, ReportWriter
+
+    def said(run: JobRun) -> str:
+        console = Console(width=120, record=True, file=io.StringIO())
+        console.print(job_view([run], "test"))
+        return " ".join(console.export_text().split())
+
+    iterations = [IterationStats(0, "recording", peak_bytes=8 * MIB),
+                  IterationStats(1, "planned", peak_bytes=5 * MIB, out_of_memory_retries=2),
+                  IterationStats(2, "planned", peak_bytes=5 * MIB, out_of_memory_retries=1)]
+    agent = LocalAgent("127.0.0.1", 0, ["small:1GiB"]).start()
+    runner = LocalRunner([load_job(_write(tmp_path, "capped"))], agent, tmp_path, "cpu", "cpu")
+    (run,) = runner.runs
+    credential = credential_file(agent.credential_path)  # the one the runner hands its jobs
+    client = AgentClient(agent.url, "default/capped", max_backoff=0.2, credential=credential)
+    try:
+        assert client.register(workload=tiny_workload()) is not None
+        posted = client.post_measurements(Measurements.from_iterations([asdict(it) for it in iterations[:2]]))
+        assert posted is not None and posted.accepted
+        run.phase = "Running"
+        runner.refresh()
+        assert "capped: 2 out-of-memory errors the hook evicted for and retried; the job went on" in said(run)
+        # the job ends, its last iteration's retry in its report alone
+        report = HookReport("capped", "cpu")
+        for stats in iterations:
+            report.add(stats)
+        run.report = job_report(tmp_path, run.name)
+        ReportWriter(run.report, interval=0).write(report)
+        run.process = subprocess.Popen([sys.executable, "-c", ""])
+        run.process.wait()
+        assert not runner.step()
+    finally:
+        client.close()
+        runner.stop()
+        agent.stop()
+    assert run.phase == "Succeeded", run.message
+    assert "capped: 3 out-of-memory errors the hook evicted for and retried; the job went on" in said(run)
