@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ from hook_overhead import empty_plan, timed_step
 from paper_tables import MODELS as PAPER_MODELS
 from paper_tables import PAPER_TABLE_III
 from tensile.allocator import reserved_peak
+from tensile.cublas_workspaces import cublas_workspace_bytes, cublas_workspaces
 from tensile.latency.calibrate import local_device, torch_device
 from tensile.plan import PLAN_EVENTS
 from tensile_hook import activate, deactivate
@@ -46,9 +48,12 @@ from tensile_hook.plan_book import Planner
 from tensile_hook.plan_source import host_link_bandwidth, local_planner
 from tensile_hook.report import HookReport
 from tensile_hook.settings import HookSettings
+from tensile.workload import Workload
 from tensile.zoo import build_zoo_parts
 
 TARGET_EOR = 1.15
+FORECAST_TARGET = 0.03  # forecast allocated and reserved peaks within 3% of measured
+MIB = 1 << 20
 FIRST_STEADY = 3  # iterations 0-1 recorded and matched, 2 aligned on the dispatch path
 RESULTS = Path(__file__).parent / "results"
 
@@ -110,11 +115,7 @@ def compare(model_name: str, batch_size: int, steps: int, device: torch.device, 
         vanilla_peak = report.vanilla_peak_bytes or 0
         tensile_peak = max((it.peak_bytes for it in planned), default=0)
         vanilla_reserved, tensile_reserved = vanilla_peak, tensile_peak  # no caching allocator on the CPU
-    # the allocator model over the recorded iteration, at the allocator settings this process runs with
-    expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
-    live = tensile["live"]
-    forecast_reserved = (reserved_peak(live, expandable_segments=expandable).reserved_peak_bytes
-                         if live is not None and device.type == "cuda" else report.vanilla_peak_bytes)
+    forecast = allocator_forecast(tensile["live"], device, report)
     row = {
         "model": model_name,
         "batch_size": batch_size,
@@ -128,7 +129,11 @@ def compare(model_name: str, batch_size: int, steps: int, device: torch.device, 
         # the allocator held beyond the recorded tensors at the recorded iteration (library workspaces, rounding)
         "vanilla_reserved_peak_bytes": vanilla_reserved,
         "tensile_reserved_peak_bytes": tensile_reserved,
-        "forecast_vanilla_reserved_peak_bytes": forecast_reserved,
+        "forecast_vanilla_allocated_peak_bytes": forecast.allocated_peak_bytes,
+        "forecast_vanilla_reserved_peak_bytes": forecast.reserved_peak_bytes,
+        "forecast_cublas_workspace_bytes": forecast.cublas_workspace_bytes,
+        "allocated_forecast_error": forecast.allocated_peak_bytes / vanilla_peak - 1 if vanilla_peak else None,
+        "reserved_forecast_error": forecast.reserved_peak_bytes / vanilla_reserved - 1 if vanilla_reserved else None,
         "workspace_bytes": report.workspace_bytes,
         "msr": 1 - tensile_peak / vanilla_peak if vanilla_peak else None,
         "paper_msr": PAPER_TABLE_III[model_name]["tensile"][0] if model_name in PAPER_TABLE_III else None,
@@ -156,6 +161,31 @@ def compare(model_name: str, batch_size: int, steps: int, device: torch.device, 
         "messages": report.messages,
     }
     return row
+
+
+@dataclass(frozen=True)
+class AllocatorForecast:
+    allocated_peak_bytes: int  # torch.cuda.max_memory_allocated, as the allocator model forecasts it
+    reserved_peak_bytes: int  # torch.cuda.max_memory_reserved, likewise
+    cublas_workspace_bytes: int
+
+
+def allocator_forecast(live: Workload | None, device: torch.device, report: HookReport) -> AllocatorForecast:
+    """The allocator model over the recorded iteration (tensile.allocator), at the allocator settings this process runs
+    with and with the cuBLAS workspaces this GPU and environment give (tensile.cublas_workspaces). The CPU device has
+    neither: its forecast is the tensors' peak."""
+    if live is None or device.type != "cuda":
+        peak = report.vanilla_peak_bytes or 0
+        return AllocatorForecast(peak, peak, 0)
+    expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    size = cublas_workspace_bytes(torch.cuda.get_device_capability(device)[0], os.environ)
+    workspaces = cublas_workspaces(live, size)
+    peaks = reserved_peak(live, expandable_segments=expandable, workspaces=workspaces)
+    return AllocatorForecast(peaks.allocated_peak_bytes, peaks.reserved_peak_bytes, sum(workspaces.values()))
+
+
+def _error(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1%}"
 
 
 def main() -> None:
@@ -189,7 +219,9 @@ def main() -> None:
         out.write_text(json.dumps({"device": device_name, "torch": torch.__version__, "host": platform.node(),
                                    "host_link_bytes_per_second": host_link_bandwidth(device),
                                    "cpu_count": os.cpu_count(), "steps": args.steps,
-                                   "targets": {"msr": "at least the paper's Table III", "eor": TARGET_EOR}, "rows": rows}, indent=2, default=str))
+                                   "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                                   "targets": {"msr": "at least the paper's Table III", "eor": TARGET_EOR,
+                                               "forecast_error": FORECAST_TARGET}, "rows": rows}, indent=2, default=str))
     table = Table(title=f"Real training on {device_name}, batch {args.batch_size}: vanilla against TENSILE")
     for column in ("model", "vanilla peak MB", "TENSILE peak MB", "MSR", "paper MSR", "EOR", "stall ms/iter", "recorded / vanilla",
                    "hook ms/iter", "bit-identical"):
@@ -206,6 +238,20 @@ def main() -> None:
                       f"{row['hook_seconds_per_iteration'] * 1e3:.2f}" if row["hook_seconds_per_iteration"] is not None else "-",
                       f"{row['bit_identical']} (vanilla repeatable: {row['vanilla_repeatable']})")
     console.print(table)
+    forecasts = Table(title=f"Forecast against measured on {device_name} (MiB; the target: within {FORECAST_TARGET:.0%})")
+    for column in ("model", "allocated", "forecast", "error", "reserved", "forecast", "error", "cuBLAS workspaces",
+                   "hook's workspace"):
+        forecasts.add_column(column, justify="right")
+    for row in rows:
+        if "error" not in row:
+            forecasts.add_row(
+                row["model"], f"{row['vanilla_peak_bytes'] / MIB:,.1f}",
+                f"{row['forecast_vanilla_allocated_peak_bytes'] / MIB:,.1f}", _error(row["allocated_forecast_error"]),
+                f"{row['vanilla_reserved_peak_bytes'] / MIB:,.1f}",
+                f"{row['forecast_vanilla_reserved_peak_bytes'] / MIB:,.1f}", _error(row["reserved_forecast_error"]),
+                f"{row['forecast_cublas_workspace_bytes'] / MIB:,.1f}",
+                "-" if row["workspace_bytes"] is None else f"{row['workspace_bytes'] / MIB:,.1f}")
+    console.print(forecasts)
     console.print(f"written {out}")
 
 

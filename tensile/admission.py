@@ -94,7 +94,7 @@ def allocator_slack(workload: Workload) -> int:
     pod's default allocator setting): its segments' rounding and fragmentation. Added to a scheduled peak, it is that
     peak as the allocator would reserve it."""
     peaks = reserved_peak(workload, expandable_segments=True)
-    return max(0, peaks.reserved_peak_bytes - peaks.allocated_peak_bytes)
+    return max(0, peaks.reserved_peak_bytes - peaks.requested_peak_bytes)
 
 
 def admitted_bytes(scheduled_peak: int, slack: int, context: int, policy: RequestPolicy | None = None,

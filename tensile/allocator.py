@@ -15,7 +15,10 @@ at the default settings (no max_split_size_mb, roundup_power2_divisions or garba
 - the block is split when what remains is worth keeping (`should_split`): at least 512 B in the small pool, more
   than 1 MiB in the large pool; the request takes the low end (`alloc_found_block`);
 - a freed block merges with the free blocks beside it in its segment (`free_block`, `try_merge_blocks`);
-- segments are never given back (that needs empty_cache or an allocation failing), so reserved memory only grows.
+- segments are never given back (that needs empty_cache or an allocation failing), so reserved memory only grows;
+- `memory_allocated` counts the blocks handed out (`alloc_found_block`: `allocated_bytes` grows by the block's size),
+  so a large block whose rest of at most 1 MiB was not split off counts whole; the rounded requests are
+  `requested_bytes`, what the tensors hold.
 
 With expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; Note [Expandable Segments],
 `find_expandable_block`, `map_block`, `try_allocate_expandable_block`): each pool has one segment, a range of
@@ -24,10 +27,13 @@ address space mapped to memory at its end as needed, in pages of 2 MiB (small po
 the segment's free tail and takes the two together; best fit passes the tail over while any other free block fits
 (`get_free_block`'s `expandable_size`); any remainder of at least 512 B is split off, in both pools.
 
+The cuBLAS workspaces (tensile.cublas_workspaces) are requests like the tensors', made when their op first runs and
+never freed.
+
 Left out: streams (the hook allocates swap-ins on the compute stream, so one stream holds every block), frees that
 wait for another stream's events (`record_stream`), CUDA graphs' private pools, the retry path after a failed
-cudaMalloc (it frees cached segments: a run that needs it is already at the cap), and memory outside the allocator
-(CUDA context, library workspaces).
+cudaMalloc (it frees cached segments: a run that needs it is already at the cap), cuDNN's workspaces (see
+tensile.cublas_workspaces) and memory outside the allocator (the CUDA context).
 """
 
 from __future__ import annotations
@@ -230,7 +236,9 @@ class CachingAllocator:
     def __init__(self, expandable_segments: bool = False) -> None:
         self._small = _Pool(True, expandable_segments, 0)
         self._large = _Pool(False, expandable_segments, LARGE_POOL_BASE)
-        self.allocated = self.peak_allocated = self.peak_reserved = 0
+        self.requested = self.peak_requested = 0  # rounded requests: torch.cuda's requested_bytes
+        self.allocated = self.peak_allocated = 0  # blocks handed out: torch.cuda.memory_allocated
+        self.peak_reserved = 0
 
     @property
     def reserved(self) -> int:
@@ -241,13 +249,16 @@ class CachingAllocator:
         size = round_allocation(nbytes, "cuda")
         block = (self._small if size <= SMALL_SIZE else self._large).take(size)
         block.requested = size
-        self.allocated += size
+        self.requested += size
+        self.allocated += block.size
+        self.peak_requested = max(self.peak_requested, self.requested)
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return block
 
     def free(self, block: Block) -> None:
-        self.allocated -= block.requested
+        self.requested -= block.requested
+        self.allocated -= block.size
         (self._small if block.small else self._large).give_back(block)
 
     def layout(self) -> tuple[tuple[tuple[int, int, bool], ...], ...]:
@@ -259,15 +270,19 @@ class CachingAllocator:
 class AllocatorPeaks:
     """What the allocator model forecasts for a run of a job's iterations."""
 
-    allocated_peak_bytes: int  # the most the tensors hold at once (the rounded requests), as tensile.peak counts it
+    requested_peak_bytes: int  # the most the requests hold at once (rounded): the tensors' peak, as tensile.peak counts it
+    allocated_peak_bytes: int  # the most the blocks handed out hold at once (torch.cuda.max_memory_allocated)
     reserved_peak_bytes: int  # the most the allocator holds in segments (torch.cuda.max_memory_reserved)
     iterations: int  # iterations replayed: until one started as an earlier one had (from there on they repeat)
 
 
 def reserved_peak(workload: Workload, plan: Plan | None = None, bandwidth: float | None = None,
-                  slowdown: float = 1.0, expandable_segments: bool = False) -> AllocatorPeaks:
+                  slowdown: float = 1.0, expandable_segments: bool = False,
+                  workspaces: Mapping[int, int] | None = None) -> AllocatorPeaks:
     """Run the allocator model over the job's iterations, vanilla or under `plan` (whose swaps need the host link's
-    `bandwidth`, as tensile.peak.analyze_plan does): the allocated and reserved peaks.
+    `bandwidth`, as tensile.peak.analyze_plan does): the requested, allocated and reserved peaks. `workspaces` (op
+    index -> bytes, tensile.cublas_workspaces) are allocated after that op's outputs the first time it runs and held
+    from then on.
 
     Memory changes as Algorithm 1 sees them (tensile.peak): swap-outs and releases free, swap-ins and recomputes
     allocate again. The first iteration starts from an empty allocator that is given the resident tensors (in id
@@ -280,14 +295,15 @@ def reserved_peak(workload: Workload, plan: Plan | None = None, bandwidth: float
         raise ValueError("a plan's swaps need the host link bandwidth to be placed")
     else:
         changes, start = scheduled_changes(workload, plan.events, bandwidth, slowdown)
-    return _replay(workload, changes, start, CachingAllocator(expandable_segments))
+    return _replay(workload, changes, start, CachingAllocator(expandable_segments), workspaces or {})
 
 
 def _replay(workload: Workload, changes: list[Change], start: Iterable[int],
-            allocator: CachingAllocator) -> AllocatorPeaks:
+            allocator: CachingAllocator, workspaces: Mapping[int, int]) -> AllocatorPeaks:
     tensors = workload.tensors
     first = sorted(start)
     held: dict[int, Block] = {}  # tensor id -> its block
+    pending = sorted(workspaces.items(), reverse=True)  # (op index, bytes), the next one last
     seen: set[tuple] = set()
     iterations = 0
     while iterations < MAX_ITERATIONS:
@@ -299,13 +315,17 @@ def _replay(workload: Workload, changes: list[Change], start: Iterable[int],
         iterations += 1
         alive = set(held)
         for change, taken_over in effective_changes(workload, changes, alive):
+            while pending and change.time > pending[-1][0]:  # op i's outputs come at time i, its frees after
+                allocator.malloc(pending.pop()[1])
             if change.kind == FREE:
                 allocator.free(held.pop(change.tensor))
             elif taken_over is not None:
                 held[change.tensor] = held.pop(taken_over)
             else:
                 held[change.tensor] = allocator.malloc(tensors[change.tensor].size)
-    return AllocatorPeaks(allocator.peak_allocated, allocator.peak_reserved, iterations)
+        while pending:  # ops after the iteration's last change of memory
+            allocator.malloc(pending.pop()[1])
+    return AllocatorPeaks(allocator.peak_requested, allocator.peak_allocated, allocator.peak_reserved, iterations)
 
 
 def _begin_iteration(workload: Workload, allocator: CachingAllocator, held: dict[int, Block], start: list[int]) -> None:

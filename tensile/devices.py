@@ -21,13 +21,16 @@ class DeviceSpec:
     flops_per_second: float  # peak rate a training step's matmuls / convolutions can reach
     memory_bandwidth: float  # bytes/s, device memory
     host_link_bandwidth: float  # bytes/s per direction, host <-> device (PCIe / NVLink-C2C)
-    context_bytes: int  # per-process CUDA context + cuDNN/cuBLAS workspaces, not usable by tensors
+    # per process, not usable by tensors and not in a forecast's reserved peak: the CUDA context (outside the caching
+    # allocator) and cuDNN's workspaces (tensile.cublas_workspaces says why cuBLAS's are forecast and these are not)
+    context_bytes: int
+    compute_capability_major: int = 0  # what sizes cuBLAS's workspaces (tensile.cublas_workspaces); 0: no CUDA
 
 
 PRESETS: dict[str, DeviceSpec] = {
-    "a6000": DeviceSpec("NVIDIA RTX A6000", 48 * GIB, 38.7e12, 768e9, 25e9, 600 * 1024**2),
-    "h100": DeviceSpec("NVIDIA H100 80GB HBM3", 80 * GIB, 67e12, 3.35e12, 50e9, 700 * 1024**2),
-    "h200": DeviceSpec("NVIDIA H200", 141 * GIB, 67e12, 4.8e12, 50e9, 700 * 1024**2),
+    "a6000": DeviceSpec("NVIDIA RTX A6000", 48 * GIB, 38.7e12, 768e9, 25e9, 600 * 1024**2, 8),
+    "h100": DeviceSpec("NVIDIA H100 80GB HBM3", 80 * GIB, 67e12, 3.35e12, 50e9, 700 * 1024**2, 9),
+    "h200": DeviceSpec("NVIDIA H200", 141 * GIB, 67e12, 4.8e12, 50e9, 700 * 1024**2, 9),
     "cpu": DeviceSpec("CPU", 24 * GIB, 1.0e11, 2.0e10, 2.0e10, 0),
 }
 

@@ -5,9 +5,11 @@ GPU, and what the caching allocator reserves at each peak, as `tensile forecast`
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tensile.allocator import reserved_peak
+from tensile.cublas_workspaces import cublas_workspace_bytes, cublas_workspaces
 from tensile.devices import device_preset
 from tensile.knobs import budget_bytes
 from tensile.latency import QuickCalibrationWarning, UncalibratedWarning, assign_latencies, iteration_seconds
@@ -27,23 +29,33 @@ class ForecastResult:
 
 @dataclass(frozen=True)
 class ReservedPeaks:
-    """What the process holds in the caching allocator's segments at its peak, vanilla and under the plan."""
+    """What the process holds in the caching allocator at its peak, vanilla and under the plan: in segments (reserved,
+    torch.cuda.max_memory_reserved) and in the blocks it hands out (allocated, max_memory_allocated), cuBLAS's
+    workspaces (tensile.cublas_workspaces) included in both."""
 
     vanilla_bytes: int
     scheduled_bytes: int
+    vanilla_allocated_bytes: int
+    scheduled_allocated_bytes: int
+    cublas_workspace_bytes: int  # all the workspaces the iteration holds
     expandable_segments: bool
 
 
-def reserved_peaks(workload: Workload, plan: Plan, bandwidth: float,
-                   expandable_segments: bool = False) -> ReservedPeaks:
-    """The allocator model's reserved peaks (tensile.allocator) for a CUDA workload. The CPU device has no caching
-    allocator (PyTorch's CPU allocator hands each freed block back): there the process holds what its tensors do."""
+def reserved_peaks(workload: Workload, plan: Plan, bandwidth: float, expandable_segments: bool = False,
+                   workspace_bytes: int = 0) -> ReservedPeaks:
+    """The allocator model's peaks (tensile.allocator) for a CUDA workload, each cuBLAS workspace `workspace_bytes`.
+    The CPU device has no caching allocator (PyTorch's CPU allocator hands each freed block back) and no cuBLAS: there
+    the process holds what its tensors do."""
     assert plan.forecast is not None
     if workload.device != "cuda":
-        return ReservedPeaks(plan.forecast.vanilla_peak_bytes, plan.forecast.scheduled_peak_bytes, expandable_segments)
-    vanilla = reserved_peak(workload, expandable_segments=expandable_segments)
-    scheduled = reserved_peak(workload, plan, bandwidth, expandable_segments=expandable_segments)
-    return ReservedPeaks(vanilla.reserved_peak_bytes, scheduled.reserved_peak_bytes, expandable_segments)
+        vanilla_peak, scheduled_peak = plan.forecast.vanilla_peak_bytes, plan.forecast.scheduled_peak_bytes
+        return ReservedPeaks(vanilla_peak, scheduled_peak, vanilla_peak, scheduled_peak, 0, expandable_segments)
+    workspaces = cublas_workspaces(workload, workspace_bytes)
+    vanilla = reserved_peak(workload, expandable_segments=expandable_segments, workspaces=workspaces)
+    scheduled = reserved_peak(workload, plan, bandwidth, expandable_segments=expandable_segments,
+                              workspaces=workspaces)
+    return ReservedPeaks(vanilla.reserved_peak_bytes, scheduled.reserved_peak_bytes, vanilla.allocated_peak_bytes,
+                         scheduled.allocated_peak_bytes, sum(workspaces.values()), expandable_segments)
 
 
 def forecast_summary(workload: Workload, vanilla: PeakResult, latency_source: str, gpu_plan: GpuPlan, plan: Plan,
@@ -62,7 +74,9 @@ def forecast_summary(workload: Workload, vanilla: PeakResult, latency_source: st
         "tensors": len(workload.tensors),
         "flops": workload.total_flops,
         "vanilla_peak_bytes": vanilla.peak_bytes,
+        "allocated_peak_bytes": reserved.vanilla_allocated_bytes,
         "reserved_peak_bytes": reserved.vanilla_bytes,
+        "cublas_workspace_bytes": reserved.cublas_workspace_bytes,
         "peak_op_index": vanilla.peak_op,
         "peak_op": peak_op.name if peak_op else None,
         "peak_phase": vanilla.peak_phase,
@@ -70,6 +84,7 @@ def forecast_summary(workload: Workload, vanilla: PeakResult, latency_source: st
         "latency_source": latency_source,
         "predicted_iteration_seconds": iteration_seconds(workload),
         "scheduled_peak_bytes": plan.forecast.scheduled_peak_bytes,
+        "scheduled_allocated_peak_bytes": reserved.scheduled_allocated_bytes,
         "scheduled_reserved_peak_bytes": reserved.scheduled_bytes,
         "expandable_segments": reserved.expandable_segments,
         "msr": plan.forecast.msr,
@@ -84,13 +99,14 @@ def forecast_summary(workload: Workload, vanilla: PeakResult, latency_source: st
 
 
 def make_forecast(workload: Workload, preset: str, memory_budget: float | None = None, plan_events: str = "auto",
-                  recompute: bool = True, max_swap_rate: float = 1.0,
-                  expandable_segments: bool = False) -> ForecastResult:
+                  recompute: bool = True, max_swap_rate: float = 1.0, expandable_segments: bool = False,
+                  environ: Mapping[str, str] | None = None) -> ForecastResult:
     """Latencies, vanilla peak analysis and the TENSILE plan for one traced workload, with the events
     the hook would plan with on the workload's device (and the job's max swapping rate: alone on its GPU,
     the strictest the agent's joint plan can hold it to). `memory_budget` as `tensile.knobs.parse_budget` reads
     one: bytes, or a fraction of the vanilla peak. The reserved peaks are for the caching allocator's default
-    settings, or with `expandable_segments`."""
+    settings, or with `expandable_segments`, and hold cuBLAS's workspaces as a process started from `environ`
+    (CUBLAS_WORKSPACE_CONFIG) on the preset's GPU would."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UncalibratedWarning)
         warnings.simplefilter("always", QuickCalibrationWarning)
@@ -98,11 +114,13 @@ def make_forecast(workload: Workload, preset: str, memory_budget: float | None =
     vanilla = analyze_vanilla(workload)
     budget = budget_bytes(memory_budget, vanilla.peak_bytes)
     activations_only = native_plan_events(plan_events, workload.device)
-    bandwidth = device_preset(preset).host_link_bandwidth
+    device = device_preset(preset)
+    bandwidth = device.host_link_bandwidth
     gpu_plan = plan_job(workload, bandwidth, budget, activations_only=activations_only, recompute=recompute,
                         max_swap_rate=max_swap_rate)
     plan = gpu_plan.plans["job"]
     plan.memory_budget_bytes = budget  # a saved plan holds the hook to its budget (`tensile run --plan`)
-    reserved = reserved_peaks(workload, plan, bandwidth, expandable_segments)
+    workspace = cublas_workspace_bytes(device.compute_capability_major, environ or {})
+    reserved = reserved_peaks(workload, plan, bandwidth, expandable_segments, workspace)
     summary = forecast_summary(workload, vanilla, latency_source, gpu_plan, plan, reserved, activations_only)
     return ForecastResult(summary, plan, vanilla, tuple(str(warning.message) for warning in caught))

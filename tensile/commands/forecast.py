@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 from rich.console import Console
@@ -71,13 +72,16 @@ def _table(summary: dict) -> Table:
     table = Table(title=f"Forecast: {summary['model']} batch {summary['batch_size']} on {summary['device']}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
-    table.add_row("vanilla peak",
-                  _allocated_and_reserved(summary["vanilla_peak_bytes"], summary["reserved_peak_bytes"]))
+    table.add_row("vanilla peak", f"{summary['vanilla_peak_bytes'] / MIB:,.1f} MiB")
     for role in ROLES:
         table.add_row(f"  {role}", f"{summary['bytes_by_role'][role] / MIB:,.1f} MiB")
     table.add_row("peak at", f"op {summary['peak_op_index']} ({summary['peak_op']}, {summary['peak_phase']})")
-    table.add_row("scheduled peak (TENSILE)",
-                  _allocated_and_reserved(summary["scheduled_peak_bytes"], summary["scheduled_reserved_peak_bytes"]))
+    table.add_row("scheduled peak (TENSILE)", f"{summary['scheduled_peak_bytes'] / MIB:,.1f} MiB")
+    table.add_row("allocated / reserved", _held(summary["allocated_peak_bytes"], summary["reserved_peak_bytes"]))
+    table.add_row("  scheduled", _held(summary["scheduled_allocated_peak_bytes"],
+                                       summary["scheduled_reserved_peak_bytes"]))
+    if summary["cublas_workspace_bytes"]:
+        table.add_row("  of which cuBLAS workspaces", f"{summary['cublas_workspace_bytes'] / MIB:,.1f} MiB")
     if summary["expandable_segments"]:
         table.add_row("reserved for", "expandable_segments:True")
     table.add_row("MSR / predicted EOR", f"{summary['msr']:.3f} / {summary['predicted_eor']:.3f}")
@@ -91,8 +95,9 @@ def _table(summary: dict) -> Table:
     return table
 
 
-def _allocated_and_reserved(allocated: int, reserved: int) -> str:
-    """A peak as the tensors hold it and as the caching allocator reserves it (what a neighbour on the GPU feels)."""
+def _held(allocated: int, reserved: int) -> str:
+    """A peak as torch.cuda.max_memory_allocated would report it (the tensors, cuBLAS's workspaces, blocks handed out
+    whole) and as the caching allocator reserves it (what a neighbour on the GPU feels)."""
     return f"{allocated / MIB:,.1f} MiB allocated, {reserved / MIB:,.1f} MiB reserved"
 
 
@@ -131,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     preset = _preset(args, workload)
     with console.status("planning swaps and recomputations..."):
         forecast = make_forecast(workload, preset, budget, args.plan_events,
-                                 expandable_segments=args.expandable_segments)
+                                 expandable_segments=args.expandable_segments, environ=os.environ)
     for note in forecast.notes:
         print_note(note)
     summary, plan = forecast.summary, forecast.plan

@@ -156,7 +156,7 @@ def forecast_files(args: argparse.Namespace, console: Console, folder: Path) -> 
         preset = resolve_target("cuda").preset if device == "cuda" else "cpu"
         budget = MEMORY_BUDGET.from_option(args.memory_budget) if args.memory_budget else None
         forecast = job_forecast.make_forecast(workload, preset, budget, args.plan_events or "auto", args.recompute,
-                                              args.max_swap_rate or 1.0)
+                                              args.max_swap_rate or 1.0, environ=os.environ)
     for note in forecast.notes:
         print_note(note)
     summary = forecast.summary

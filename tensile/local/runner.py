@@ -87,7 +87,7 @@ def forecast(run: JobRun, device: str, preset: str, directory: Path) -> tuple[st
     # 7.1 MiB peak its plan could not reach (9.1 MiB) and every iteration ran guarded, evicting
     result = make_forecast(workload, preset, plan_events=spec.plan_events, recompute=spec.recompute,
                            max_swap_rate=spec.max_swap_rate or 1.0,
-                           expandable_segments=expandable_segments_in(os.environ))
+                           expandable_segments=expandable_segments_in(os.environ), environ=os.environ)
     run.vanilla_peak = result.summary["vanilla_peak_bytes"]
     run.scheduled_peak = result.summary["scheduled_peak_bytes"]
     run.demand = run.scheduled_peak if spec.memory_budget is None else min(run.scheduled_peak, spec.memory_budget)

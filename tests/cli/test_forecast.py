@@ -17,6 +17,7 @@ from tensile.zoo import ZOO
 
 MODELS = str(Path(__file__).parents[1] / "support" / "tracing_models.py")
 MLP = "examples/tiny_mlp.py:build"
+KIB, MIB = 1 << 10, 1 << 20
 
 
 def run_json(capsys, *args: str) -> dict:
@@ -65,13 +66,39 @@ def test_reserved_peaks_stand_beside_the_allocated_ones(capsys):
         assert default[key] == expandable[key]
     assert main(["forecast", "--model", MLP, "--batch-size", "64"]) == 0
     table = capsys.readouterr().out
-    assert "MiB allocated," in table and "MiB reserved" in table
+    assert "MiB allocated," in table and "MiB reserved" in table and "cuBLAS workspaces" in table
+
+
+def test_a_cuda_forecast_holds_the_cublas_workspaces_of_its_gpu(capsys, monkeypatch):
+    """An MLP multiplies matrices in its forward and its backward pass: two cuBLAS workspaces (the training thread's
+    and the autograd engine's), 32 MiB each on an H100, 8 MiB + 128 KiB on an A6000, or what CUBLAS_WORKSPACE_CONFIG
+    says; counted in allocated and reserved, never in the tensors' peak, and none on the CPU."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    h100 = run_json(capsys, "--model", MLP, "--gpu", "h100")
+    a6000 = run_json(capsys, "--model", MLP, "--gpu", "a6000")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    configured = run_json(capsys, "--model", MLP, "--gpu", "h100")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    none = run_json(capsys, "--model", MLP, "--gpu", "h100")
+    cpu = run_json(capsys, "--model", MLP, "--device", "cpu")
+    assert h100["cublas_workspace_bytes"] == 64 * MIB
+    assert a6000["cublas_workspace_bytes"] == 2 * (8 * MIB + 128 * KIB)
+    assert configured["cublas_workspace_bytes"] == 2 * 128 * KIB
+    assert cpu["cublas_workspace_bytes"] == none["cublas_workspace_bytes"] == 0
+    for out in (h100, a6000, configured, none):
+        assert out["vanilla_peak_bytes"] == h100["vanilla_peak_bytes"]
+        assert out["reserved_peak_bytes"] >= out["allocated_peak_bytes"]
+        assert out["allocated_peak_bytes"] >= out["vanilla_peak_bytes"] + out["cublas_workspace_bytes"]
+        assert out["scheduled_allocated_peak_bytes"] >= out["scheduled_peak_bytes"] + out["cublas_workspace_bytes"]
+    # 32 MiB workspaces take segments of their own (10 MiB or more: their size) and keep them: the rest is laid out
+    # as without them
+    assert h100["reserved_peak_bytes"] - none["reserved_peak_bytes"] == 64 * MIB
 
 
 def test_a_cpu_forecast_reserves_what_it_allocates(capsys):
     """PyTorch's CPU allocator caches nothing: the reserved peaks are the allocated ones."""
     out = run_json(capsys, "--model", MLP, "--batch-size", "64", "--device", "cpu")
-    assert out["reserved_peak_bytes"] == out["vanilla_peak_bytes"]
+    assert out["reserved_peak_bytes"] == out["allocated_peak_bytes"] == out["vanilla_peak_bytes"]
     assert out["scheduled_reserved_peak_bytes"] == out["scheduled_peak_bytes"]
 
 

@@ -191,8 +191,8 @@ def test_on_a_gpu_machine_the_forecast_is_cudas_with_the_gpus_preset(capsys, mon
     for check in ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check"):
         monkeypatch.setattr(torch.optim.Optimizer, check, lambda self: None, raising=False)
     monkeypatch.setattr(device, "gpu_name", lambda index=0: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(job_forecast, "make_forecast", lambda workload, preset, *rest: presets.append(preset)
-                        or make_forecast(workload, preset, *rest))
+    monkeypatch.setattr(job_forecast, "make_forecast", lambda workload, preset, *rest, **options: presets.append(preset)
+                        or make_forecast(workload, preset, *rest, **options))
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert main(["run", "--model", MODEL, "--batch-size", "8", "--report", str(tmp_path / "r.json"), "--keep-files",
