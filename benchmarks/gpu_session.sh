@@ -15,7 +15,7 @@
 # Settings (environment): PYTHON (python3), ITEMS (which items, in order: tests real_training run_model
 # hook_overhead colocation), MODELS (real_training's, comma-separated; the paper's five by default), BATCH (16),
 # COLOC_JOBS (colocation's MODEL@BATCH,...; its own default by device), and each item's timeout in seconds: TESTS_S
-# (100), REAL_S (140), RUN_S (45), OVERHEAD_S (75), COLOC_S (170): 530 s in all. On a machine without CUDA the same
+# (120), REAL_S (140), RUN_S (45), OVERHEAD_S (75), COLOC_S (150): 530 s in all. On a machine without CUDA the same
 # script runs on the CPU device (the CUDA tests skip; colocation needs about 180 s there: COLOC_S=240):
 #   MODELS=resnet50 BATCH=2 OUT=/tmp/gs PYTHON=.venv/bin/python bash benchmarks/gpu_session.sh
 set -uo pipefail
@@ -66,7 +66,7 @@ fresh() {  # the results file an item wrote in this call (the folder holds earli
 for name in $ITEMS; do
     case $name in
         tests)  # `-m`, from outside the repository
-            item cuda_tests "${TESTS_S:-100}" bash -c "cd /tmp && '$PYTHON' -m pytest -q -p no:cacheprovider \
+            item cuda_tests "${TESTS_S:-120}" bash -c "cd /tmp && '$PYTHON' -m pytest -q -p no:cacheprovider \
                 '$R/tests/hook/test_movers_cuda.py' '$R/tests/core/test_latency_cuda.py' \
                 '$R/tests/hook/test_cuda.py'" ;;
         real_training)
@@ -82,7 +82,7 @@ for name in $ITEMS; do
                 --batch-size "$BATCH"
             fresh hook_overhead ;;
         colocation)  # several jobs at once on a simulated share of the GPU, each capped: alone, declared, Tensile
-            item colocation "${COLOC_S:-170}" "$PYTHON" benchmarks/colocation.py ${COLOC_JOBS:+--jobs "$COLOC_JOBS"}
+            item colocation "${COLOC_S:-150}" "$PYTHON" benchmarks/colocation.py ${COLOC_JOBS:+--jobs "$COLOC_JOBS"}
             fresh colocation
             find benchmarks/results -name "colocation*.png" -newer "$STARTED" -exec cp {} "$OUT/" \; ;;
         *) say "unknown item '$name' (known: tests real_training run_model hook_overhead colocation)" ;;
