@@ -86,11 +86,20 @@ class OperatorApp:
         await self.replacement.check_node(name)
         await self.readmission.node_changed(body, name)
 
+    async def slice_changed(self, body: dict, deleted: bool) -> None:
+        """`dra` mode: a ResourceSlice published, changed or deleted (its watch): the jobs booked on its node are
+        checked against the GPUs the slices publish now (`Replacement.check_node`), and waiting jobs see its GPUs."""
+        self.capacity.slice_changed(None if deleted else body, body["metadata"]["name"])
+        self.queue.poke()
+        await self.capacity.ready.wait()
+        await self.replacement.check_node(body["spec"].get("nodeName", ""))
+
     async def start(self) -> None:
         """Rebuild from the cluster, then run the scheduler (Kopf startup)."""
         for node in await self.kube.list_tensilenodes():
             self.capacity.set_node(node, node["metadata"]["name"])
             self.queue.poke()
+        await self.capacity.refresh_dra()  # `dra` mode: what the slices publish, for the GPUs that went meanwhile
         listed = await self.completion.rebuild_ledger()
         self.capacity.ready.set()
         await self.replacement.check_nodes_at_start(listed)

@@ -23,12 +23,13 @@ from tensile_operator.pods import JOB_LABEL, owner_of, pod_name
 from tensile_operator.statuses import job_key
 
 log = logging.getLogger("tensile_operator")
-NODE_REMOVED, GPU_REMOVED = "TensileNodeRemoved", "GPURemoved"
+NODE_REMOVED, GPU_REMOVED, GPU_UNPUBLISHED = "TensileNodeRemoved", "GPURemoved", "GPUUnpublished"
 
 
 @dataclass(frozen=True)
 class Gone:
-    """Why a job's booked GPU left the inventory: the condition reason (NODE_REMOVED, GPU_REMOVED) and what went."""
+    """Why a job's booked GPU left the inventory: the condition reason (NODE_REMOVED, GPU_REMOVED, GPU_UNPUBLISHED) and
+    what went."""
 
     reason: str
     what: str
@@ -71,9 +72,15 @@ class CapacityLedger:
         return [g for gpus in self.inventory.values() for g in gpus]
 
     async def refresh_dra(self) -> None:
-        """`dra` mode: the devices and claims read again (before each scheduling pass)."""
+        """`dra` mode: the devices and claims read again (at start-up and before each scheduling pass)."""
         if self.dra is not None:
             await self.dra.refresh()
+            self._dra_gpus = self.dra.gpus(self.inventory)
+
+    def slice_changed(self, body: dict | None, name: str) -> None:
+        """`dra` mode: a ResourceSlice as its watch delivers it (None: deleted)."""
+        if self.dra is not None:
+            self.dra.slice_changed(body, name)
             self._dra_gpus = self.dra.gpus(self.inventory)
 
     def gpu_of(self, booking: Booking) -> Gpu | None:
@@ -104,16 +111,22 @@ class CapacityLedger:
 
     def lists(self, node: str) -> bool:
         """Whether the node's TensileNode says which GPUs it has (created again, it says nothing of them until its
-        agent writes its status)."""
+        agent writes its status); in `dra` mode, whether the ResourceSlices were read."""
+        if self.dra is not None:
+            return self.dra.listed
         return node not in self.unlisted
 
     def gone(self, booking: Booking) -> Gone | None:
         """Why a job's booked GPU left the inventory; None while it is listed, or while its TensileNode has not
         published its GPUs yet (created again, it says nothing of them until its agent writes its status). In `dra` mode
-        the GPU is the claim's: Kubernetes ends a pod whose device went, and a claim it cannot allocate re-places the
-        job (`Replacement.claim_unallocatable`)."""
+        the GPU goes when no ResourceSlice publishes it (by UUID, on its node), whatever TensileNodes say; None until
+        the slices were read."""
         if self.dra is not None:
-            return None
+            if not self.dra.listed or self.dra.publishes(booking.node, booking.gpu):
+                return None
+            return Gone(GPU_UNPUBLISHED, (
+                f"no ResourceSlice publishes GPU {booking.gpu} of node {booking.node} any more (its DRA driver "
+                "withdrew it: the device went unhealthy, the node was drained, or the driver restarted without it)"))
         if booking.node not in self.inventory:
             return Gone(NODE_REMOVED, f"TensileNode {booking.node} was removed (its node drained or deleted, or its "
                                       "agent uninstalled)")

@@ -1,11 +1,12 @@
 """The GPUs as Kubernetes knows them in `dra` mode: devices from ResourceSlices, what claims consume of them.
 
-Read fresh (three LISTs) before each scheduling pass: a device's UUID, node, memory capacity and request policy from
-the ResourceSlices of the drivers the configured DeviceClass selects; the memory every allocated ResourceClaim consumes
-on it (`status.allocation.devices.results[].consumedCapacity`), Tensile's and everyone else's; and the agents' view
-from the TensileNodes (their address, per-process context and host-link bandwidth, the jobs they host). What makes
-the cluster unable to take any claim is said as a `problem` for every waiting job: a DeviceClass that does not exist,
-or GPUs that publish no memory capacity.
+Read fresh (three LISTs) before each scheduling pass, the ResourceSlices also as their watch delivers them (a GPU its
+driver withdraws is noticed at once, not at the next pass): a device's UUID, node, memory capacity and request policy
+from the ResourceSlices of the drivers the configured DeviceClass selects; the memory every allocated ResourceClaim
+consumes on it (`status.allocation.devices.results[].consumedCapacity`), Tensile's and everyone else's; and the
+agents' view from the TensileNodes (their address, per-process context and host-link bandwidth, the jobs they host).
+What makes the cluster unable to take any claim is said as a `problem` for every waiting job: a DeviceClass that does
+not exist, or GPUs that publish no memory capacity.
 """
 
 from __future__ import annotations
@@ -29,11 +30,41 @@ class DraInventory:
         self.slices: list[dict] = []
         self.claims: list[dict] = []
         self.class_found = True
+        self.listed = False  # whether the ResourceSlices were read: until then no GPU is said to have left them
+        self._published: frozenset[tuple[str, str]] = frozenset()  # (node, UUID) of every device the slices publish
+        self._watched = 0  # slice changes the watch delivered: a LIST in flight meanwhile may predate them
 
     async def refresh(self) -> None:
         self.class_found = await self.kube.find_deviceclass(self.access.device_class) is not None
-        self.slices = await self.kube.list_resourceslices()
+        watched = self._watched
+        slices = await self.kube.list_resourceslices()
+        if watched == self._watched:  # else the watch's slices are kept: they are newer than the LIST may be
+            self._set_slices(slices)
+        self.listed = True
         self.claims = await self.kube.list_resourceclaims()
+
+    def slice_changed(self, body: dict | None, name: str) -> None:
+        """A ResourceSlice as its watch delivers it (None: deleted); one seen before keeps its place."""
+        self._watched += 1
+        kept = [s for s in self.slices if s["metadata"]["name"] != name]
+        if body is None:
+            self._set_slices(kept)
+        elif len(kept) == len(self.slices):  # a new slice
+            self._set_slices([*self.slices, body])
+        else:
+            self._set_slices([body if s["metadata"]["name"] == name else s for s in self.slices])
+
+    def _set_slices(self, slices: list[dict]) -> None:
+        self.slices = slices
+        self._published = frozenset(self._identity(s, d) for s, d in self._devices())
+
+    def _identity(self, slice_: dict, device: dict) -> tuple[str, str]:
+        """(node, UUID): how a booking names the GPU a device is."""
+        return slice_["spec"].get("nodeName", ""), str(_attribute(device, self.access.attribute_domain, "uuid"))
+
+    def publishes(self, node: str, uuid: str) -> bool:
+        """Whether a ResourceSlice publishes the GPU: a device of `node` with that UUID (as `gpus` names them)."""
+        return (node, uuid) in self._published
 
     def problem(self) -> tuple[str, str] | None:
         """(condition reason, message) when no claim of the configured class can be allocated at all."""
@@ -64,12 +95,12 @@ class DraInventory:
             memory = (device.get("capacity") or {}).get("memory")
             if memory is None or not device.get("allowMultipleAllocations"):
                 continue
-            uuid = str(_attribute(device, self.access.attribute_domain, "uuid"))
+            node, uuid = self._identity(slice_, device)
             agent = by_uuid.get(uuid)
             size = parse_quantity(memory["value"])
             key = (slice_["spec"]["driver"], slice_["spec"]["pool"]["name"], device["name"])
             result.append(Gpu(
-                node=slice_["spec"].get("nodeName", ""), uuid=uuid,
+                node=node, uuid=uuid,
                 name=str(_attribute(device, self.access.attribute_domain, "productName") or ""),
                 memory_bytes=size, capacity_bytes=size,
                 context_bytes=agent.context_bytes if agent and agent.context_bytes else DEFAULT_CONTEXT_BYTES,

@@ -58,6 +58,7 @@ EVENTS: dict[tuple[str, str], tuple[str, str]] = {
     ("NodeAvailable", "TensileNodePublished"): (NORMAL, "TensileNodePublished"),
     ("NodeAvailable", "GPURemoved"): (WARNING, "GPURemoved"),
     ("NodeAvailable", "GPUPublished"): (NORMAL, "GPUPublished"),
+    ("NodeAvailable", "GPUUnpublished"): (WARNING, "GPUUnpublished"),
     ("Admitted", "ClaimUnallocatable"): (WARNING, "ClaimUnallocatable"),
     ("KnobsApplied", "ClaimTooSmall"): (WARNING, "KnobsNotApplied"),
     ("Admitted", "DeviceClassNotFound"): (WARNING, "DeviceClassNotFound"),
@@ -65,6 +66,7 @@ EVENTS: dict[tuple[str, str], tuple[str, str]] = {
     # a job whose pod had not started, placed again after its node or GPU went (as Kueue's requeued workloads)
     ("Admitted", "TensileNodeRemoved"): (NORMAL, "Requeued"),
     ("Admitted", "GPURemoved"): (NORMAL, "Requeued"),
+    ("Admitted", "GPUUnpublished"): (NORMAL, "Requeued"),
 }
 # conditions whose new message is news (a new forecast, another edit or annotation); the others' messages carry
 # amounts that move without anything happening to the job (the queue's shortfall, a retry's delay)

@@ -181,6 +181,11 @@ def build_registry(app: OperatorApp, webhook: kopf.WebhookServer | None = None, 
     async def _node(event: kopf.RawEvent, body: kopf.Body, name: str, **_: Any) -> None:
         await app.node_changed(None if event.get("type") == "DELETED" else _plain(body), name)
 
+    if app.access.dra:  # legacy mode reads no ResourceSlice (a cluster without DRA has none, and grants none)
+        @kopf.on.event("resource.k8s.io", "v1", "resourceslices", registry=registry)
+        async def _slice(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
+            await app.slice_changed(_plain(body), deleted=event.get("type") == "DELETED")
+
     return registry
 
 

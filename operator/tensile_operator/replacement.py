@@ -1,9 +1,11 @@
-"""Jobs whose booked GPU left the inventory (its TensileNode removed, or no longer listing it).
+"""Jobs whose booked GPU left the inventory (its TensileNode removed, or no longer listing it; in `dra` mode, no
+ResourceSlice publishing it).
 
-A job whose pod has not started is placed again: pinned by `nodeName` to a node whose TensileNode or GPU is gone, its
-pod would never run, and the job waited on it for good while other GPUs had room. A job whose pod started is said
+A job whose pod has not started is placed again: pinned by `nodeName` (or by its claim) to a GPU that is gone, its pod
+would never run, and the job waited on it for good while other GPUs had room. A job whose pod started is said
 (`NodeAvailable=False`) and left alone: Tensile never stops training by its own decision, and the pod keeps its GPU's
-memory. Looked at live, at start-up (it went while no operator ran), and again every RESYNC_SECONDS while a look failed.
+memory (in `dra` mode its claim stays allocated). Looked at live, at start-up (it went while no operator ran), and
+again every RESYNC_SECONDS while a look failed.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import asyncio
 import logging
 
 from tensile_operator import timing
-from tensile_operator.capacity import GPU_REMOVED, CapacityLedger, Gone
+from tensile_operator.capacity import GPU_REMOVED, GPU_UNPUBLISHED, CapacityLedger, Gone
 from tensile_operator.completion import JobCompletion
 from tensile_operator.edits import JobEdits
 from tensile_operator.intake import JobIntake
@@ -34,11 +36,20 @@ def node_condition(booking: Booking, gone: Gone | None, said: dict | None) -> di
     """`NodeAvailable` of a job whose pod has started on a GPU that went (`gone`), or that is back (`said`: the
     condition that said it went)."""
     if gone is None:
-        if said is not None and said.get("reason") == GPU_REMOVED:
+        went = said.get("reason") if said is not None else None
+        if went == GPU_REMOVED:
             return condition("NodeAvailable", True, "GPUPublished",
                              f"TensileNode {booking.node} lists GPU {booking.gpu} again")
+        if went == GPU_UNPUBLISHED:
+            return condition("NodeAvailable", True, "GPUPublished",
+                             f"a ResourceSlice publishes GPU {booking.gpu} of node {booking.node} again")
         return condition("NodeAvailable", True, "TensileNodePublished",
                          f"TensileNode {booking.node} is published again")
+    if gone.reason == GPU_UNPUBLISHED:
+        return condition("NodeAvailable", False, gone.reason, (
+            f"{gone.what}: the job's pod had started, so it is left to run (its ResourceClaim stays allocated: "
+            "Kubernetes' allocation stands) and its claim stays booked until it ends, and no job is placed on that GPU "
+            "until a ResourceSlice publishes it again"))
     return condition("NodeAvailable", False, gone.reason, (
         f"{gone.what}: the job's pod had started, so it is left to run and its GPU stays booked until it ends, but no "
         "node agent re-plans its memory or takes its knob changes there, and no job is placed on that GPU until it is "
@@ -64,10 +75,11 @@ class Replacement:
         self.checking: dict[str, asyncio.Task] = {}
 
     async def check_node(self, node: str) -> None:
-        """The jobs booked on `node` against what its TensileNode lists now. A job whose GPU went is looked at on a
-        task of its own (`_booked_gpu_gone`: placed again if its pod has not started, said if it has), once per
-        removal; one said to have lost its node or GPU hears of its return once it is listed again. Before, a
-        removed TensileNode was only said, and a GPU its TensileNode stopped listing not even that."""
+        """The jobs booked on `node` against what its TensileNode lists now (in `dra` mode, what the ResourceSlices
+        publish). A job whose GPU went is looked at on a task of its own (`_booked_gpu_gone`: placed again if its pod
+        has not started, said if it has), once per removal; one said to have lost its node or GPU hears of its return
+        once it is listed again. Before, a removed TensileNode was only said, and a GPU its TensileNode stopped listing
+        not even that."""
         if not self.capacity.lists(node):  # created again, its GPUs not published yet: it says nothing of them
             return
         back: list[Booking] = []

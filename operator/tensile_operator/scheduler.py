@@ -92,7 +92,7 @@ class Scheduler:
     async def run(self) -> None:
         while True:
             if self.capacity.dra is not None and self.queue.pending:
-                # `dra` mode: no watch on devices, claims and DeviceClasses, so waiting jobs are looked at again
+                # `dra` mode: no watch on claims and DeviceClasses, so waiting jobs are looked at again
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.queue.next_poke(), timing.CLAIMS_SECONDS)
             else:

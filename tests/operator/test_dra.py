@@ -1,5 +1,6 @@
 """`dra` mode against the emulator: each admitted job's ResourceClaim and its pod, placement from ResourceSlices and
-everyone's allocated claims, a claim the scheduler cannot allocate, and a cluster that cannot take claims at all."""
+everyone's allocated claims, a claim the scheduler cannot allocate, a cluster that cannot take claims at all, and a
+GPU its driver withdraws from its ResourceSlice while jobs are booked on it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from tests.support.dra_objects import DRIVER, POLICY, claim_pod, device_class, foreign_claim, gpu_slice
 from tests.support.kube_emulator import DEVICE_CLASSES, RESOURCE_CLAIMS, RESOURCE_SLICES
 from tests.support.operator_harness import Cluster, cluster, fake_kubelet, phase, pod_env, start_operator, trainingjob
+from tests.support.operator_scenarios import running
 
 from tensile.admission import GIB, MIB, admitted_bytes, parse_quantity
 from tensile_operator.claims import GpuAccess
@@ -79,8 +81,12 @@ def test_an_admitted_job_gets_a_claim_of_its_admitted_size_and_a_pod_that_names_
     asyncio.run(scenario())
 
 
+def condition_of(job: dict | None, type_: str) -> dict:
+    return next((x for x in ((job or {}).get("status") or {}).get("conditions") or [] if x["type"] == type_), {})
+
+
 def admitted(job: dict | None) -> dict:
-    return next((c for c in ((job or {}).get("status") or {}).get("conditions") or [] if c["type"] == "Admitted"), {})
+    return condition_of(job, "Admitted")
 
 
 def event_reasons(c: Cluster, name: str) -> set[str]:
@@ -176,36 +182,47 @@ def test_a_cluster_or_job_that_cannot_be_served_is_said_on_the_job(tmp_path, for
     asyncio.run(scenario())
 
 
+def booking_problems(c: Cluster, capacity: dict[str, int], foreign: dict[str, int] | None = None) -> list[str]:
+    """Devices over capacity (the emulated scheduler's sums), GPUs whose placed jobs' claims (and the `foreign` bytes
+    other workloads hold of them) add up to more than they have, and jobs with more than one pod or claim."""
+    problems = list(c.emu.device_overcommits())
+    held: dict[str, int] = dict(foreign or {})
+    for job in c.jobs():
+        status = job.get("status") or {}
+        if status.get("phase") in ("Admitted", "Running") and status.get("placement"):
+            gpu = status["placement"]["gpu"]
+            held[gpu] = held.get(gpu, 0) + status["placement"]["claimBytes"]
+    problems.extend(f"{gpu}: {n} booked" for gpu, n in held.items() if n > capacity[gpu])
+    for kind, objects in (("pods", c.pods()), ("claims", c.emu.items(RESOURCE_CLAIMS))):
+        owners = [o["metadata"]["ownerReferences"][0]["uid"] for o in objects
+                  if o["metadata"]["namespace"] == "default"]
+        problems.extend(f"{uid}: {owners.count(uid)} {kind}" for uid in set(owners) if owners.count(uid) > 1)
+    return problems
+
+
+async def watch_bookings(c: Cluster, capacity: dict[str, int], problems: list[str],
+                         foreign: dict[str, int] | None = None) -> None:
+    """`booking_problems` gathered into `problems` at every moment, until cancelled."""
+    while True:
+        problems.extend(booking_problems(c, capacity, foreign))
+        await asyncio.sleep(0.02)
+
+
 @pytest.mark.slow
 def test_sixty_jobs_beside_other_workloads_with_a_restart_never_overfill_a_gpu(tmp_path, forecaster, monkeypatch):
     """60 TrainingJobs of mixed sizes on 2 nodes x 2 GPUs of 8 GiB, other workloads' claims holding part of two GPUs,
     and the operator restarted mid-way: at no moment is a device's claimed memory over its capacity (the emulated
-    scheduler's sums) nor do the placements the statuses hold add up to more than a GPU has; in the end every job has
-    Succeeded, but for the two larger than any GPU, Queued saying so."""
+    scheduler's sums) nor do the placements the statuses hold add up to more than a GPU has, nor has a job two pods or
+    claims; in the end every job has Succeeded, but for the two larger than any GPU, Queued saying so."""
     from tensile_operator import timing
 
     monkeypatch.setattr(timing, "CLAIMS_SECONDS", 0.5)
     sizes = ["1Gi", "1536Mi", "2Gi", "3Gi", "512Mi"]
     names = [f"job-{i:02d}" for i in range(60)]
     too_large = {"job-17", "job-44"}
-    capacity = 8 * GIB
+    capacity = dict.fromkeys(("GPU-a0", "GPU-a1", "GPU-b0", "GPU-b1"), 8 * GIB)
     foreign = {"GPU-a0": 2 * GIB, "GPU-b1": 1 * GIB}
     problems: list[str] = []
-
-    def check(c: Cluster) -> None:
-        problems.extend(c.emu.device_overcommits())
-        held: dict[str, int] = dict(foreign)
-        for job in c.jobs():
-            status = job.get("status") or {}
-            if status.get("phase") in ("Admitted", "Running") and status.get("placement"):
-                gpu = status["placement"]["gpu"]
-                held[gpu] = held.get(gpu, 0) + status["placement"]["claimBytes"]
-        problems.extend(f"{gpu}: {n} booked" for gpu, n in held.items() if n > capacity)
-
-    async def watch(c: Cluster) -> None:
-        while True:
-            check(c)
-            await asyncio.sleep(0.02)
 
     async def scenario() -> None:
         async with cluster(tmp_path) as c:
@@ -215,7 +232,7 @@ def test_sixty_jobs_beside_other_workloads_with_a_restart_never_overfill_a_gpu(t
                 await c.create("v1/pods", claim_pod(f"serve-{gpu.lower()}", f"serve-{gpu.lower()}"))
             kubelet = asyncio.create_task(fake_kubelet(
                 c, lambda pod: 3600 if pod["metadata"]["namespace"] == "other" else 0.3, bound_only=True))
-            watcher = asyncio.create_task(watch(c))
+            watcher = asyncio.create_task(watch_bookings(c, capacity, problems, foreign))
             op = await start_operator(forecaster, access=GpuAccess())
             try:
                 for i, name in enumerate(names):
@@ -228,7 +245,7 @@ def test_sixty_jobs_beside_other_workloads_with_a_restart_never_overfill_a_gpu(t
                 await c.wait(lambda: all(admitted(c.job(n)).get("reason") == "NoGpuLargeEnough" for n in too_large), 20,
                              "the two too large said so")
                 assert {phase(c.job(n)) for n in too_large} == {"Queued"}
-                check(c)
+                problems.extend(booking_problems(c, capacity, foreign))
                 assert problems == []
                 pods = [p for p in c.pods() if p["metadata"]["namespace"] == "default"]
                 assert len(pods) == 58 and len({p["metadata"]["name"] for p in pods}) == 58  # one pod per job run
@@ -264,6 +281,165 @@ def test_knobs_that_would_need_more_than_the_claim_are_refused(tmp_path, forecas
                 await c.wait(lambda: knobs().get("reason") == "ClaimTooSmall", 30, "the knobs refused")
                 assert "delete and create the TrainingJob again" in knobs()["message"]
                 assert "knobs" not in c.job("resnet")["status"]
+            finally:
+                await op.stop()
+
+    asyncio.run(scenario())
+
+
+# ---- a GPU its driver withdraws from its ResourceSlice ------------------------------------------------------------
+
+SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
+
+
+async def republish(c: Cluster, node: str, gpus: list[tuple[str, float]],
+                    without: frozenset[str] = frozenset()) -> None:
+    """The driver publishes node's slice again with its GPUs but those in `without` (a device went unhealthy, or came
+    back); each device keeps its name, as a driver names a device by the GPU it is."""
+    name = gpu_slice(node, [])["metadata"]["name"]
+    spec = gpu_slice(node, gpus)["spec"]
+    spec["devices"] = [d for d in spec["devices"] if d["attributes"]["uuid"]["string"] not in without]
+    spec["pool"]["generation"] = c.emu.get(RESOURCE_SLICES, None, name)["spec"]["pool"]["generation"] + 1
+    await c.request("PATCH", f"{SLICES_PATH}/{name}", {"spec": spec})
+
+
+def events_named(c: Cluster, name: str, reason: str) -> list[dict]:
+    return [e for e in c.emu.items("v1/events")
+            if (e.get("involvedObject") or {}).get("name") == name and e.get("reason") == reason]
+
+
+def test_a_job_not_running_on_a_gpu_its_slice_no_longer_publishes_is_placed_on_another_and_runs(tmp_path, forecaster):
+    """node-a is drained: its driver deletes its ResourceSlice while `wait`'s pod, bound there with its claim allocated,
+    has not started. Its pod and claim are deleted and it is placed on node-b's GPU (a Normal `Requeued` Event naming
+    the GPU), where its new pod runs to the end; no device is ever over capacity and no job has two pods or claims."""
+    capacity = {"GPU-a0": 4 * GIB, "GPU-b0": 8 * GIB}
+    problems: list[str] = []
+
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            await dra_cluster(c, {"node-a": [("GPU-a0", 4)], "node-b": [("GPU-b0", 8)]})
+            op = await start_operator(forecaster, access=GpuAccess())
+            watcher = asyncio.create_task(watch_bookings(c, capacity, problems))
+            kubelet = None
+            try:
+                await c.apply(trainingjob("wait", None, profile="p", memoryBudget="3Gi"))
+                await c.wait(lambda: c.pods() and c.pods()[0]["spec"].get("nodeName"), 20, "wait's pod bound")
+                [first] = c.pods()
+                assert first["spec"]["nodeName"] == "node-a"  # best fit: the smaller GPU
+                assert claim_of(c, c.job("wait"))["status"]["allocation"]
+                await c.request("DELETE", f"{SLICES_PATH}/{gpu_slice('node-a', [])['metadata']['name']}")
+                await c.wait(lambda: (c.job("wait")["status"].get("placement") or {}).get("gpu") == "GPU-b0", 20,
+                             "wait placed on GPU-b0")
+                await c.wait(lambda: events_named(c, "wait", "Requeued"), 10, "wait's Requeued Event")
+                [requeued] = events_named(c, "wait", "Requeued")
+                assert requeued["type"] == "Normal" and "GPU-a0" in requeued["message"], requeued
+                assert "no ResourceSlice publishes" in requeued["message"]
+                new = await c.wait(lambda: [p for p in c.pods() if p["metadata"]["uid"] != first["metadata"]["uid"]
+                                            and p["spec"].get("nodeName")], 20, "wait's new pod bound")
+                assert isinstance(new, list) and new[0]["spec"]["nodeName"] == "node-b" and len(c.pods()) == 1
+                claim = claim_of(c, c.job("wait"))
+                assert 'uuid == "GPU-b0"' in claim["spec"]["devices"]["requests"][0]["exactly"]["selectors"][0]["cel"][
+                    "expression"]
+                for obj in (claim, new[0], requeued):
+                    strictly_valid({k: v for k, v in obj.items() if k != "status"})
+                kubelet = asyncio.create_task(fake_kubelet(c, lambda pod: 0.3, bound_only=True))
+                await c.wait(lambda: phase(c.job("wait")) == "Succeeded", 20, "wait succeeded")
+                assert problems == []
+            finally:
+                watcher.cancel()
+                if kubelet is not None:
+                    kubelet.cancel()
+                await op.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_running_job_on_a_gpu_its_slice_no_longer_publishes_keeps_running_and_says_so(tmp_path, forecaster):
+    """GPU-a0 goes unhealthy: node-a's driver publishes its slice without it while `run` trains there. `run` keeps its
+    pod, its allocated claim and its booking, and says `NodeAvailable=False`, `GPUUnpublished` with a Warning Event,
+    both naming the GPU; the GPU is not free room meanwhile (a job that fits only there waits). Published again, the
+    condition clears (`GPUPublished`) and the waiting job is placed there beside `run`, never over its capacity."""
+    capacity = {"GPU-a0": 8 * GIB, "GPU-a1": 8 * GIB}
+    problems: list[str] = []
+
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            gpus = [("GPU-a0", 8), ("GPU-a1", 8)]
+            await dra_cluster(c, {"node-a": gpus})
+            op = await start_operator(forecaster, access=GpuAccess())
+            watcher = asyncio.create_task(watch_bookings(c, capacity, problems))
+            try:
+                await c.apply(trainingjob("run", None, profile="p", memoryBudget="3Gi"))
+                pod = await running(c, "run")
+                assert c.job("run")["status"]["placement"]["gpu"] == "GPU-a0"
+                await republish(c, "node-a", gpus, without=frozenset({"GPU-a0"}))
+                await c.wait(lambda: condition_of(c.job("run"), "NodeAvailable").get("reason") == "GPUUnpublished", 10,
+                             "run: NodeAvailable GPUUnpublished")
+                said = condition_of(c.job("run"), "NodeAvailable")
+                assert said["status"] == "False" and "GPU-a0" in said["message"], said
+                assert "no ResourceSlice publishes" in said["message"]
+                await c.wait(lambda: events_named(c, "run", "GPUUnpublished"), 10, "run's GPUUnpublished Event")
+                [event] = events_named(c, "run", "GPUUnpublished")
+                assert event["type"] == "Warning" and "GPU-a0" in event["message"]
+                strictly_valid(event)
+                # left to run: its pod, its claim (still allocated) and its placement
+                [now] = c.pods()
+                assert now["metadata"]["uid"] == pod["metadata"]["uid"] and not now["metadata"].get("deletionTimestamp")
+                assert phase(c.job("run")) == "Running" and c.job("run")["status"]["placement"]["gpu"] == "GPU-a0"
+                assert claim_of(c, c.job("run"))["status"]["allocation"]
+                # GPU-a0's room is nobody's: `fill` takes most of GPU-a1, and `more` fits only on GPU-a0
+                await c.apply(trainingjob("fill", None, profile="p", memoryBudget="6Gi"))
+                await c.wait(lambda: phase(c.job("fill")) == "Admitted", 20, "fill admitted")
+                assert c.job("fill")["status"]["placement"]["gpu"] == "GPU-a1"
+                await c.apply(trainingjob("more", None, profile="p", memoryBudget="3Gi"))
+                await c.wait(lambda: admitted(c.job("more")).get("reason") == "Queued", 20, "more queued")
+                await asyncio.sleep(0.5)
+                assert phase(c.job("more")) == "Queued"
+                # published again: said, and its room beside `run` is taken
+                await republish(c, "node-a", gpus)
+                await c.wait(lambda: condition_of(c.job("run"), "NodeAvailable").get("status") == "True", 10,
+                             "run: NodeAvailable True")
+                assert condition_of(c.job("run"), "NodeAvailable")["reason"] == "GPUPublished"
+                await c.wait(lambda: events_named(c, "run", "GPUPublished"), 10, "run's GPUPublished Event")
+                await c.wait(lambda: phase(c.job("more")) == "Admitted", 20, "more admitted")
+                assert c.job("more")["status"]["placement"]["gpu"] == "GPU-a0"
+                await republish(c, "node-a", gpus)  # the driver's next update: nothing new
+                await asyncio.sleep(0.3)
+                assert len(events_named(c, "run", "GPUUnpublished")) == len(events_named(c, "run", "GPUPublished")) == 1
+                assert phase(c.job("run")) == "Running" and c.pods()[0]["metadata"]["uid"] == pod["metadata"]["uid"]
+                assert problems == []
+            finally:
+                watcher.cancel()
+                await op.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_slice_deleted_while_no_operator_ran_is_noticed_at_start(tmp_path, forecaster):
+    """node-a's ResourceSlice is deleted while no operator runs (no watch event will ever tell of it): at start-up the
+    running job there says `GPUUnpublished` and keeps its pod, and the job whose pod had not started is placed on
+    node-b."""
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            await dra_cluster(c, {"node-a": [("GPU-a0", 4)], "node-b": [("GPU-b0", 8)]})
+            op = await start_operator(forecaster, access=GpuAccess())
+            try:
+                await c.apply(trainingjob("run", None, profile="p", memoryBudget="1Gi"))
+                pod = await running(c, "run")
+                await c.apply(trainingjob("wait", None, profile="p", memoryBudget="1Gi"))
+                await c.wait(lambda: len([p for p in c.pods() if p["spec"].get("nodeName")]) == 2, 20, "wait's pod")
+                assert {j["status"]["placement"]["gpu"] for j in c.jobs()} == {"GPU-a0"}
+                await op.stop()
+                await c.request("DELETE", f"{SLICES_PATH}/{gpu_slice('node-a', [])['metadata']['name']}")
+                op = await start_operator(forecaster, access=GpuAccess())
+                await c.wait(lambda: condition_of(c.job("run"), "NodeAvailable").get("reason") == "GPUUnpublished", 10,
+                             "run: NodeAvailable GPUUnpublished")
+                await c.wait(lambda: (c.job("wait")["status"].get("placement") or {}).get("gpu") == "GPU-b0", 20,
+                             "wait placed on GPU-b0")
+                assert [p["metadata"]["uid"] for p in c.pods() if p["metadata"]["name"] == pod["metadata"]["name"]] \
+                    == [pod["metadata"]["uid"]]
+                assert phase(c.job("run")) == "Running"
+                assert booking_problems(c, {"GPU-a0": 4 * GIB, "GPU-b0": 8 * GIB}) == []
             finally:
                 await op.stop()
 
