@@ -72,7 +72,8 @@ class CapacityLedger:
         return [g for gpus in self.inventory.values() for g in gpus]
 
     async def refresh_dra(self) -> None:
-        """`dra` mode: the devices and claims read again (at start-up and before each scheduling pass)."""
+        """`dra` mode: the devices and claims read again (at start-up, before each scheduling pass and every
+        RESYNC_SECONDS)."""
         if self.dra is not None:
             await self.dra.refresh()
             self._dra_gpus = self.dra.gpus(self.inventory)

@@ -1,10 +1,11 @@
 """The GPUs as Kubernetes knows them in `dra` mode: devices from ResourceSlices, what claims consume of them.
 
-Read fresh (three LISTs) before each scheduling pass, the ResourceSlices also as their watch delivers them (a GPU its
-driver withdraws is noticed at once, not at the next pass): a device's UUID, node, memory capacity and request policy
-from the ResourceSlices of the drivers the configured DeviceClass selects; the memory every allocated ResourceClaim
-consumes on it (`status.allocation.devices.results[].consumedCapacity`), Tensile's and everyone else's; and the
-agents' view from the TensileNodes (their address, per-process context and host-link bandwidth, the jobs they host).
+Read fresh (three LISTs) before each scheduling pass and every RESYNC_SECONDS, the ResourceSlices also as their
+watch delivers them (a GPU its driver withdraws is noticed at once, not at the next pass): a device's UUID, node,
+memory capacity and request policy from the ResourceSlices of the drivers the configured DeviceClass selects; the
+memory every allocated ResourceClaim consumes on it (`status.allocation.devices.results[].consumedCapacity`),
+Tensile's and everyone else's; and the agents' view from the TensileNodes (their address, per-process context and
+host-link bandwidth, the jobs they host).
 What makes the cluster unable to take any claim is said as a `problem` for every waiting job: a DeviceClass that does
 not exist, or GPUs that publish no memory capacity.
 """

@@ -201,10 +201,13 @@ class Replacement:
     async def recheck_forever(self) -> None:
         """Every RESYNC_SECONDS, the jobs still booked on a GPU that went, neither placed again nor said (their look
         failed: the API server's trouble), are looked at again: a removed TensileNode sends no further event, so a
-        failed look left the job booked for good on a GPU that is gone."""
+        failed look left the job booked for good on a GPU that is gone. In `dra` mode the ResourceSlices are read
+        first: a watch that reconnects lists them again but says nothing of one deleted meanwhile, and while no job
+        waits no scheduling pass reads them."""
         while True:
             await asyncio.sleep(timing.RESYNC_SECONDS)
             try:
+                await self.capacity.refresh_dra()
                 for node in self.capacity.nodes_with_gone():
                     await self.check_node(node)
             except Exception:  # noqa: BLE001 - the next round tries again

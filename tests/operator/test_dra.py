@@ -14,6 +14,8 @@ from tests.support.operator_harness import Cluster, cluster, fake_kubelet, phase
 from tests.support.operator_scenarios import running
 
 from tensile.admission import GIB, MIB, admitted_bytes, parse_quantity
+from tensile_operator import timing
+from tensile_operator.app import OperatorApp
 from tensile_operator.claims import GpuAccess
 from tensile_operator.dra_inventory import DEFAULT_CONTEXT_BYTES
 
@@ -440,6 +442,37 @@ def test_a_slice_deleted_while_no_operator_ran_is_noticed_at_start(tmp_path, for
                     == [pod["metadata"]["uid"]]
                 assert phase(c.job("run")) == "Running"
                 assert booking_problems(c, {"GPU-a0": 4 * GIB, "GPU-b0": 8 * GIB}) == []
+            finally:
+                await op.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_slice_deletion_its_watch_missed_is_noticed_at_the_next_resync(tmp_path, forecaster, monkeypatch):
+    """A watch that reconnects lists the slices again but says nothing of one deleted meanwhile, and with no job waiting
+    no scheduling pass reads them: the operator reads them every RESYNC_SECONDS, and the running job on the withdrawn
+    GPU says `GPUUnpublished` and keeps its pod."""
+    monkeypatch.setattr(timing, "RESYNC_SECONDS", 0.5)
+    missed: list[str] = []
+
+    async def unseen(self: OperatorApp, body: dict, deleted: bool) -> None:  # the event lost with the watch
+        missed.append(body["metadata"]["name"])
+
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            await dra_cluster(c, {"node-a": [("GPU-a0", 4)]})
+            op = await start_operator(forecaster, access=GpuAccess())
+            try:
+                await c.apply(trainingjob("run", None, profile="p", memoryBudget="1Gi"))
+                pod = await running(c, "run")
+                monkeypatch.setattr(OperatorApp, "slice_changed", unseen)
+                name = gpu_slice("node-a", [])["metadata"]["name"]
+                await c.request("DELETE", f"{SLICES_PATH}/{name}")
+                await c.wait(lambda: name in missed, 10, "the deletion's event, dropped")
+                await c.wait(lambda: condition_of(c.job("run"), "NodeAvailable").get("reason") == "GPUUnpublished", 10,
+                             "run: NodeAvailable GPUUnpublished")
+                assert phase(c.job("run")) == "Running"
+                assert [p["metadata"]["uid"] for p in c.pods()] == [pod["metadata"]["uid"]]
             finally:
                 await op.stop()
 
