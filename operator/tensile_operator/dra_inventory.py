@@ -29,6 +29,7 @@ class DraInventory:
         self.kube = kube
         self.access = access
         self.slices: list[dict] = []
+        self._current: list[dict] = []  # each pool's newest generation of `slices` (`_set_slices`)
         self.claims: list[dict] = []
         self.class_found = True
         self.listed = False  # whether the ResourceSlices were read: until then no GPU is said to have left them
@@ -56,8 +57,24 @@ class DraInventory:
             self._set_slices([body if s["metadata"]["name"] == name else s for s in self.slices])
 
     def _set_slices(self, slices: list[dict]) -> None:
+        """The slices, and of them the ones a consumer uses: each pool's newest generation (its driver bumps the
+        generation in every slice of the pool it changes, and the older slices may linger until it deletes them).
+        A device counts as published by the newest generation; while that generation is incomplete (fewer slices than
+        its `resourceSliceCount`: the driver is still writing them), by the newest complete one instead, so that a
+        device on its way from one slice to another is not said gone, nor one gone said back."""
         self.slices = slices
-        self._published = frozenset(self._identity(s, d) for s, d in self._devices())
+        generations: dict[tuple[str, str], dict[int, list[dict]]] = {}
+        for slice_ in slices:
+            generations.setdefault(_pool(slice_), {}).setdefault(_generation(slice_), []).append(slice_)
+        current: list[dict] = []
+        publishing: list[dict] = []
+        for by_generation in generations.values():
+            newest = by_generation[max(by_generation)]
+            current += newest
+            complete = [g for g, written in by_generation.items() if _complete(written)]
+            publishing += by_generation[max(complete)] if complete else newest
+        self._current = current
+        self._published = frozenset(self._identity(s, d) for s, d in self._devices(publishing))
 
     def _identity(self, slice_: dict, device: dict) -> tuple[str, str]:
         """(node, UUID): how a booking names the GPU a device is."""
@@ -82,9 +99,10 @@ class DraInventory:
                 "chart's gpuAccess.mode=legacy")
         return None
 
-    def _devices(self) -> list[tuple[dict, dict]]:
-        """(slice, device) of every device with a UUID in the configured attribute domain."""
-        return [(s, d) for s in self.slices for d in s["spec"].get("devices") or []
+    def _devices(self, slices: list[dict] | None = None) -> list[tuple[dict, dict]]:
+        """(slice, device) of every device with a UUID in the configured attribute domain, in `slices` (by default
+        each pool's newest generation)."""
+        return [(s, d) for s in (self._current if slices is None else slices) for d in s["spec"].get("devices") or []
                 if _attribute(d, self.access.attribute_domain, "uuid")]
 
     def gpus(self, agents: Mapping[str, list[Gpu]]) -> list[Gpu]:
@@ -122,6 +140,20 @@ class DraInventory:
                     consumed.setdefault((result["driver"], result["pool"], result["device"]), []).append(
                         (claim_owner(claim), parse_quantity(memory)))
         return consumed
+
+
+def _pool(slice_: Mapping) -> tuple[str, str]:
+    """(driver, pool name): a pool is its driver's."""
+    return slice_["spec"]["driver"], slice_["spec"]["pool"]["name"]
+
+
+def _generation(slice_: Mapping) -> int:
+    return int(slice_["spec"]["pool"].get("generation", 0))
+
+
+def _complete(written: list[dict]) -> bool:
+    """Whether a pool's generation has all its slices (as many as they say it has)."""
+    return len(written) >= max(int(s["spec"]["pool"].get("resourceSliceCount", 1)) for s in written)
 
 
 def _attribute(device: Mapping, domain: str, name: str) -> object:

@@ -477,3 +477,50 @@ def test_a_slice_deletion_its_watch_missed_is_noticed_at_the_next_resync(tmp_pat
                 await op.stop()
 
     asyncio.run(scenario())
+
+
+def slice_of_generation(node: str, gpus: list[tuple[str, float]], generation: int, part: int = 0,
+                        count: int = 1) -> dict:
+    """Slice `part` of `count` of node's pool at `generation`, named apart from the first generation's slice (a driver
+    writes a new generation's slices before it deletes the old ones); each device named by its GPU, as a driver does."""
+    made = gpu_slice(node, gpus)
+    made["metadata"]["name"] += f"-g{generation}-{part}"
+    made["spec"]["pool"] |= {"generation": generation, "resourceSliceCount": count}
+    for device, (uuid, _) in zip(made["spec"]["devices"], gpus):
+        device["name"] = uuid.lower()
+    return made
+
+
+def test_a_gpu_only_an_older_generation_of_its_pool_lists_is_gone(tmp_path, forecaster):
+    """node-a's driver writes its pool's generation 2 without GPU-a0 and has not yet deleted generation 1's slice,
+    which still lists it: the running job there says `GPUUnpublished` (a consumer uses each pool's newest generation
+    only), and a new job is placed on GPU-a1. Generation 3 comes in two slices; while only the one without GPU-a0 is written, the pool is incomplete and
+    nothing is said; once both are, GPU-a0 is published again."""
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            await dra_cluster(c, {"node-a": [("GPU-a0", 4), ("GPU-a1", 4)]})
+            op = await start_operator(forecaster, access=GpuAccess())
+            try:
+                await c.apply(trainingjob("run", None, profile="p", memoryBudget="1Gi"))
+                pod = await running(c, "run")
+                assert c.job("run")["status"]["placement"]["gpu"] == "GPU-a0"
+                await c.create(RESOURCE_SLICES, slice_of_generation("node-a", [("GPU-a1", 4)], 2))
+                await c.wait(lambda: condition_of(c.job("run"), "NodeAvailable").get("reason") == "GPUUnpublished", 10,
+                             "run: NodeAvailable GPUUnpublished")
+                assert phase(c.job("run")) == "Running"
+                assert [p["metadata"]["uid"] for p in c.pods()] == [pod["metadata"]["uid"]]
+                # best fit would take GPU-a0, beside `run`; only generation 1 lists it, so it is no room
+                await c.apply(trainingjob("more", None, profile="p", memoryBudget="1Gi"))
+                await c.wait(lambda: ((c.job("more") or {}).get("status") or {}).get("placement"), 20, "more placed")
+                assert c.job("more")["status"]["placement"]["gpu"] == "GPU-a1"
+                # generation 3, half written: GPU-a0 is in the slice still to come, and the pool is incomplete
+                await c.create(RESOURCE_SLICES, slice_of_generation("node-a", [("GPU-a1", 4)], 3, 0, 2))
+                await asyncio.sleep(0.5)
+                assert condition_of(c.job("run"), "NodeAvailable")["reason"] == "GPUUnpublished"
+                await c.create(RESOURCE_SLICES, slice_of_generation("node-a", [("GPU-a0", 4)], 3, 1, 2))
+                await c.wait(lambda: condition_of(c.job("run"), "NodeAvailable").get("reason") == "GPUPublished", 10,
+                             "run: NodeAvailable GPUPublished")
+            finally:
+                await op.stop()
+
+    asyncio.run(scenario())

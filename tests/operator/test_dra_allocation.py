@@ -57,6 +57,18 @@ def test_without_a_selector_the_first_device_with_room_is_taken() -> None:
     assert allocation["devices"]["results"][0]["device"] == "gpu-1"
 
 
+def test_only_the_newest_generation_of_a_pool_is_allocated_from() -> None:
+    """A driver that changes a pool bumps its generation; a slice of an older generation may linger until the driver
+    deletes it, and its devices are not to be used."""
+    older = gpu_slice("node-a", [("GPU-a0", 4), ("GPU-a1", 4)])
+    newer = gpu_slice("node-a", [("GPU-a1", 4)])
+    newer["metadata"]["name"] += "-2"
+    newer["spec"]["pool"]["generation"] = 2
+    assert [d.attribute(DRIVER, "uuid") for d in devices_of([older, newer])] == ["GPU-a1"]
+    with pytest.raises(Unallocatable):
+        Allocator([older, newer], [device_class()], []).allocate(foreign_claim("c", GIB, "GPU-a0"))
+
+
 def test_a_missing_class_or_a_device_without_the_capacity_is_refused() -> None:
     with pytest.raises(Unallocatable, match='DeviceClass "gpu.nvidia.com" not found'):
         Allocator(SLICES, [], []).allocate(foreign_claim("c", GIB))

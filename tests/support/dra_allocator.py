@@ -54,10 +54,17 @@ class Device:
 
 
 def devices_of(slices: list[dict]) -> list[Device]:
-    """Every device the ResourceSlices publish."""
+    """Every device the ResourceSlices publish, from each pool's newest generation only (as the scheduler's
+    allocator uses them: a driver's older slices linger until it deletes them)."""
+    newest: dict[tuple[str, str], int] = {}
+    for s in slices:
+        pool = (s["spec"]["driver"], s["spec"]["pool"]["name"])
+        newest[pool] = max(newest.get(pool, 0), int(s["spec"]["pool"]["generation"]))
     return [Device(s["spec"]["driver"], s["spec"]["pool"]["name"], d["name"], s["spec"].get("nodeName", ""),
                    bool(d.get("allowMultipleAllocations")), d.get("attributes") or {}, d.get("capacity") or {})
-            for s in slices for d in s["spec"].get("devices") or []]
+            for s in slices if int(s["spec"]["pool"]["generation"]) == newest[(s["spec"]["driver"],
+                                                                                s["spec"]["pool"]["name"])]
+            for d in s["spec"].get("devices") or []]
 
 
 def selected(expression: str, device: Device) -> bool:
