@@ -221,7 +221,8 @@ def main() -> None:
                                    "cpu_count": os.cpu_count(), "steps": args.steps,
                                    "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                                    "targets": {"msr": "at least the paper's Table III", "eor": TARGET_EOR,
-                                               "forecast_error": FORECAST_TARGET}, "rows": rows}, indent=2, default=str))
+                                               "forecast_error": FORECAST_TARGET},
+                                   "rows": rows}, indent=2, default=str))
     table = Table(title=f"Real training on {device_name}, batch {args.batch_size}: vanilla against TENSILE")
     for column in ("model", "vanilla peak MB", "TENSILE peak MB", "MSR", "paper MSR", "EOR", "stall ms/iter", "recorded / vanilla",
                    "hook ms/iter", "bit-identical"):
@@ -238,7 +239,8 @@ def main() -> None:
                       f"{row['hook_seconds_per_iteration'] * 1e3:.2f}" if row["hook_seconds_per_iteration"] is not None else "-",
                       f"{row['bit_identical']} (vanilla repeatable: {row['vanilla_repeatable']})")
     console.print(table)
-    forecasts = Table(title=f"Forecast against measured on {device_name} (MiB; the target: within {FORECAST_TARGET:.0%})")
+    forecasts = Table(
+        title=f"Forecast against measured on {device_name} (MiB; the target: within {FORECAST_TARGET:.0%})")
     for column in ("model", "allocated", "forecast", "error", "reserved", "forecast", "error", "cuBLAS workspaces",
                    "hook's workspace"):
         forecasts.add_column(column, justify="right")
