@@ -337,13 +337,17 @@ def plot(result: dict, path: Path) -> Path:
 
 def forecasts(jobs: list[JobSpec], device: str) -> list[dict]:
     """Each job's forecast as tensile local makes it (its vanilla and scheduled peaks choose the capacity)."""
+    from tensile.allocator import expandable_segments_in
     from tensile.forecast import optimizer_for, trace_workload
     from tensile.job_forecast import make_forecast
+    from tensile.latency.device import forecast_preset
 
     summaries = []
     for spec in jobs:
         workload = trace_workload(spec.model, spec.batch_size, optimizer=optimizer_for(spec.model, None), device=device)
-        summaries.append(make_forecast(workload, "a6000" if device == "cuda" else "cpu").summary)
+        summaries.append(make_forecast(workload, forecast_preset(device),
+                                       expandable_segments=expandable_segments_in(os.environ),
+                                       environ=os.environ).summary)
     return summaries
 
 

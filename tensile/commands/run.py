@@ -137,8 +137,9 @@ def forecast_files(args: argparse.Namespace, console: Console, folder: Path) -> 
     import torch
 
     from tensile import job_forecast
+    from tensile.allocator import expandable_segments_in
     from tensile.forecast import optimizer_for, trace_workload
-    from tensile.latency.device import resolve_target
+    from tensile.latency.device import forecast_preset
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with console.status(f"tracing one training iteration of {args.model}..."):
@@ -153,10 +154,12 @@ def forecast_files(args: argparse.Namespace, console: Console, folder: Path) -> 
         return {"TENSILE_WORKLOAD": str(saved), "TENSILE_PLAN": None}
     with console.status("planning swaps and recomputations..."):
         # the preset of this machine's GPU (and its calibrated latency model, where one is on file)
-        preset = resolve_target("cuda").preset if device == "cuda" else "cpu"
+        preset = forecast_preset(device)
         budget = MEMORY_BUDGET.from_option(args.memory_budget) if args.memory_budget else None
         forecast = job_forecast.make_forecast(workload, preset, budget, args.plan_events or "auto", args.recompute,
-                                              args.max_swap_rate or 1.0, environ=os.environ)
+                                              args.max_swap_rate or 1.0,
+                                              expandable_segments=expandable_segments_in(os.environ),
+                                              environ=os.environ)
     for note in forecast.notes:
         print_note(note)
     summary = forecast.summary

@@ -92,6 +92,13 @@ def _cuda_files(model_dir: Path) -> list[Path]:
     return sorted(p for p in model_dir.glob(f"*{SUFFIX}") if not p.name.startswith("cpu-"))
 
 
+def forecast_preset(device: str) -> str:
+    """The GPU preset a job about to run on this machine's `device` ('cuda' or 'cpu') is forecast with: its GPU's, by
+    NVML's name (where NVML names none, the one calibrated GPU on file, else the default); 'cpu' for the CPU. Its
+    latencies, host link and compute capability (cuBLAS's workspaces) are the GPU's the job will run on."""
+    return resolve_target("cuda").preset if device == "cuda" else "cpu"
+
+
 def resolve_target(device: str, model_dir: str | os.PathLike | None = None) -> Target:
     """'cpu', 'cuda' (the local GPU, else the one calibrated GPU on file), or a preset name ('h100')."""
     name = device.lower()

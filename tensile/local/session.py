@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
+from tensile.latency.device import forecast_preset
 from tensile.local.agent import LocalAgent
 from tensile.local.jobs import LocalJob
 from tensile.local.runner import POLL_SECONDS, LocalRunner
@@ -40,7 +41,8 @@ def run_jobs(jobs: list[LocalJob], reports: Path | None, *, host: str, port: int
     title = f"Tensile local: {kind}{gpu.name} {gpu.capacity_bytes / 2**20:,.0f} MiB for jobs"
     kept = " (removed at the end unless a job fails; --reports DIR keeps them)" if scratch else ""
     console.print(f"agent {agent.url} (/v1/jobs, /metrics); reports and logs in {reports}{kept}", highlight=False)
-    runner = LocalRunner(jobs, agent, reports, "cuda" if cuda else "cpu", "a6000" if cuda else "cpu")
+    device = "cuda" if cuda else "cpu"
+    runner = LocalRunner(jobs, agent, reports, device, forecast_preset(device))
     try:
         with Live(job_view(runner.runs, title), console=console, refresh_per_second=4) as live:
             runner.forecast_all(lambda: live.update(job_view(runner.runs, title)))
