@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from tensile.devices import over_max_bytes
 from tensile.knobs import KnobError, parse_swap_rate
 
 if TYPE_CHECKING:
@@ -150,6 +151,14 @@ def _opt_int(data: dict, key: str, minimum: int = 0) -> int | None:
     return value
 
 
+def _opt_bytes(data: dict, key: str) -> int | None:
+    """An amount of memory: whole bytes, at most the one cap on every amount (tensile.devices.MAX_BYTES), or None."""
+    value = _opt_int(data, key)
+    if value is not None and (problem := over_max_bytes(value)):
+        raise ContractError(key, problem)
+    return value
+
+
 def _int(data: dict, key: str, default: int = 0, minimum: int = 0) -> int:
     value = _opt_int(data, key, minimum)
     return default if value is None else value
@@ -239,6 +248,11 @@ class RegisterRequest:
     # plan native events only (activation swaps, recomputes of convolutions and batch norms): what the hook's native path carries, so a CUDA job
     # under the agent keeps off the dispatch path (tensile.plan.native_plan_events)
     activations_only: bool = False
+    # what decides the process's caching allocator, for the agent's forecast of what it reserves (tensile.allocator):
+    # whether it runs with expandable segments, and the size of one cuBLAS workspace (tensile.cublas_workspaces; 0 on
+    # the CPU device). None, as from an older hook: the agent assumes what docs/agent.md says
+    expandable_segments: bool | None = None
+    cublas_workspace_bytes: int | None = None
 
     @property
     def ref(self) -> JobRef:
@@ -260,10 +274,13 @@ class RegisterRequest:
         if self.token is not None and (not isinstance(self.token, str) or not _TOKEN.match(self.token)):
             raise ContractError("token", "must be 16-128 characters of [A-Za-z0-9._~+/=-]")
         data = {"memory_budget_bytes": self.memory_budget_bytes, "max_swap_rate": self.max_swap_rate,
-                "last_plan_version": self.last_plan_version}
+                "last_plan_version": self.last_plan_version, "expandable_segments": self.expandable_segments,
+                "cublas_workspace_bytes": self.cublas_workspace_bytes}
         _opt_int(data, "memory_budget_bytes", 1)
         _swap_rate(data)
         _int(data, "last_plan_version")
+        _opt_bool(data, "expandable_segments")
+        _opt_bytes(data, "cublas_workspace_bytes")
         for name in ("recompute", "external", "activations_only"):
             if not isinstance(getattr(self, name), bool):
                 raise ContractError(name, "must be true or false")

@@ -91,9 +91,14 @@ def expandable_segments_setting(environ: Mapping[str, str | None]) -> dict[str, 
 def expandable_segments_in(environ: Mapping[str, str]) -> bool:
     """Whether a job started from `environ` by Tensile (`expandable_segments_setting` merged in) runs with expandable
     segments: what its reserved memory is forecast with."""
-    merged = {**environ, **expandable_segments_setting(environ)}
-    name = next((name for name in ALLOC_CONF_VARIABLES if name in merged), None)
-    return name is not None and _options(merged[name]).get("expandable_segments", "").lower() == "true"
+    return expandable_segments_on({**environ, **expandable_segments_setting(environ)})
+
+
+def expandable_segments_on(environ: Mapping[str, str]) -> bool:
+    """Whether a process running with `environ` has expandable segments, as PyTorch reads its variables: what the
+    hook tells the node agent of its own process."""
+    name = next((name for name in ALLOC_CONF_VARIABLES if name in environ), None)
+    return name is not None and _options(environ[name]).get("expandable_segments", "").lower() == "true"
 
 
 def segment_bytes(size: int) -> int:

@@ -47,15 +47,27 @@ def reserved_peaks(workload: Workload, plan: Plan, bandwidth: float, expandable_
     The CPU device has no caching allocator (PyTorch's CPU allocator hands each freed block back) and no cuBLAS: there
     the process holds what its tensors do."""
     assert plan.forecast is not None
+    scheduled, scheduled_allocated = scheduled_reserved_peak(workload, plan, bandwidth, expandable_segments,
+                                                             workspace_bytes)
     if workload.device != "cuda":
-        vanilla_peak, scheduled_peak = plan.forecast.vanilla_peak_bytes, plan.forecast.scheduled_peak_bytes
-        return ReservedPeaks(vanilla_peak, scheduled_peak, vanilla_peak, scheduled_peak, 0, expandable_segments)
+        vanilla_peak = plan.forecast.vanilla_peak_bytes
+        return ReservedPeaks(vanilla_peak, scheduled, vanilla_peak, scheduled_allocated, 0, expandable_segments)
     workspaces = cublas_workspaces(workload, workspace_bytes)
     vanilla = reserved_peak(workload, expandable_segments=expandable_segments, workspaces=workspaces)
-    scheduled = reserved_peak(workload, plan, bandwidth, expandable_segments=expandable_segments,
-                              workspaces=workspaces)
-    return ReservedPeaks(vanilla.reserved_peak_bytes, scheduled.reserved_peak_bytes, vanilla.allocated_peak_bytes,
-                         scheduled.allocated_peak_bytes, sum(workspaces.values()), expandable_segments)
+    return ReservedPeaks(vanilla.reserved_peak_bytes, scheduled, vanilla.allocated_peak_bytes, scheduled_allocated,
+                         sum(workspaces.values()), expandable_segments)
+
+
+def scheduled_reserved_peak(workload: Workload, plan: Plan, bandwidth: float, expandable_segments: bool = False,
+                            workspace_bytes: int = 0) -> tuple[int, int]:
+    """The reserved and the allocated peak under `plan` (`reserved_peaks`' scheduled pair): what the node agent
+    forecasts for a job's current plan. On the CPU device both are the plan's scheduled peak."""
+    assert plan.forecast is not None
+    if workload.device != "cuda":
+        return plan.forecast.scheduled_peak_bytes, plan.forecast.scheduled_peak_bytes
+    peaks = reserved_peak(workload, plan, bandwidth, expandable_segments=expandable_segments,
+                          workspaces=cublas_workspaces(workload, workspace_bytes))
+    return peaks.reserved_peak_bytes, peaks.allocated_peak_bytes
 
 
 def forecast_summary(workload: Workload, vanilla: PeakResult, latency_source: str, gpu_plan: GpuPlan, plan: Plan,

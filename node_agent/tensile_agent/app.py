@@ -86,6 +86,11 @@ class RegisterIn(_Request):
     last_plan_version: int = Field(0, ge=0, le=BIG)
     external: bool = False
     activations_only: bool = Field(False, description="plan native events only (activation swaps, recomputes of convolutions and batch norms): what the hook's native path carries")
+    expandable_segments: bool | None = Field(None, description="whether the process's CUDA caching allocator runs "
+                                             "with expandable segments; null: the agent assumes so (the pod default)")
+    cublas_workspace_bytes: int | None = Field(None, ge=0, le=MAX_BYTES, description="the size of one cuBLAS "
+                                               "workspace of the process (0 on the CPU device); null: the GPU "
+                                               "preset's default")
 
 
 class RegisterOut(_Model):
@@ -104,6 +109,15 @@ class ForecastOut(_Model):
     scheduled_peak_bytes: int
     predicted_iteration_seconds: float = 0.0
     predicted_extra_seconds: float = 0.0
+
+
+class JobForecastOut(ForecastOut):
+    """A job's forecast: its plan's, and what its process reserves under it (the allocator model, once computed)."""
+
+    scheduled_reserved_peak_bytes: int | None = None
+    scheduled_allocated_peak_bytes: int | None = None
+    expandable_segments: bool | None = None
+    cublas_workspace_bytes: int | None = None
 
 
 class EventOut(_Model):
@@ -227,7 +241,7 @@ class JobOut(_Model):
     external: bool
     latency_source: str | None
     events: int
-    forecast: ForecastOut | None
+    forecast: JobForecastOut | None
     observed: ObservedOut
     registered_at: float
     gpu_share_bytes: int | None = None

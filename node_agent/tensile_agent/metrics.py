@@ -58,6 +58,11 @@ class AgentCollector(Collector):
         job_metrics = {
             "vanilla": GaugeMetricFamily("tensile_job_forecast_vanilla_peak_bytes", "Forecast peak without scheduling", labels=JOB_LABELS),
             "scheduled": GaugeMetricFamily("tensile_job_forecast_scheduled_peak_bytes", "Forecast peak under the current plan", labels=JOB_LABELS),
+            "forecast_reserved": GaugeMetricFamily(
+                "tensile_job_forecast_reserved_peak_bytes",
+                "Forecast of what the job's process reserves under the current plan: on CUDA the caching allocator's "
+                "segments (its model, with cuBLAS's workspaces), on the CPU device the scheduled peak",
+                labels=JOB_LABELS),
             "observed": GaugeMetricFamily("tensile_job_observed_peak_bytes", "Highest memory peak the hook measured", labels=JOB_LABELS),
             "observed_planned": GaugeMetricFamily(
                 "tensile_job_observed_planned_peak_bytes",
@@ -99,7 +104,7 @@ class AgentCollector(Collector):
             for j in jobs:
                 f = j.plan.forecast if j.plan else None
                 held_to = j.plan.memory_budget_bytes if j.plan and j.plan.memory_budget_bytes else j.memory_budget_bytes
-                rows.append(([j.gpu, j.ref.namespace, j.ref.name], f, j.version, held_to,
+                rows.append(([j.gpu, j.ref.namespace, j.ref.name], f, j.reserved_forecast, j.version, held_to,
                              j.observed.to_dict(), j.silent_seconds))
         for uuid, s in summaries.items():
             gpu_info.add_metric([uuid, str(s["index"]), s["name"], str(s["simulated"]).lower()], 1)
@@ -120,12 +125,14 @@ class AgentCollector(Collector):
         zeros = {(uuid, reason): 0 for uuid in inventory.gpus for reason in REPLAN_REASONS}
         for (uuid, reason), count in sorted((zeros | replan_counts).items()):
             replans.add_metric([uuid, reason], count)
-        for labels, forecast, version, budget, obs, silent in rows:
+        for labels, forecast, reserved, version, budget, obs, silent in rows:
             if forecast is not None:
                 job_metrics["vanilla"].add_metric(labels, forecast.vanilla_peak_bytes)
                 job_metrics["scheduled"].add_metric(labels, forecast.scheduled_peak_bytes)
                 job_metrics["predicted"].add_metric(labels, forecast.predicted_iteration_seconds)
                 job_metrics["forecast_eor"].add_metric(labels, forecast.predicted_eor)
+            if reserved is not None:
+                job_metrics["forecast_reserved"].add_metric(labels, reserved.reserved_peak_bytes)
             job_metrics["version"].add_metric(labels, version)
             job_metrics["silent"].add_metric(labels, silent)
             if budget is not None:

@@ -32,6 +32,7 @@ from tensile.plan_update import DEFAULT_THRESHOLD, drifted
 from tensile.planner import GpuPlan, JobToPlan, plan_gpu
 from tensile.workload import Workload
 
+from tensile_agent.allocator_forecast import refresh_forecasts
 from tensile_agent.state import AgentState, GpuRound, Job
 
 log = logging.getLogger("tensile_agent.planning")
@@ -370,10 +371,11 @@ class PlanningService:
         names = [job.key for job, *_ in snapshot]
         # a GPU's jobs share it (or one job cannot fit it): each is held to its share, so one cannot take the others' room
         shares = gpu_shares(result, budget) if result is not None and (len(jobs) > 1 or not result.fits) else {}
+        committed = []  # (job, incarnation, plan version, plan, workload) of each job given a plan
         with state.lock:
             last = state.rounds.setdefault(gpu, GpuRound())
             number = last.round + 1
-            for job, incarnation, *_ in snapshot:
+            for job, incarnation, workload, _ in snapshot:
                 current = state.jobs.get(job.key)
                 if current is not job or current.incarnation != incarnation:
                     continue  # re-registered or gone meanwhile: its own request re-plans it
@@ -402,11 +404,13 @@ class PlanningService:
                     message += (f"; this job's scheduled peak {peak / 2**20:,.1f} MiB is above its budget of "
                                 f"{guard / 2**20:,.1f} MiB: the hook's guard evicts passively")
                 state.set_status(job, PLANNED, message)
+                committed.append((job, incarnation, job.version, plan, workload))  # the same events as job.plan
             state.rounds[gpu] = GpuRound(number, seconds, result.fits if result else None,
                                          result.message if result else (error or ""), budget,
                                          last.rounds_seconds_total + seconds)
             for reason in reasons:
                 state.replans[(gpu, reason)] += 1
         self._serialize([job for job, *_ in snapshot])
+        refresh_forecasts(state, gpu, bandwidth, committed)
         state.changed.set()
         log.info("GPU %s round %d (%s): %d jobs planned in %.3f s", gpu, number, ",".join(sorted(reasons)), len(names), seconds)

@@ -220,6 +220,11 @@ class AgentService:
         if admission is not None:  # the job's token is the operator's: its later calls and the pod's are the job's
             request.token = admission.token
             self._within_admission(request, admission)
+        if existing is not None:  # what a registration leaves unsaid of the allocator stays as said before
+            if request.expandable_segments is None:
+                request.expandable_segments = existing.expandable_segments
+            if request.cublas_workspace_bytes is None:
+                request.cublas_workspace_bytes = existing.cublas_workspace_bytes
         if existing is not None:
             if caller.kind == OPERATOR:
                 pass  # the operator placed the job (again): its registration stands for the job's
@@ -231,6 +236,8 @@ class AgentService:
             if (existing.gpu == gpu and existing.signature == signature and existing.memory_budget_bytes == request.memory_budget_bytes
                     and existing.max_swap_rate == request.max_swap_rate and existing.recompute == request.recompute
                     and existing.activations_only == request.activations_only
+                    and existing.expandable_segments == request.expandable_segments
+                    and existing.cublas_workspace_bytes == request.cublas_workspace_bytes
                     and (existing.workload is not None or workload is None)):
                 return self._response(existing, created=False)  # a retry: nothing changed, nothing to plan
         latency_source, ewma = (None, None)
@@ -243,6 +250,8 @@ class AgentService:
         job = Job(ref=ref, gpu=gpu, token=token, incarnation=self.state.next_incarnation(), workload=workload,
                   signature=signature, memory_budget_bytes=request.memory_budget_bytes, max_swap_rate=request.max_swap_rate,
                   recompute=request.recompute, external=external, activations_only=request.activations_only,
+                  expandable_segments=request.expandable_segments,
+                  cublas_workspace_bytes=request.cublas_workspace_bytes,
                   latency_source=latency_source, ewma=ewma,
                   planned_sum=ewma.corrected_sum() if ewma else 0.0)
         if existing is not None:  # plan versions go on from the job's previous registration

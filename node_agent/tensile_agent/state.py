@@ -63,6 +63,25 @@ class Observed:
         return {k: v for k, v in self.__dict__.items() if k not in ("planned_peak_version", "vanilla_iteration_seconds")}
 
 
+@dataclass(frozen=True, slots=True)
+class AllocatorForecast:
+    """What the job's process reserves in the caching allocator under one plan version (tensile.allocator's model,
+    with cuBLAS's workspaces), and the allocator settings it was made with (the hook's, or the assumed ones)."""
+
+    incarnation: int
+    version: int
+    expandable_segments: bool
+    cublas_workspace_bytes: int  # one workspace's size
+    reserved_peak_bytes: int
+    allocated_peak_bytes: int
+
+    def to_dict(self) -> dict:
+        """The figures as the job's view shows them beside its plan's forecast."""
+        return {"scheduled_reserved_peak_bytes": self.reserved_peak_bytes,
+                "scheduled_allocated_peak_bytes": self.allocated_peak_bytes,
+                "expandable_segments": self.expandable_segments, "cublas_workspace_bytes": self.cublas_workspace_bytes}
+
+
 @dataclass(eq=False)
 class Job:
     ref: JobRef
@@ -76,6 +95,11 @@ class Job:
     recompute: bool
     external: bool
     activations_only: bool  # plans keep to native events (what the hook's native path carries): activation swaps, recomputes of convolutions and batch norms
+    # what the hook said of its process's caching allocator (None: not said, an older hook or the operator's
+    # registration): tensile_agent.allocator_forecast assumes the rest
+    expandable_segments: bool | None = None
+    cublas_workspace_bytes: int | None = None
+    allocator: AllocatorForecast | None = None  # the reserved forecast of the latest plan version it was made for
     latency_source: str | None = None
     ewma: LatencyEWMA | None = None
     planned_sum: float = 0.0  # s of the plan-updating rule: op latencies the current plan was made with
@@ -110,6 +134,13 @@ class Job:
     @property
     def scheduled_peak(self) -> int | None:
         return self.plan.forecast.scheduled_peak_bytes if self.plan and self.plan.forecast else None
+
+    @property
+    def reserved_forecast(self) -> AllocatorForecast | None:
+        """The allocator model's forecast for the current plan, None until the planning thread made it."""
+        made = self.allocator
+        current = made is not None and (made.incarnation, made.version) == (self.incarnation, self.version)
+        return made if current else None
 
     def check_token(self, token: str | None) -> bool:
         return token is not None and hmac.compare_digest(token.encode(), self.token.encode())
@@ -157,6 +188,7 @@ class Job:
     def view(self) -> dict:
         """What GET /v1/jobs shows: no token, no events."""
         forecast = self.plan.forecast if self.plan else None
+        reserved = self.reserved_forecast
         return {
             "job": self.ref.name, "namespace": self.ref.namespace, "gpu": self.gpu, "status": self.status,
             "message": self.message, "signature": self.signature, "plan_version": self.version, "round": self.round,
@@ -169,7 +201,7 @@ class Job:
                 "scheduled_peak_bytes": forecast.scheduled_peak_bytes,
                 "predicted_iteration_seconds": forecast.predicted_iteration_seconds,
                 "predicted_extra_seconds": forecast.predicted_extra_seconds,
-            } if forecast else None,
+            } | (reserved.to_dict() if reserved else {}) if forecast else None,
             "observed": self.observed.to_dict(),
             "registered_at": self.registered_at,
             "gpu_share_bytes": self.gpu_share_bytes,
@@ -260,4 +292,5 @@ class AgentState:
         }
 
 
-__all__ = ["FAILED", "NEEDS_WORKLOAD", "PLANNED", "PLANNING", "AgentState", "GpuRound", "Job", "Observed"]
+__all__ = ["FAILED", "NEEDS_WORKLOAD", "PLANNED", "PLANNING", "AgentState", "AllocatorForecast", "GpuRound", "Job",
+           "Observed"]

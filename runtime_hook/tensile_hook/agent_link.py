@@ -12,9 +12,10 @@ is kept, and the report's messages and the log say so.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from tensile.agent_client import AgentClient, AgentError
 from tensile.agent_contract import FAILED, MAX_OP_SAMPLES, ContractError, Measurements, PlanResponse
 from tensile.knobs import budget_bytes, memory_text
 from tensile.plan import Plan, plan_from_data, plan_problems, rebind, summary
+from tensile_hook.allocator_settings import allocator_settings
 from tensile_hook.latency_samples import OpSamples
 from tensile_hook.plan_book import Planner
 from tensile_hook.report import HookReport, IterationStats
@@ -49,10 +51,12 @@ class _Registration:
 
 
 class AgentLink:
-    def __init__(self, settings: HookSettings, client: AgentClient, fallback: Planner | None = None) -> None:
+    def __init__(self, settings: HookSettings, client: AgentClient, fallback: Planner | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
         self.settings = settings
         self.client = client
         self.fallback = fallback
+        self.environ = os.environ if environ is None else environ  # the process's: what its allocator reads
         self._lock = threading.Condition()
         self._todo: _Registration | None = None
         self._pending: list[IterationStats] = []
@@ -95,7 +99,7 @@ class AgentLink:
     def from_env(cls, settings: HookSettings, fallback: Planner | None = None,
                  environ: dict[str, str] | None = None) -> AgentLink:
         client = AgentClient.from_env(environ, timeout=settings.agent_timeout, max_backoff=settings.agent_max_backoff)
-        return cls(settings, client, fallback)
+        return cls(settings, client, fallback, environ)
 
     def start(self, workload: Workload | None = None) -> AgentLink:
         """Begin; with the forecast workload (TENSILE_WORKLOAD) the job registers at its first module call, so the
@@ -414,11 +418,14 @@ class AgentLink:
             self.client.upload_workload(todo.workload)
         else:
             # the operator gives every pod it places a token; a job without one came by itself. The agent
-            # plans with the events this hook's own planner would use (on CUDA, what the native path carries)
+            # plans with the events this hook's own planner would use (on CUDA, what the native path carries), and
+            # forecasts what the process reserves with its allocator's settings
+            expandable, workspace = allocator_settings(todo.workload.device, self.environ)
             self.client.register(workload=todo.workload, memory_budget_bytes=todo.budget,
                                  max_swap_rate=self.settings.max_swap_rate, recompute=self.settings.recompute,
                                  external=self.settings.token is None,
-                                 activations_only=native_plans(self.settings, todo.workload.device))
+                                 activations_only=native_plans(self.settings, todo.workload.device),
+                                 expandable_segments=expandable, cublas_workspace_bytes=workspace)
 
     def _flush(self) -> bool:
         """Post what the iterations since the last post measured, with the op latencies sampled meanwhile (dropped if

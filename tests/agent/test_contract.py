@@ -49,6 +49,22 @@ def test_register_request_round_trip_and_errors():
         assert info.value.field == field, body
 
 
+def test_the_allocator_settings_are_checked_naming_the_field():
+    """What the hook says of its process's caching allocator: optional (an older hook sends none), and a workspace
+    size is an amount of memory, capped as every other."""
+    request = c.RegisterRequest.from_dict({"job": "a", "signature": "abcdef01"})
+    assert (request.expandable_segments, request.cublas_workspace_bytes) == (None, None)
+    told = {"job": "a", "signature": "abcdef01", "expandable_segments": False, "cublas_workspace_bytes": 8 * 2**20}
+    assert c.RegisterRequest.from_dict(c.RegisterRequest.from_dict(told).to_dict()) == c.RegisterRequest.from_dict(told)
+    for field, value, says in [("expandable_segments", "yes", "true or false"),
+                               ("cublas_workspace_bytes", -1, "integer >= 0"),
+                               ("cublas_workspace_bytes", 1.5, "integer >= 0"),
+                               ("cublas_workspace_bytes", 2**62 + 1, "up to 2^62 bytes")]:
+        with pytest.raises(c.ContractError) as info:
+            c.RegisterRequest.from_dict({"job": "a", "signature": "abcdef01", field: value})
+        assert info.value.field == field and says in info.value.message, (field, value)
+
+
 def test_job_ref_parses_operator_keys():
     assert c.JobRef.parse("team-a/bert").key == "team-a/bert"
     assert c.JobRef.parse("local") == c.JobRef("default", "local")

@@ -89,10 +89,12 @@ def test_a_repeated_panel_has_its_rows_to_itself():
 
 def test_the_jobs_observed_peak_under_plan_is_plotted_against_the_forecasts():
     """The peak of every iteration includes the unplanned first ones at the vanilla peak: read alone against the
-    scheduled forecast it looks like a miss, so the peak measured under a plan stands beside it."""
+    scheduled forecast it looks like a miss, so the peak measured under a plan stands beside it; and the reserved
+    peak the hook observes beside the agent's forecast of it."""
     panels = {p["title"]: [t["expr"] for t in p["targets"]] for p in shipped()["tensile-jobs.json"]["panels"]}
     peaks, accuracy = panels["Peaks: forecast against observed"], panels["Observed peak / forecast scheduled peak"]
-    forecasts = ["tensile_job_forecast_vanilla_peak_bytes", "tensile_job_forecast_scheduled_peak_bytes"]
+    forecasts = ["tensile_job_forecast_vanilla_peak_bytes", "tensile_job_forecast_scheduled_peak_bytes",
+                 "tensile_job_forecast_reserved_peak_bytes"]
     observed = ["tensile_job_observed_peak_bytes", "tensile_job_observed_planned_peak_bytes",
                 "tensile_job_observed_reserved_peak_bytes"]
     assert [expr.split("{")[0] for expr in peaks] == forecasts + observed

@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from tests.support import tracing_models
-from tests.support.agent_harness import free_port
+from tests.support.agent_harness import free_port, get, wait_for
 from tensile.knobs import memory_text
 from tensile.agent_client import AgentClient
+from tensile.forecast import trace_workload
+from tensile.workload import Workload
 from tensile_hook import activate, deactivate
 from tensile_hook.agent_link import AgentLink
 from tensile_hook.plan_source import local_planner
@@ -94,3 +96,52 @@ def test_an_agent_that_is_gone_costs_the_exit_nothing(caplog, tiny_workload):
         seconds = time.monotonic() - started
     assert seconds < 0.5, seconds
     assert "not delivered to the node agent at exit" in caplog.text and "the unregistration" in caplog.text
+
+
+def _registered_allocator(agent_url: str, job: str, environ: dict[str, str],
+                          workload: Workload) -> tuple[tuple, dict]:
+    """What the link's registration of `workload`, from a process with `environ`, told the agent of its allocator:
+    (expandable segments, workspace bytes) as sent, and the job's forecast as the agent made it."""
+    settings = HookSettings(job=job, agent_url=agent_url, agent_timeout=1.0, agent_interval=0.05)
+    process = {"TENSILE_AGENT": agent_url, "TENSILE_JOB": job} | environ
+    link = AgentLink.from_env(settings, environ=process).start(workload)
+    try:
+        link.listener(IterationStats(0, "recording"), HookReport(job, workload.device))  # the process trains
+        client = link.client
+        wait_for(lambda: client.registered is not None, 30, "the link's registration")
+        assert client.registration is not None
+        sent = (client.registration.expandable_segments, client.registration.cublas_workspace_bytes)
+        wait_for(lambda: (get(agent_url, f"/v1/jobs/{job}", client.token)[1]["forecast"] or {}).get(
+            "scheduled_reserved_peak_bytes") is not None, 30, "the agent's reserved forecast")
+        return sent, get(agent_url, f"/v1/jobs/{job}", client.token)[1]["forecast"]
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize(("variable", "setting", "expandable"), [
+    ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64,expandable_segments:True", True),
+    ("PYTORCH_ALLOC_CONF", "expandable_segments:False", False),
+    (None, None, False),  # PyTorch's default
+])
+def test_the_registration_tells_the_agent_whether_the_allocator_expands_its_segments(agent_server, variable, setting,
+                                                                                      expandable):
+    """Read from the process's environment as PyTorch reads it; a CPU job has no cuBLAS workspace."""
+    agent = agent_server()
+    environ = {variable: setting} if variable else {}
+    workload = trace_workload("examples/tiny_mlp.py:build", 4, device="cpu")
+    sent, forecast = _registered_allocator(agent.url, "ns/allocator", environ | {"CUBLAS_WORKSPACE_CONFIG": ":4096:3"},
+                                           workload)
+    assert sent == (expandable, 0)
+    assert (forecast["expandable_segments"], forecast["cublas_workspace_bytes"]) == sent
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_jobs_registration_carries_its_cublas_workspace_size(agent_server, tiny_workload):
+    """CUBLAS_WORKSPACE_CONFIG's :SIZE:COUNT pairs, whatever the GPU's compute capability; unset, its default."""
+    agent = agent_server()
+    sent, _ = _registered_allocator(agent.url, "ns/cuda-set", {"CUBLAS_WORKSPACE_CONFIG": ":4096:3"}, tiny_workload())
+    assert sent == (False, 12 * 2**20)
+    major, _ = torch.cuda.get_device_capability()
+    sent, _ = _registered_allocator(agent.url, "ns/cuda-default", {}, tiny_workload())
+    assert sent == (False, 32 * 2**20 if major in (9, 10, 12) else 8 * 2**20 + 128 * 2**10)
