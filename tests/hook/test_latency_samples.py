@@ -70,7 +70,10 @@ def test_sampled_op_latencies_reach_the_agent_and_a_slowdown_replans_for_drift(a
     test's op slows down it re-plans with reason drift. Bit-identical to the plain run."""
     steps, slow_from, every = 13, 6, 3
     plain = _train(steps)
-    agent = agent_server()  # the default drift threshold, 0.1
+    # a drift threshold of 0.5: the slowdown moves the planned sum by 1.2 of itself, while the noise of a loaded 2-core
+    # machine in the unslowed samples (iterations 2 and 5) can pass the default 0.1 and re-plan before the slow sample
+    # comes, which would end the wait below with the slowdown not yet at the agent
+    agent = agent_server(threshold=0.5)
     settings = HookSettings(job="ns/drift", agent_url=agent.url, agent_wait=30.0, agent_interval=0.05, agent_timeout=0.5,
                             agent_max_backoff=0.3, plan_events="native", latency_sample_every=every)
     link = AgentLink(settings, AgentClient(agent.url, settings.job, max_backoff=0.2), local_planner(settings, CPU)).start()
