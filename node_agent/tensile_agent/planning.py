@@ -36,6 +36,8 @@ from tensile_agent.allocator_forecast import refresh_forecasts
 from tensile_agent.state import AgentState, GpuRound, Job
 
 log = logging.getLogger("tensile_agent.planning")
+# a request's reason that asks for no round: a job's allocator's settings changed, its reserved forecast is made again
+ALLOCATOR = "allocator"
 PLANNER_NICE = 19  # the planning process's niceness, relative to the agent
 
 
@@ -292,7 +294,10 @@ class PlanningService:
                 gpu, reasons = self._dirty.popitem(last=False)
                 self._busy = gpu
             try:
-                self.plan_round(gpu, reasons)
+                if reasons - {ALLOCATOR}:
+                    self.plan_round(gpu, reasons - {ALLOCATOR})  # its forecasts are made for every plan it keeps
+                else:
+                    self.refresh_allocator_forecasts(gpu)
             except Exception:  # noqa: BLE001 - the planning thread must survive anything
                 log.exception("planning round for GPU %s failed", gpu)
             finally:
@@ -323,6 +328,19 @@ class PlanningService:
             with self.state.lock:
                 if job.body is None and (job.version, job.round, job.status) == key:
                     job.body = body
+
+    def refresh_allocator_forecasts(self, gpu: str) -> None:
+        """No round: the reserved forecasts of the GPU's planned jobs made again where a job's allocator's settings
+        changed (its forecast dropped), for the plans they have."""
+        state = self.state
+        with state.lock:
+            if gpu not in state.inventory.gpus:
+                return
+            bandwidth = state.gpu(gpu).bandwidth
+            planned = [(job, job.incarnation, job.version, job.plan, job.workload) for job in state.on_gpu(gpu)
+                       if job.plan is not None and job.workload is not None]
+        refresh_forecasts(state, gpu, bandwidth, planned)
+        state.changed.set()
 
     def plan_round(self, gpu: str, reasons: set[str]) -> None:
         """Plan every job of `gpu` together and commit the plans that changed (new versions)."""

@@ -36,7 +36,7 @@ from tensile.workload_io import workload_from_dict, workload_to_dict
 from tensile_agent.auth import LOCAL, OPERATOR, POD, Admission, Authenticator, Caller, NoCredential, RegistrationLimits
 from tensile_agent.auth import registrations_over
 from tensile_agent.gpus import preset_for
-from tensile_agent.planning import PlanningService
+from tensile_agent.planning import ALLOCATOR, PlanningService
 from tensile_agent.problems import Problem
 from tensile_agent.state import AgentState, Job
 
@@ -236,10 +236,11 @@ class AgentService:
             if (existing.gpu == gpu and existing.signature == signature and existing.memory_budget_bytes == request.memory_budget_bytes
                     and existing.max_swap_rate == request.max_swap_rate and existing.recompute == request.recompute
                     and existing.activations_only == request.activations_only
-                    and existing.expandable_segments == request.expandable_segments
-                    and existing.cublas_workspace_bytes == request.cublas_workspace_bytes
                     and (existing.workload is not None or workload is None)):
-                return self._response(existing, created=False)  # a retry: nothing changed, nothing to plan
+                # nothing the plan depends on changed: a retry, or the pod's hook saying its allocator's settings
+                # after the operator's registration (a new reserved forecast for the same plan, no round)
+                self._take_allocator_settings(existing, request)
+                return self._response(existing, created=False)
         latency_source, ewma = (None, None)
         if workload is not None:
             original, workload = workload, copy.deepcopy(workload)  # the planning thread writes latencies into its copy
@@ -267,6 +268,18 @@ class AgentService:
             self.planning.request(existing.gpu, "unregister")
         self.state.changed.set()
         return self._response(job, created=existing is None)
+
+    def _take_allocator_settings(self, job: Job, request: RegisterRequest) -> None:
+        """The allocator's settings a registration says, where they differ from the job's: its reserved forecast is
+        made again for them (`PlanningService.request(..., ALLOCATOR)`), its plan kept."""
+        with self.state.lock:
+            if (job.expandable_segments, job.cublas_workspace_bytes) == (request.expandable_segments,
+                                                                        request.cublas_workspace_bytes):
+                return
+            job.expandable_segments = request.expandable_segments
+            job.cublas_workspace_bytes = request.cublas_workspace_bytes
+            job.allocator = None
+        self.planning.request(job.gpu, ALLOCATOR)
 
     def _response(self, job: Job, created: bool) -> RegisterResponse:
         return RegisterResponse(job=job.ref.name, namespace=job.ref.namespace, gpu=job.gpu, token=job.token,

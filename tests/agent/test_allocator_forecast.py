@@ -155,3 +155,27 @@ def test_a_round_that_keeps_the_plan_keeps_its_reserved_forecast(agent_server, t
     server.idle()
     assert server.agent.state.rounds[job.gpu].round == 2 and job.version == version
     assert job.allocator is made
+
+
+def test_the_hooks_settings_after_the_operators_registration_take_no_round(agent_server, tiny_workload):
+    """The operator registers a job it places (no allocator's settings); the pod's hook registers the same workload
+    with them: the job keeps its registration and plan, no round runs, and its reserved forecast is made again for
+    the hook's settings."""
+    server = agent_server()
+    token = "operator-made-token-0123"
+    AgentClient(server.url, "ns/placed", token=token, max_backoff=0.2).register(workload=tiny_workload())
+    server.idle()
+    job = server.agent.state.jobs["ns/placed"]
+    rounds, version, incarnation = server.agent.state.rounds[job.gpu].round, job.version, job.incarnation
+    assumed = _forecast(server.url, "placed", token)
+    assert assumed["expandable_segments"] is True
+    hook = AgentClient(server.url, "ns/placed", token=token, max_backoff=0.2)
+    answer = hook.register(workload=tiny_workload(), expandable_segments=False, cublas_workspace_bytes=WORKSPACE)
+    assert answer is not None and not answer.created
+    server.idle()
+    assert server.agent.state.jobs["ns/placed"] is job
+    assert (server.agent.state.rounds[job.gpu].round, job.version, job.incarnation) == (rounds, version, incarnation)
+    forecast = _forecast(server.url, "placed", token)
+    assert (forecast["expandable_segments"], forecast["cublas_workspace_bytes"]) == (False, WORKSPACE)
+    reserved = _independent(server.url, "placed", token, False, WORKSPACE)[0]
+    assert forecast["scheduled_reserved_peak_bytes"] == reserved == _gauge(get(server.url, "/metrics")[1], "placed")

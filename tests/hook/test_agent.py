@@ -252,7 +252,7 @@ def test_a_plan_the_agent_made_while_the_job_recorded_is_taken_at_the_match(agen
 def test_a_pod_the_operator_registered_takes_its_forecast_from_the_agent(agent_server):
     """The operator registers a job it places with its forecast workload and gives the pod only the forecast's
     signature (TENSILE_SIGNATURE): the hook fetches that workload from the agent and registers with it (the
-    same workload, with its allocator's settings added: the round that takes them keeps the plan), so the agent's plan is at the link before iteration 0 ends and
+    same registration, with its allocator's settings added: nothing re-planned), so the agent's plan is at the link before iteration 0 ends and
     applies from the match, as with TENSILE_WORKLOAD. Before, the hook never read TENSILE_SIGNATURE and
     registered the live workload after iteration 1: its first plan came an iteration later, or not within
     agent_wait."""
