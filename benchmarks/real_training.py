@@ -40,10 +40,11 @@ from hook_overhead import empty_plan, timed_step
 from paper_tables import MODELS as PAPER_MODELS
 from paper_tables import PAPER_TABLE_III
 from tensile.allocator import reserved_peak
-from tensile.cublas_workspaces import cublas_workspace_bytes, cublas_workspaces
+from tensile.cublas_workspaces import cublas_workspaces
 from tensile.latency.calibrate import local_device, torch_device
 from tensile.plan import PLAN_EVENTS
 from tensile_hook import activate, deactivate
+from tensile_hook.allocator_settings import allocator_settings
 from tensile_hook.plan_book import Planner
 from tensile_hook.plan_source import host_link_bandwidth, local_planner
 from tensile_hook.report import HookReport
@@ -177,9 +178,8 @@ def allocator_forecast(live: Workload | None, device: torch.device, report: Hook
     if live is None or device.type != "cuda":
         peak = report.vanilla_peak_bytes or 0
         return AllocatorForecast(peak, peak, 0)
-    expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
-    size = cublas_workspace_bytes(torch.cuda.get_device_capability(device)[0], os.environ)
-    workspaces = cublas_workspaces(live, size)
+    expandable, size = allocator_settings(device.type, os.environ)  # what the hook tells its agent
+    workspaces = cublas_workspaces(live, size or 0)
     peaks = reserved_peak(live, expandable_segments=expandable, workspaces=workspaces)
     return AllocatorForecast(peaks.allocated_peak_bytes, peaks.reserved_peak_bytes, sum(workspaces.values()))
 

@@ -3,8 +3,8 @@ with the job's cuBLAS workspaces, the forecast beside the reserved peak its hook
 GPU finds taken). A CPU job's is its scheduled peak: PyTorch's CPU allocator caches nothing.
 
 Made in the planning thread after each round, never on a request's path, and once per plan version: the model
-costs a fifth of a re-plan round or more (BERT-base at batch 16: 20-45 ms against 110-120 ms), so a round that keeps
-a job's plan keeps its forecast.
+costs a good share of a round (docs/agent.md: BERT-base at batch 16, 24 ms against 79 ms of planning), so a round
+that keeps a job's plan keeps its forecast.
 
 The allocator's settings are the hook's word (`RegisterRequest.expandable_segments`, `.cublas_workspace_bytes`).
 Where it did not say (an older hook, or the operator's registration before the pod runs), the agent assumes
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 
+from tensile.allocator import expandable_segments_in
 from tensile.cublas_workspaces import cublas_workspace_bytes
 from tensile.job_forecast import scheduled_reserved_peak
 from tensile.plan import Plan
@@ -25,7 +26,8 @@ from tensile_agent.gpus import GpuInfo, preset_for
 from tensile_agent.state import AgentState, AllocatorForecast, Job
 
 log = logging.getLogger("tensile_agent.allocator_forecast")
-POD_EXPANDABLE_SEGMENTS = True  # what a pod Tensile starts runs with, unless its user's own setting says otherwise
+# what a pod Tensile starts runs with, unless its user's own setting says otherwise
+POD_EXPANDABLE_SEGMENTS = expandable_segments_in({})
 
 
 def allocator_settings(job: Job, gpu: GpuInfo) -> tuple[bool, int]:
@@ -39,15 +41,16 @@ def allocator_settings(job: Job, gpu: GpuInfo) -> tuple[bool, int]:
 
 
 def refresh_forecasts(state: AgentState, gpu: str, bandwidth: float,
-                      committed: list[tuple[Job, int, int, Plan, Workload]]) -> None:
-    """Forecast what each (job, incarnation, plan version, plan, workload) a round committed reserves, unless its
-    forecast of that version is there already. Kept only while the job is still at that incarnation and version."""
+                      planned: list[tuple[Job, int, int, Plan, Workload]]) -> None:
+    """Forecast what each (job, incarnation, plan version, plan, workload) reserves, unless its forecast of that
+    version and the job's allocator's settings is there already. Kept only while the job is still at that incarnation
+    and version and its settings are still those (a registration may change them meanwhile)."""
     info = state.gpu(gpu)
-    for job, incarnation, version, plan, workload in committed:
+    for job, incarnation, version, plan, workload in planned:
         with state.lock:
             settings = allocator_settings(job, info)
             made = job.allocator
-        if made is not None and (made.incarnation, made.version) == (incarnation, version):
+        if made is not None and made.is_for(incarnation, version, settings):
             continue
         try:
             reserved, allocated = scheduled_reserved_peak(workload, plan, bandwidth, *settings)
@@ -55,5 +58,6 @@ def refresh_forecasts(state: AgentState, gpu: str, bandwidth: float,
             log.exception("the reserved-memory forecast of job %s failed", job.key)
             continue
         with state.lock:
-            if state.jobs.get(job.key) is job and (job.incarnation, job.version) == (incarnation, version):
+            if (state.jobs.get(job.key) is job and (job.incarnation, job.version) == (incarnation, version)
+                    and allocator_settings(job, info) == settings):
                 job.allocator = AllocatorForecast(incarnation, version, *settings, reserved, allocated)

@@ -330,8 +330,9 @@ class PlanningService:
                     job.body = body
 
     def refresh_allocator_forecasts(self, gpu: str) -> None:
-        """No round: the reserved forecasts of the GPU's planned jobs made again where a job's allocator's settings
-        changed (its forecast dropped), for the plans they have."""
+        """The reserved forecasts of the GPU's planned jobs, for the plans they have, made where none is there for
+        that plan and the job's allocator's settings: after each round, and alone when only a job's settings
+        changed."""
         state = self.state
         with state.lock:
             if gpu not in state.inventory.gpus:
@@ -389,11 +390,10 @@ class PlanningService:
         names = [job.key for job, *_ in snapshot]
         # a GPU's jobs share it (or one job cannot fit it): each is held to its share, so one cannot take the others' room
         shares = gpu_shares(result, budget) if result is not None and (len(jobs) > 1 or not result.fits) else {}
-        committed = []  # (job, incarnation, plan version, plan, workload) of each job given a plan
         with state.lock:
             last = state.rounds.setdefault(gpu, GpuRound())
             number = last.round + 1
-            for job, incarnation, workload, _ in snapshot:
+            for job, incarnation, *_ in snapshot:
                 current = state.jobs.get(job.key)
                 if current is not job or current.incarnation != incarnation:
                     continue  # re-registered or gone meanwhile: its own request re-plans it
@@ -422,13 +422,12 @@ class PlanningService:
                     message += (f"; this job's scheduled peak {peak / 2**20:,.1f} MiB is above its budget of "
                                 f"{guard / 2**20:,.1f} MiB: the hook's guard evicts passively")
                 state.set_status(job, PLANNED, message)
-                committed.append((job, incarnation, job.version, plan, workload))  # the same events as job.plan
             state.rounds[gpu] = GpuRound(number, seconds, result.fits if result else None,
                                          result.message if result else (error or ""), budget,
                                          last.rounds_seconds_total + seconds)
             for reason in reasons:
                 state.replans[(gpu, reason)] += 1
         self._serialize([job for job, *_ in snapshot])
-        refresh_forecasts(state, gpu, bandwidth, committed)
+        self.refresh_allocator_forecasts(gpu)  # for the plans this round made (a kept plan keeps its forecast)
         state.changed.set()
         log.info("GPU %s round %d (%s): %d jobs planned in %.3f s", gpu, number, ",".join(sorted(reasons)), len(names), seconds)

@@ -75,6 +75,12 @@ class AllocatorForecast:
     reserved_peak_bytes: int
     allocated_peak_bytes: int
 
+    def is_for(self, incarnation: int, version: int, settings: tuple[bool, int]) -> bool:
+        """Whether it is the forecast of this registration's plan version with these (expandable segments, workspace)
+        settings."""
+        return (self.incarnation, self.version, self.expandable_segments, self.cublas_workspace_bytes) == (
+            incarnation, version, *settings)
+
     def to_dict(self) -> dict:
         """The figures as the job's view shows them beside its plan's forecast."""
         return {"scheduled_reserved_peak_bytes": self.reserved_peak_bytes,

@@ -207,7 +207,8 @@ class Replacement:
         while True:
             await asyncio.sleep(timing.RESYNC_SECONDS)
             try:
-                await self.capacity.refresh_dra()
+                if self.capacity.bookings():  # no job booked: no GPU of one can go, nothing to read
+                    await self.capacity.refresh_dra()
                 for node in self.capacity.nodes_with_gone():
                     await self.check_node(node)
             except Exception:  # noqa: BLE001 - the next round tries again
