@@ -62,7 +62,11 @@ def _bearer(token: str) -> dict:
 
 
 def _gpu(agent: ThreadedAgent) -> str:
-    return next(iter(agent.agent.inventory.gpus))
+    """The agent's one GPU, as a client finds it: GET /v1/gpus (open to every caller)."""
+    status, body = call(agent.url, "GET", "/v1/gpus")
+    assert status == 200, body
+    (gpu,) = body["gpus"]
+    return gpu["uuid"]
 
 
 def _admit(agent: ThreadedAgent, operator: str, namespace: str, job: str, pod: str, token: str,
