@@ -9,7 +9,8 @@ that keeps a job's plan keeps its forecast.
 The allocator's settings are the hook's word (`RegisterRequest.expandable_segments`, `.cublas_workspace_bytes`).
 Where it did not say (an older hook, or the operator's registration before the pod runs), the agent assumes
 Tensile's pod default, expandable segments on (tensile.allocator.expandable_segments_setting), and the workspace of
-the GPU's preset compute capability with CUBLAS_WORKSPACE_CONFIG unset; none where no preset names the GPU.
+the GPU's compute capability (tensile_agent.gpus: NVML's, else its preset's) with CUBLAS_WORKSPACE_CONFIG unset; none
+where that is unknown.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tensile.job_forecast import scheduled_reserved_peak
 from tensile.plan import Plan
 from tensile.workload import Workload
 
-from tensile_agent.gpus import GpuInfo, preset_for
+from tensile_agent.gpus import GpuInfo
 from tensile_agent.state import AgentState, AllocatorForecast, Job
 
 log = logging.getLogger("tensile_agent.allocator_forecast")
@@ -35,8 +36,7 @@ def allocator_settings(job: Job, gpu: GpuInfo) -> tuple[bool, int]:
     expandable = POD_EXPANDABLE_SEGMENTS if job.expandable_segments is None else job.expandable_segments
     if job.cublas_workspace_bytes is not None:
         return expandable, job.cublas_workspace_bytes
-    preset = preset_for(gpu.name)
-    major = preset.compute_capability_major if preset is not None else 0
+    major = gpu.compute_capability_major
     return expandable, cublas_workspace_bytes(major, {}) if major else 0
 
 

@@ -48,6 +48,7 @@ def tensilenode_status(state: AgentState, agent_url: str | None) -> dict:
             "uuid": uuid, "index": s["index"], "name": s["name"], "memoryBytes": s["memory_bytes"],
             "capacityBytes": s["capacity_bytes"], "contextBytesPerJob": s["context_bytes"],
             "hostLinkBandwidth": s["host_link_bandwidth"], "simulated": s["simulated"],
+            "computeCapabilityMajor": s["compute_capability_major"],
             "committed": {"vanillaPeakBytes": s["committed"]["vanilla_peak_bytes"],
                           "scheduledPeakBytes": s["committed"]["scheduled_peak_bytes"]},
             "jobs": [{k: v for k, v in {

@@ -3,6 +3,9 @@
 Without an NVIDIA driver `nvmlInit` raises `NVMLError_LibraryNotFound`: the agent then has no GPUs and
 says why (in /v1/gpus, /healthz, /metrics and the TensileNode), it does not crash. `--simulate-gpu
 NAME:MEMORY` gives GPUs that exist only in the agent, marked `simulated` wherever they show.
+
+A GPU's compute capability (what sizes its processes' cuBLAS workspaces, tensile.cublas_workspaces) is NVML's; where
+NVML cannot say, or the GPU is simulated, its preset's; unknown (0) where no preset names it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import re
 import socket
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from tensile.devices import PRESETS, DeviceSpec, parse_bytes
 from tensile.errors import TensileUserError
@@ -32,11 +36,13 @@ class GpuInfo:
     context_bytes: int  # per job: CUDA context + library workspaces
     bandwidth: float  # host link, bytes/s per direction
     simulated: bool
+    compute_capability_major: int  # 0: unknown
 
     def to_dict(self) -> dict:
         return {"uuid": self.uuid, "index": self.index, "name": self.name, "memory_bytes": self.memory_bytes,
                 "capacity_bytes": self.capacity_bytes, "context_bytes": self.context_bytes,
-                "host_link_bandwidth": self.bandwidth, "simulated": self.simulated}
+                "host_link_bandwidth": self.bandwidth, "simulated": self.simulated,
+                "compute_capability_major": self.compute_capability_major}
 
 
 def preset_for(name: str) -> DeviceSpec | None:
@@ -48,12 +54,16 @@ def preset_for(name: str) -> DeviceSpec | None:
 
 
 def _make(uuid: str, index: int, name: str, memory: int, simulated: bool, headroom: float,
-          context_bytes: int | None) -> GpuInfo:
+          context_bytes: int | None, compute_capability_major: int | None = None) -> GpuInfo:
+    """`compute_capability_major`: NVML's, None where it is not known (then the preset's, else 0)."""
     spec = preset_for(name)
     context = context_bytes if context_bytes is not None else (spec.context_bytes if spec else DEFAULT_CONTEXT_BYTES)
+    if compute_capability_major is None:
+        compute_capability_major = spec.compute_capability_major if spec else 0
     return GpuInfo(uuid=uuid, index=index, name=spec.name if spec and simulated else name, memory_bytes=memory,
                    capacity_bytes=int(memory * (1.0 - headroom)), context_bytes=context,
-                   bandwidth=spec.host_link_bandwidth if spec else DEFAULT_BANDWIDTH, simulated=simulated)
+                   bandwidth=spec.host_link_bandwidth if spec else DEFAULT_BANDWIDTH, simulated=simulated,
+                   compute_capability_major=compute_capability_major)
 
 
 def simulated_gpus(specs: list[str], node: str | None = None, headroom: float = DEFAULT_HEADROOM,
@@ -110,7 +120,8 @@ class Inventory:
                 uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
                 name = _text(pynvml.nvmlDeviceGetName(handle))
                 memory = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
-                gpus.append(_make(uuid, index, name, memory, False, headroom, context_bytes))
+                major = _compute_capability_major(pynvml, handle, uuid)
+                gpus.append(_make(uuid, index, name, memory, False, headroom, context_bytes, major))
                 handles[uuid] = handle
         except pynvml.NVMLError as exc:
             return cls(gpus, f"NVML failed listing GPUs: {exc}", pynvml, handles)
@@ -140,6 +151,17 @@ class Inventory:
         except Exception as exc:  # noqa: BLE001 - a flaky reading must not break a scrape
             log.debug("NVML reading of %s failed: %s", uuid, exc)
             return None, None
+
+
+def _compute_capability_major(nvml: Any, handle: object, uuid: str) -> int | None:
+    """NVML's compute capability major of the GPU; None where NVML cannot say (the GPU is listed all the same)."""
+    try:
+        major, _minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+    except nvml.NVMLError as exc:
+        log.warning("NVML gives no compute capability for GPU %s (%s): its preset's is taken, if one names it",
+                    uuid, exc)
+        return None
+    return int(major)
 
 
 def _text(value: object) -> str:

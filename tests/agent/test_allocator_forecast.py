@@ -8,12 +8,13 @@ import json
 
 import pytest
 from tests.support.agent_harness import call, get
+from tests.support.fake_nvml import FakeGpu
 
 from tensile.agent_client import AgentClient
 from tensile.agent_contract import PlanResponse, RegisterRequest
 from tensile.allocator import reserved_peak
 from tensile.cublas_workspaces import cublas_workspace_bytes, cublas_workspaces
-from tensile.devices import PRESETS
+from tensile.devices import GIB, PRESETS
 from tensile.forecast import trace_workload
 from tensile.workload import Workload
 from tensile.workload_io import workload_from_dict, workload_to_dict
@@ -21,6 +22,7 @@ from tensile.workload_io import workload_from_dict, workload_to_dict
 METRIC = "tensile_job_forecast_reserved_peak_bytes"
 # large-pool workspaces: with expandable segments each maps 20 MiB pages, without it gets a 12 MiB segment
 WORKSPACE = 12 * 2**20
+KIB, MIB = 2**10, 2**20
 
 
 def _gauge(text: str, job: str) -> float | None:
@@ -111,11 +113,11 @@ def _older_registration(url: str, workload: Workload, job: str) -> str:
 @pytest.mark.parametrize(("gpu", "assumed_workspace"), [
     ("a6000:48GiB", cublas_workspace_bytes(PRESETS["a6000"].compute_capability_major, {})),
     ("h100:80GiB", cublas_workspace_bytes(PRESETS["h100"].compute_capability_major, {})),
-    ("homemade:48GiB", 0),  # no preset names it: no workspace assumed
+    ("homemade:48GiB", 0),  # simulated, and no preset names it: compute capability unknown, no workspace assumed
 ])
 def test_an_older_registration_gets_the_documented_assumption(agent_server, tiny_workload, gpu, assumed_workspace):
-    """No settings from the hook: expandable segments on (Tensile's pod default) and the workspace of the GPU
-    preset's compute capability with CUBLAS_WORKSPACE_CONFIG unset."""
+    """No settings from the hook: expandable segments on (Tensile's pod default) and the workspace of the GPU's
+    compute capability (a simulated GPU's preset's) with CUBLAS_WORKSPACE_CONFIG unset."""
     server = agent_server(simulate=[gpu])
     token = _older_registration(server.url, tiny_workload(), "older")
     server.idle()
@@ -123,6 +125,23 @@ def test_an_older_registration_gets_the_documented_assumption(agent_server, tiny
     assert (forecast["expandable_segments"], forecast["cublas_workspace_bytes"]) == (True, assumed_workspace)
     reserved, _ = _independent(server.url, "older", token, True, assumed_workspace)
     assert forecast["scheduled_reserved_peak_bytes"] == reserved == _gauge(get(server.url, "/metrics")[1], "older")
+
+
+@pytest.mark.parametrize(("gpu", "assumed_workspace"), [
+    (FakeGpu("NVIDIA L40S", 48 * GIB, (8, 9)), 8 * MIB + 128 * KIB),
+    (FakeGpu("NVIDIA B200", 180 * GIB, (10, 0)), 32 * MIB),
+])
+def test_an_older_registration_on_a_gpu_no_preset_names_gets_its_compute_capabilitys_workspace(
+        agent_server, nvml_gpus, tiny_workload, gpu, assumed_workspace):
+    """A GPU NVML lists and no preset names: the assumed workspace is that of the compute capability NVML gives."""
+    nvml_gpus(gpu)
+    server = agent_server(simulate=[])
+    token = _older_registration(server.url, tiny_workload(), "older")
+    server.idle()
+    forecast = _forecast(server.url, "older", token)
+    assert (forecast["expandable_segments"], forecast["cublas_workspace_bytes"]) == (True, assumed_workspace)
+    reserved, _ = _independent(server.url, "older", token, True, assumed_workspace)
+    assert forecast["scheduled_reserved_peak_bytes"] == reserved
 
 
 def test_the_hooks_settings_stand_when_the_operator_registers_again_without_them(agent_server, tiny_workload):

@@ -12,10 +12,12 @@ import jsonschema
 import pytest
 import yaml
 from tests.support.agent_harness import ROOT, ThreadedAgent, get
+from tests.support.fake_nvml import FakeGpu
 from tests.support.operator_harness import cluster, trainingjob
 
 from tensile.agent_client import AgentClient
 from tensile.agent_contract import Measurements
+from tensile.devices import GIB
 from tensile.local.jobs import strict_schema
 from tensile_agent.cluster import in_cluster, observed_status, tensilenode_status
 from tensile_operator.placement import gpus_from_tensilenode
@@ -120,6 +122,17 @@ def test_the_statuses_carry_the_reserved_peak_and_the_out_of_memory_retries_in_f
     assert job["observedReservedPeakBytes"] == 12_000_000
     assert (observed["reservedPeakBytes"], observed["outOfMemoryRetries"]) == (12_000_000, 3)
 
+
+def test_the_tensilenode_carries_each_gpus_compute_capability_in_a_field_the_crd_declares(nvml_gpus):
+    """NVML's compute capability of a GPU no preset names, which the operator's reader takes the GPU beside."""
+    nvml_gpus(FakeGpu("NVIDIA L40S", 48 * GIB, (8, 9)))
+    with ThreadedAgent(simulate=[]) as agent:
+        node = tensilenode_status(agent.agent.state, agent.url)
+    status_validator("tensilenodes").validate(node)
+    (gpu,) = node["gpus"]
+    assert (gpu["name"], gpu["computeCapabilityMajor"], gpu["simulated"]) == ("NVIDIA L40S", 8, False)
+    (seen,) = gpus_from_tensilenode({"metadata": {"name": "node-a"}, "status": node})
+    assert (seen.uuid, seen.memory_bytes) == (gpu["uuid"], 48 * GIB)
 
 def test_the_printed_columns_name_fields_the_trainingjob_status_declares():
     """`kubectl get tj` reads its byte columns from .status; a column whose path the schema does not declare stays
