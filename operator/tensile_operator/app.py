@@ -75,7 +75,7 @@ class OperatorApp:
                                        self.completion, self.intake, self.edits, self.background)
         self.follower = PodFollower(self.kube, self.capacity, self.queue, self.statuses, self.pods, self.completion,
                                     self.replacement, tokens)
-        self.readmission = Readmission(self.kube, self.capacity, self.statuses, self.pods, self.agents, tokens)
+        self.readmission = Readmission(self.kube, self.capacity, self.statuses, self.pods)
 
     async def node_changed(self, body: dict | None, name: str) -> None:
         """A TensileNode published, updated or removed (`body` None): the jobs booked there are checked against what

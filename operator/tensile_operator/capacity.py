@@ -76,12 +76,18 @@ class CapacityLedger:
         RESYNC_SECONDS)."""
         if self.dra is not None:
             await self.dra.refresh()
-            self._dra_gpus = self.dra.gpus(self.inventory)
+            self._merge_dra()
 
     def slice_changed(self, body: dict | None, name: str) -> None:
         """`dra` mode: a ResourceSlice as its watch delivers it (None: deleted)."""
         if self.dra is not None:
             self.dra.slice_changed(body, name)
+            self._merge_dra()
+
+    def _merge_dra(self) -> None:
+        """`dra` mode: the GPUs made again from the devices and claims last read and the agents' view from the
+        TensileNodes, after either changed (kept: `gpus` is read many times a pass)."""
+        if self.dra is not None:
             self._dra_gpus = self.dra.gpus(self.inventory)
 
     def gpu_of(self, booking: Booking) -> Gpu | None:
@@ -107,23 +113,21 @@ class CapacityLedger:
                 self.unlisted.discard(name)
             else:  # created, its status not written yet (its agent writes it next)
                 self.unlisted.add(name)
-        if self.dra is not None:
-            self._dra_gpus = self.dra.gpus(self.inventory)
+        self._merge_dra()
 
     def lists(self, node: str) -> bool:
         """Whether the node's TensileNode says which GPUs it has (created again, it says nothing of them until its
-        agent writes its status); in `dra` mode, whether the ResourceSlices were read."""
-        if self.dra is not None:
-            return self.dra.listed
-        return node not in self.unlisted
+        agent writes its status); always in `dra` mode, where the ResourceSlices say it (read at start-up, before
+        anything asks)."""
+        return self.dra is not None or node not in self.unlisted
 
     def gone(self, booking: Booking) -> Gone | None:
         """Why a job's booked GPU left the inventory; None while it is listed, or while its TensileNode has not
         published its GPUs yet (created again, it says nothing of them until its agent writes its status). In `dra` mode
-        the GPU goes when no ResourceSlice publishes it (by UUID, on its node), whatever TensileNodes say; None until
-        the slices were read."""
+        the GPU goes when no ResourceSlice publishes it (by UUID, on its node), whatever TensileNodes say (the slices
+        are read at start-up, before the ledger is `ready` and anything asks)."""
         if self.dra is not None:
-            if not self.dra.listed or self.dra.publishes(booking.node, booking.gpu):
+            if self.dra.publishes(booking.node, booking.gpu):
                 return None
             return Gone(GPU_UNPUBLISHED, (
                 f"no ResourceSlice publishes GPU {booking.gpu} of node {booking.node} any more (its DRA driver "

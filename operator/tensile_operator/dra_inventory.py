@@ -28,11 +28,10 @@ class DraInventory:
     def __init__(self, kube: Kube, access: GpuAccess) -> None:
         self.kube = kube
         self.access = access
-        self.slices: list[dict] = []
-        self._current: list[dict] = []  # each pool's newest generation of `slices` (`_set_slices`)
+        self.slices: dict[str, dict] = {}  # name -> slice: the LIST's order, a slice new to the watch after them
+        self._current: list[dict] = []  # each pool's newest generation of `slices` (`_select`)
         self.claims: list[dict] = []
         self.class_found = True
-        self.listed = False  # whether the ResourceSlices were read: until then no GPU is said to have left them
         self._published: frozenset[tuple[str, str]] = frozenset()  # (node, UUID) of every device the slices publish
         self._watched = 0  # slice changes the watch delivered: a LIST in flight meanwhile may predate them
 
@@ -41,30 +40,27 @@ class DraInventory:
         watched = self._watched
         slices = await self.kube.list_resourceslices()
         if watched == self._watched:  # else the watch's slices are kept: they are newer than the LIST may be
-            self._set_slices(slices)
-        self.listed = True
+            self.slices = {s["metadata"]["name"]: s for s in slices}
+            self._select()
         self.claims = await self.kube.list_resourceclaims()
 
     def slice_changed(self, body: dict | None, name: str) -> None:
         """A ResourceSlice as its watch delivers it (None: deleted); one seen before keeps its place."""
         self._watched += 1
-        kept = [s for s in self.slices if s["metadata"]["name"] != name]
         if body is None:
-            self._set_slices(kept)
-        elif len(kept) == len(self.slices):  # a new slice
-            self._set_slices([*self.slices, body])
+            self.slices.pop(name, None)
         else:
-            self._set_slices([body if s["metadata"]["name"] == name else s for s in self.slices])
+            self.slices[name] = body
+        self._select()
 
-    def _set_slices(self, slices: list[dict]) -> None:
-        """The slices, and of them the ones a consumer uses: each pool's newest generation (its driver bumps the
+    def _select(self) -> None:
+        """Of the slices, the ones a consumer uses: each pool's newest generation (its driver bumps the
         generation in every slice of the pool it changes, and the older slices may linger until it deletes them).
         A device counts as published by the newest generation; while that generation is incomplete (fewer slices than
         its `resourceSliceCount`: the driver is still writing them), by the newest complete one instead, so that a
         device on its way from one slice to another is not said gone, nor one gone said back."""
-        self.slices = slices
         generations: dict[tuple[str, str], dict[int, list[dict]]] = {}
-        for slice_ in slices:
+        for slice_ in self.slices.values():
             generations.setdefault(_pool(slice_), {}).setdefault(_generation(slice_), []).append(slice_)
         current: list[dict] = []
         publishing: list[dict] = []

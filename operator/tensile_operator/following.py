@@ -90,13 +90,11 @@ class PodFollower:
         """Whether a pod's owner is the TrainingJob of that name now, by uid: the late DELETED event of a finished
         job's pod, deleted and created again under the same name, ended the new job (matched by name) and freed
         the GPU its pod ran on. A job not seen yet (a restart's pod events can come first) is read once."""
-        key = f"{namespace}/{name}"
-        if self.statuses.uid(key) is None:
-            try:
-                self.statuses.remember(await self.kube.get_job(namespace, name))
-            except NotFound:
-                return False
-        return self.statuses.uid(key) in ("", uid)  # "": a body without a uid (only made by hand) is taken by name
+        try:
+            current = await self.statuses.read_uid(namespace, name)
+        except NotFound:
+            return False
+        return current in ("", uid)  # "": a body without a uid (only made by hand) is taken by name
 
     async def deleted(self, body: dict) -> None:
         """A deleted TrainingJob's room is freed when its pod is really gone (its DELETED event, or found

@@ -19,7 +19,7 @@ from tensile_operator.events import NORMAL, EventRecorder, Said
 from tensile_operator.kube import Conflict, Kube, KubeError, retried, transient
 from tensile_operator.placement import Booking, Gpu
 from tensile_operator.pod_state import pinned_elsewhere, started
-from tensile_operator.pods import JobTokens, build_pod, owner_of
+from tensile_operator.pods import JobTokens, build_pod, owner_of, pod_name
 from tensile_operator.statuses import JobStatuses, condition
 from tensile_operator.tasks import Background
 
@@ -125,8 +125,7 @@ class PodLauncher:
                         pod_budget(booking), booking.max_swap_rate, signature, self.image, booking.plan_events,
                         booking.recompute, claim, memory_cap=admitted_size(booking, gpu))
         namespace, name = meta["namespace"], pod["metadata"]["name"]
-        await self.agents.admit(gpu.agent if gpu else None, booking.job, self.tokens.issue(body), booking.gpu, name,
-                                pod_budget(booking))
+        await self.admit(booking, gpu, meta.get("uid", ""))
 
         async def retrying(exc: Exception, delay: float) -> None:
             message = f"creating pod {name} failed ({exc}): tried again in {delay:g} s"
@@ -169,6 +168,15 @@ class PodLauncher:
                 namespace, meta["name"], "Failed", "PodRejected", f"the API server refused pod {name} ({exc}): fix "
                 "spec.template (or what the namespace enforces: PodSecurity, ResourceQuota) and create the TrainingJob "
                 "again")
+
+    async def admit(self, booking: Booking, gpu: Gpu | None, uid: str) -> bool:
+        """The job's pod (of the TrainingJob with that uid) may register it with the agent of `gpu`, its booked GPU,
+        with the job's token and at most the budget its hook holds to: at the pod's creation, and again for an agent
+        that restarted (`Readmission`). True when the agent took the admission."""
+        namespace, name = booking.job.split("/", 1)
+        return await self.agents.admit(gpu.agent if gpu else None, booking.job,
+                                       self.tokens.issue_for(namespace, name, uid), booking.gpu,
+                                       pod_name(namespace, name, uid), pod_budget(booking))
 
     async def delete_unstarted_pod(self, namespace: str, pod: str, owner: tuple[str, str]) -> PodDeletion:
         """Deletes the job's pod unless it has started, and waits until it is gone (the job's next pod takes its

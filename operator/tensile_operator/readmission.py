@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import logging
 
-from tensile_operator.agent import NodeAgentClient
 from tensile_operator.capacity import CapacityLedger
 from tensile_operator.kube import Kube, NotFound
 from tensile_operator.placement import Booking
-from tensile_operator.pod_creation import PodLauncher, pod_budget
+from tensile_operator.pod_creation import PodLauncher
 from tensile_operator.pod_state import pod_holder
-from tensile_operator.pods import JobTokens, owner_of, pod_name
+from tensile_operator.pods import owner_of, pod_name
 from tensile_operator.statuses import JobStatuses
 
 log = logging.getLogger("tensile_operator")
@@ -26,14 +25,11 @@ class Readmission:
     """Each node's agent epoch whose jobs were all admitted again; an epoch not recorded (new, or a re-admission that
     failed) admits the node's jobs at its TensileNode's next event."""
 
-    def __init__(self, kube: Kube, capacity: CapacityLedger, statuses: JobStatuses, pods: PodLauncher,
-                 agents: NodeAgentClient, tokens: JobTokens) -> None:
+    def __init__(self, kube: Kube, capacity: CapacityLedger, statuses: JobStatuses, pods: PodLauncher) -> None:
         self.kube = kube
         self.capacity = capacity
         self.statuses = statuses
         self.pods = pods
-        self.agents = agents
-        self.tokens = tokens
         self._admitted: dict[str, str] = {}  # node -> the agent epoch all of whose jobs were admitted again
 
     async def node_changed(self, body: dict | None, name: str) -> None:
@@ -56,14 +52,9 @@ class Readmission:
         before the restart); True when done or not needed."""
         namespace, name = booking.job.split("/", 1)
         try:
-            uid = self.statuses.uid(booking.job)
-            if uid is None:  # booked from the statuses' LIST by a restarted operator, not read one by one yet
-                body = await self.kube.get_job(namespace, name)
-                self.statuses.remember(body)
-                uid = body["metadata"].get("uid", "")
-            pod = pod_name(namespace, name, uid)
+            uid = await self.statuses.read_uid(namespace, name)
             if self.pods.creation(booking.job) is None:
-                found = await self.kube.find_pod(namespace, pod)
+                found = await self.kube.find_pod(namespace, pod_name(namespace, name, uid))
                 if found is None or owner_of(found) != (name, uid) or pod_holder(found) != booking.job:
                     return True  # no pod (made later, and admitted then), or it ended: nothing will register
         except NotFound:
@@ -74,8 +65,7 @@ class Readmission:
         gpu = self.capacity.gpu_of(booking)
         if gpu is None or not gpu.agent:
             return True  # its GPU or agent went: `Replacement` looks at it
-        if not await self.agents.admit(gpu.agent, booking.job, self.tokens.issue_for(namespace, name, uid),
-                                       booking.gpu, pod, pod_budget(booking)):
+        if not await self.pods.admit(booking, gpu, uid):
             return False
         log.info("%s: admitted again with the agent of %s", booking.job, booking.node)
         return True

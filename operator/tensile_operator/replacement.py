@@ -82,6 +82,9 @@ class Replacement:
         not even that."""
         if not self.capacity.lists(node):  # created again, its GPUs not published yet: it says nothing of them
             return
+        # in `dra` mode a TensileNode's event moves no GPU (`gone` reads the slices alone), yet the walk is made: what
+        # it answers also follows the jobs' conditions (read back after a restart) and bookings (a rebuild, an
+        # adoption), which change without a slice event, and the agent publishes its TensileNode every 15 s
         back: list[Booking] = []
         for booking in self.capacity.bookings():
             if booking.node != node:

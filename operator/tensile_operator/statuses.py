@@ -92,9 +92,16 @@ class JobStatuses:
     def phase(self, key: str) -> str | None:
         return self.phases.get(key)
 
-    def uid(self, key: str) -> str | None:
-        """The uid of the TrainingJob of that name as last read (None: not read by this run)."""
-        return self.uids.get(key)
+    async def read_uid(self, namespace: str, name: str) -> str:
+        """The uid of the TrainingJob of that name as last read, else read now and remembered (a restarted operator's
+        pod events, and its bookings from the statuses' LIST, can come before the job is read one by one); raises
+        NotFound when the job is gone."""
+        uid = self.uids.get(f"{namespace}/{name}")
+        if uid is None:
+            body = await self.kube.get_job(namespace, name)
+            self.remember(body)
+            uid = body["metadata"].get("uid", "")
+        return uid
 
     def phase_snapshot(self) -> dict[str, str]:
         """job -> phase, copied (the metrics' scrape thread must not iterate the live dict)."""
