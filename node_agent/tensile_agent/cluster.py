@@ -56,6 +56,8 @@ def tensilenode_status(state: AgentState, agent_url: str | None) -> dict:
                 "scheduledPeakBytes": j["scheduled_peak_bytes"], "observedPeakBytes": j["observed_peak_bytes"],
                 "observedPlannedPeakBytes": j["observed_planned_peak_bytes"],
                 "observedReservedPeakBytes": j["observed_reserved_peak_bytes"],
+                "forecastReservedPeakBytes": j["forecast_reserved_peak_bytes"],
+                "memoryBudgetBytes": j["memory_budget_bytes"],
                 "planVersion": j["plan_version"]}.items() if v is not None} for j in s["jobs"]],
         }
         if s["used_bytes"] is not None:

@@ -14,12 +14,13 @@ from __future__ import annotations
 from tensile.admission import admitted_bytes
 from tensile.knobs import memory_text
 from tensile_operator.forecasting import JobForecast
-from tensile_operator.placement import Booking, Candidate, Decision, Gpu, JointPlanner, Ledger, matching
+from tensile_operator.placement import (Booking, Candidate, Decision, Gpu, JointPlanner, Ledger, matching,
+                                        process_overhead)
 
 
 def claim_room(gpu: Gpu, ledger: Ledger) -> int:
     """What the GPU's memory capacity has left for another claim."""
-    held = sum(b.claim_bytes if b.claim_bytes is not None else b.reserved_bytes + gpu.context_bytes
+    held = sum(b.claim_bytes if b.claim_bytes is not None else b.reserved_bytes + process_overhead(gpu, b.forecast)
                for b in ledger.on_gpu(gpu.uuid))
     return gpu.memory_bytes - held - ledger.external(gpu)
 
@@ -55,13 +56,13 @@ def fit_claim(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) -
         return Decision(gpu, {new.job: peak}, claim_bytes=size)
     lowest = size_on(gpu, new, _least(new))
     if new.forecast is None or lowest is None or lowest > room:
-        short = (lowest if lowest is not None else _least(new) + _slack(new) + gpu.context_bytes) - room
+        short = (lowest if lowest is not None else _least(new) + process_overhead(gpu, new.forecast)) - room
         return Decision(None, reason=f"{where}: {memory_text(max(short, 0))} short of the claim it needs "
                                      f"({memory_text(room)} unclaimed)", shortfall_bytes=max(short, 1))
     entries: list[tuple[str, JobForecast, float | None, int | None]] = [
         (b.job, b.forecast, b.max_swap_rate, b.reserved_bytes)
         for b in ledger.on_gpu(gpu.uuid) if b.forecast is not None]
-    own = room - _slack(new) - gpu.context_bytes
+    own = room - process_overhead(gpu, new.forecast)
     own = own if new.budget_bytes is None else min(own, new.budget_bytes)
     entries.append((new.job, new.forecast, new.max_swap_rate, own))
     _, peaks = planner.plan(entries, sum(e[3] or 0 for e in entries), gpu.bandwidth)
@@ -98,7 +99,7 @@ def too_large_for_claims(gpus: list[Gpu], new: Candidate) -> Decision | None:
     if any(s is not None and s <= g.memory_bytes for s, g in zip(sizes, gpus)):
         return None
     largest = max(gpus, key=lambda g: g.memory_bytes)
-    need = _least(new) + _slack(new) + largest.context_bytes
+    need = _least(new) + process_overhead(largest, new.forecast)
     return Decision(None, reason=f"its smallest claim ({memory_text(need)}) is more than the largest GPU has "
                                  f"({largest.node}/{largest.uuid}: {memory_text(largest.memory_bytes)}): waits for a "
                                  "larger GPU", shortfall_bytes=need - largest.memory_bytes, too_large=True)

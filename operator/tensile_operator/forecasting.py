@@ -27,7 +27,6 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 from tensile.admission import allocator_slack
@@ -56,11 +55,9 @@ class JobForecast:
     predicted_iteration_seconds: float
     source: str  # "traced" or "profile"
     scope: PlanScope  # the events it was planned with, as the job's hook will plan
-
-    @cached_property
-    def allocator_slack_bytes(self) -> int:
-        """What the caching allocator reserves beyond its tensors' peak (tensile.admission.allocator_slack)."""
-        return allocator_slack(self.workload)
+    # what the caching allocator reserves beyond the tensors' peak (tensile.admission.allocator_slack): made with the
+    # forecast, off the event loop, since placement reads it inline
+    allocator_slack_bytes: int
 
     def to_status(self) -> dict:
         return {
@@ -91,6 +88,7 @@ def _standalone(workload: Workload, source: str, bandwidth: float, scope: PlanSc
         predicted_iteration_seconds=sum(op.latency for op in workload.ops),
         source=source,
         scope=scope,
+        allocator_slack_bytes=allocator_slack(workload),
     )
 
 

@@ -1,7 +1,8 @@
 """Where a job fits: GPUs from TensileNodes, the jobs committed to each, and the joint-plan fit test.
 
-A GPU's committed memory is the sum of its jobs' scheduled peaks (the paper's MP = sum MP_j) plus a
-CUDA context per job. A candidate fits when the TENSILE planner, planning the GPU's jobs together with
+A GPU's committed memory is the sum of its jobs' scheduled peaks (the paper's MP = sum MP_j) plus what each job's
+process holds beside its tensors (`process_overhead`: a CUDA context, and the caching allocator's slack over the tensors
+its segments round and fragment), plus what the jobs its agent hosts outside Tensile hold. A candidate fits when the TENSILE planner, planning the GPU's jobs together with
 the candidate under the GPU's capacity, reaches a sum within it. Two shortcuts avoid planning: if
 the vanilla peaks already fit, no job needs a plan change; if even each job's lowest reachable peak
 alone does not fit, no joint plan can (co-located jobs share the copy channels, they never swap
@@ -34,7 +35,7 @@ class Gpu:
     simulated: bool = False
     bandwidth: float = DEFAULT_BANDWIDTH
     agent: str | None = None  # the node agent's URL
-    hosted: tuple[tuple[str, int], ...] = ()  # (job, scheduled peak) of every job the agent hosts on it
+    hosted: tuple[tuple[str, int], ...] = ()  # (job, bytes it holds besides its context) of every job its agent hosts
     policy: RequestPolicy | None = None  # its memory capacity's request policy (a device a ResourceSlice publishes)
     claimed: tuple[tuple[str, int], ...] = ()  # (owning job or "", bytes) of every allocated claim on it
 
@@ -47,7 +48,7 @@ def gpus_from_tensilenode(body: dict) -> list[Gpu]:
     result = []
     for gpu in status.get("gpus") or []:
         memory = int(gpu.get("memoryBytes") or 0)
-        hosted = tuple((str(j.get("job", "")), int(j.get("scheduledPeakBytes") or 0)) for j in gpu.get("jobs") or [])
+        hosted = tuple((str(j.get("job", "")), hosted_bytes(j)) for j in gpu.get("jobs") or [])
         result.append(Gpu(
             node=name,
             uuid=gpu["uuid"],
@@ -61,6 +62,22 @@ def gpus_from_tensilenode(body: dict) -> list[Gpu]:
             hosted=hosted,
         ))
     return result
+
+
+def hosted_bytes(job: dict) -> int:
+    """What a job its agent hosts holds on the GPU besides its CUDA context, as its TensileNode says: the most of its
+    scheduled peak (until it is planned, its memory budget), the reserved peak forecast under its plan and the
+    reserved peak its hook observed (the caching allocator keeps what it reserved)."""
+    scheduled = job.get("scheduledPeakBytes")
+    own = int(scheduled if scheduled is not None else job.get("memoryBudgetBytes") or 0)
+    return max(own, int(job.get("forecastReservedPeakBytes") or 0), int(job.get("observedReservedPeakBytes") or 0))
+
+
+def process_overhead(gpu: Gpu, forecast: JobForecast | None) -> int:
+    """What a job's process holds on `gpu` beyond its tensors' peak: its CUDA context (with the library workspaces)
+    and, where a forecast says it, the caching allocator's slack over the tensors (`JobForecast.allocator_slack_bytes`;
+    a job admitted by its budget has none known). A neighbour pays for both, so both are booked."""
+    return gpu.context_bytes + (forecast.allocator_slack_bytes if forecast is not None else 0)
 
 
 @dataclass
@@ -156,13 +173,18 @@ class Ledger:
 
     def committed(self, gpu: Gpu) -> int:
         jobs = self.on_gpu(gpu.uuid)
-        return sum(b.reserved_bytes for b in jobs) + gpu.context_bytes * len(jobs) + self.external(gpu)
+        return sum(b.reserved_bytes + process_overhead(gpu, b.forecast) for b in jobs) + self.external(gpu)
+
+    def overheads(self, gpu: Gpu, new: Candidate) -> int:
+        """What the processes of the GPU's jobs and of `new` hold beyond their tensors (`process_overhead`)."""
+        return sum(process_overhead(gpu, b.forecast) for b in self.on_gpu(gpu.uuid)) + process_overhead(gpu, new.forecast)
 
     def external(self, gpu: Gpu) -> int:
-        """What the jobs the GPU's agent hosts and no booking holds commit (e.g. `tensile run --agent`), and the
-        allocated claims no booking holds (other workloads'). By job name, not the agent's `external` flag: the hook
-        registers every job as external, and a job placed here is already counted by its booking."""
-        return sum(peak for job, peak in gpu.hosted if job not in self.bookings) + \
+        """What the jobs the GPU's agent hosts and no booking holds commit (e.g. `tensile run --agent`: what it holds,
+        `hosted_bytes`, and a CUDA context), and the allocated claims no booking holds (other workloads'). By job
+        name, not the agent's `external` flag: the hook registers every job as external, and a job placed here is
+        already counted by its booking."""
+        return sum(held + gpu.context_bytes for job, held in gpu.hosted if job not in self.bookings) + \
             sum(size for job, size in gpu.claimed if job not in self.bookings)
 
     def book(self, booking: Booking) -> None:
@@ -182,7 +204,7 @@ def _reserve(peak: int, budget: int | None) -> int:
 def evaluate(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
     """Does `new` fit on `gpu` with the jobs already there, planned together? With which peaks?"""
     jobs = ledger.on_gpu(gpu.uuid)
-    available = gpu.capacity_bytes - gpu.context_bytes * (len(jobs) + 1) - ledger.external(gpu)
+    available = gpu.capacity_bytes - ledger.overheads(gpu, new) - ledger.external(gpu)
     fixed = sum(b.reserved_bytes for b in jobs if b.forecast is None)
     planned = [(b.job, b.forecast, b.max_swap_rate, b.budget_bytes) for b in jobs if b.forecast is not None]
     if new.forecast is None:
@@ -227,10 +249,10 @@ def fit_unchanged(gpus: list[Gpu], ledger: Ledger, new: Candidate) -> Decision |
     easy: list[Decision] = []
     for gpu in gpus:
         jobs = ledger.on_gpu(gpu.uuid)
-        available = gpu.capacity_bytes - gpu.context_bytes * (len(jobs) + 1) - ledger.external(gpu)
+        available = gpu.capacity_bytes - ledger.overheads(gpu, new) - ledger.external(gpu)
         if sum(b.reserved_bytes for b in jobs) + (need or 0) <= available:
             easy.append(Decision(gpu, {b.job: b.reserved_bytes for b in jobs} | {new.job: need or 0}))
-    return min(easy, key=lambda d: _left(d, ledger)) if easy else None
+    return min(easy, key=lambda d: _left(d, ledger, new)) if easy else None
 
 
 def choose(gpus: list[Gpu], ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
@@ -250,7 +272,7 @@ def choose(gpus: list[Gpu], ledger: Ledger, new: Candidate, planner: JointPlanne
         decision = evaluate(gpu, ledger, new, planner)
         (fitting if decision.gpu is not None else refusals).append(decision)
     if fitting:
-        return min(fitting, key=lambda d: _left(d, ledger))
+        return min(fitting, key=lambda d: _left(d, ledger, new))
     alone = too_large(candidates, new)
     if alone is not None:
         return alone
@@ -269,8 +291,8 @@ def too_large(gpus: list[Gpu], new: Candidate) -> Decision | None:
         need, what = new.fixed_bytes or 0, "its memory budget"
     else:
         need, what = _reserve(new.forecast.min_peak_bytes, new.budget_bytes), "even at its lowest reachable peak"
-    largest = max(gpus, key=lambda g: g.capacity_bytes - g.context_bytes)
-    room = largest.capacity_bytes - largest.context_bytes
+    largest = max(gpus, key=lambda g: g.capacity_bytes - process_overhead(g, new.forecast))
+    room = largest.capacity_bytes - process_overhead(largest, new.forecast)
     if need <= room:
         return None
     return Decision(None, reason=f"does not fit even alone on the largest GPU ({largest.node}/{largest.uuid}: {memory_text(room)} "
@@ -278,7 +300,8 @@ def too_large(gpus: list[Gpu], new: Candidate) -> Decision | None:
                                  f"{what}): waits for a larger GPU", shortfall_bytes=need - room, too_large=True)
 
 
-def _left(decision: Decision, ledger: Ledger) -> int:
+def _left(decision: Decision, ledger: Ledger, new: Candidate) -> int:
+    """The room the GPU of a decision placing `new` keeps: best fit takes the least."""
     gpu = decision.gpu
     assert gpu is not None
-    return gpu.capacity_bytes - gpu.context_bytes * len(decision.peaks) - ledger.external(gpu) - sum(decision.peaks.values())
+    return gpu.capacity_bytes - ledger.overheads(gpu, new) - ledger.external(gpu) - sum(decision.peaks.values())

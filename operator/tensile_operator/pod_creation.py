@@ -17,7 +17,7 @@ from tensile_operator.claims import JobClaims
 from tensile_operator.completion import JobCompletion
 from tensile_operator.events import NORMAL, EventRecorder, Said
 from tensile_operator.kube import Conflict, Kube, KubeError, retried, transient
-from tensile_operator.placement import Booking, Gpu
+from tensile_operator.placement import Booking, Gpu, process_overhead
 from tensile_operator.pod_state import pinned_elsewhere, started
 from tensile_operator.pods import JobTokens, build_pod, owner_of, pod_name
 from tensile_operator.statuses import JobStatuses, condition
@@ -45,10 +45,13 @@ def pod_budget(booking: Booking) -> int | None:
 
 def admitted_size(booking: Booking, gpu: Gpu | None) -> int:
     """What the job was admitted with, its process's CUDA memory cap (TENSILE_MEMORY_CAP): its claim's request in `dra`
-    mode, else its booked peak plus the GPU's per-process context."""
+    mode, else its booked peak plus what its process holds beyond it (`process_overhead`; without its GPU, only the
+    allocator's slack)."""
     if booking.claim_bytes is not None:
         return booking.claim_bytes
-    return booking.reserved_bytes + (gpu.context_bytes if gpu else 0)
+    if gpu is None:
+        return booking.reserved_bytes + (booking.forecast.allocator_slack_bytes if booking.forecast else 0)
+    return booking.reserved_bytes + process_overhead(gpu, booking.forecast)
 
 
 class PodLauncher:

@@ -58,6 +58,16 @@ def test_agent_publishes_its_node_and_the_jobs_observations(tmp_path, tiny_workl
                 gpu = committed()
                 assert gpu["committed"]["scheduledPeakBytes"] == sum(j["scheduledPeakBytes"] for j in gpu["jobs"]) > 0
                 assert all(j["observedPeakBytes"] >= 3_000_000 and j["planVersion"] >= 1 for j in gpu["jobs"])
+                # what each job's process holds, for an operator that does not book it: its reserved forecast (made in
+                # the planning thread after the round) and the reserved peak its hook observed
+                await c.wait(lambda: all("forecastReservedPeakBytes" in j for j in committed().get("jobs", [None])),
+                             30, "the jobs' reserved forecasts")
+                gpu = committed()
+                for job in gpu["jobs"]:
+                    made = agent.agent.state.jobs[job["job"]].allocator
+                    assert made is not None and job["forecastReservedPeakBytes"] == made.reserved_peak_bytes > 0
+                    assert dict(gpus_from_tensilenode(c.node("node-a"))[0].hosted)[job["job"]] == max(
+                        job["scheduledPeakBytes"], job["forecastReservedPeakBytes"], 4_000_000)
                 await c.wait(lambda: (c.job("placed").get("status") or {}).get("observed"), 30, "the observed figures")
                 observed = c.job("placed")["status"]["observed"]
                 assert observed["peakBytes"] == 3_000_006 and observed["iterations"] == 5

@@ -17,10 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.operator_harness import (GIB, cluster, fake_kubelet, gpu_held_by_big, jitter, phase, pod_env,
                                             process_kubelet, serve_pods, simulated_gpu, start_operator, trainingjob)
+from tensile.admission import allocator_slack
 from tensile.errors import TensileUserError
 from tensile_operator.metrics import OperatorMetrics, metrics_port
 from tensile.trainingjob_spec import PlanScope, SpecError, parse_spec
-from tensile_operator.placement import Booking, JointPlanner, Ledger, gpus_from_tensilenode
+from tensile_operator.forecasting import JobForecast
+from tensile_operator.placement import (Booking, Candidate, Gpu, JointPlanner, Ledger, choose, fit_unchanged,
+                                        gpus_from_tensilenode, too_large)
+from tensile_operator.pod_creation import admitted_size
 from tensile_operator.rbac import RULES
 from tensile.plan import PLAN_EVENTS
 from tensile.planner import plan_job
@@ -66,8 +70,11 @@ def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster)
                 assert env["TENSILE_RECOMPUTE"] == "false"  # its hook registers so: the agent plans no recompute
                 assert status["forecast"]["activationsOnly"] is True
                 assert env["PYTHONPATH"].startswith("/tensile/site")
-                # capped at what it was admitted with (its scheduled peak and the GPU's context; none simulated here)
-                assert env["TENSILE_MEMORY_CAP"] == str(status["forecast"]["scheduledPeakBytes"])
+                # capped at what it was admitted with: its scheduled peak, the caching allocator's slack over its
+                # tensors and the GPU's context (none simulated here)
+                scope = op.app.capacity.booking("default/one").forecast.scope
+                slack = allocator_slack(forecaster.by_signature(status["forecast"]["signature"], scope).workload)
+                assert slack > 0 and env["TENSILE_MEMORY_CAP"] == str(status["forecast"]["scheduledPeakBytes"] + slack)
                 assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
                 assert pod["spec"]["initContainers"][0]["command"][:3] == ["python", "-m", "tensile_hook.install"]
                 # the knob annotations of a placed job go to its agent
@@ -505,6 +512,54 @@ def test_external_capacity_is_what_no_booking_holds():
     assert ledger.external(gpu) == 4 * GIB
     ledger.book(Booking("default/placed", gpu.uuid, "node-a", 3 * GIB))
     assert ledger.external(gpu) == GIB and ledger.committed(gpu) == 4 * GIB
+
+
+def test_a_hosted_job_no_booking_holds_counts_what_its_process_holds():
+    """A job its agent hosts outside Tensile's bookings (e.g. `tensile run --agent`) has a CUDA context of its own, and
+    its caching allocator holds the most of its scheduled peak (its budget until it is planned), the reserved peak
+    forecast under its plan and the reserved peak its hook observed (segments are kept)."""
+    context = 512 * 2**20
+    gpu = gpus_from_tensilenode({"metadata": {"name": "node-a"}, "status": {"gpus": [simulated_gpu("GPU-a0", 16) | {
+        "contextBytesPerJob": context, "jobs": [
+            {"job": "default/forecast", "scheduledPeakBytes": GIB, "forecastReservedPeakBytes": GIB + 2**26},
+            {"job": "default/grown", "scheduledPeakBytes": GIB, "forecastReservedPeakBytes": GIB + 2**20,
+             "observedReservedPeakBytes": 2 * GIB},
+            {"job": "default/unplanned", "memoryBudgetBytes": 3 * GIB},
+            {"job": "default/planned-under-budget", "scheduledPeakBytes": GIB, "memoryBudgetBytes": 3 * GIB}]}]}})[0]
+    held = (GIB + 2**26) + 2 * GIB + 3 * GIB + GIB
+    assert Ledger().external(gpu) == held + 4 * context
+
+
+def _forecast(workload, peak: int, slack: int) -> JobForecast:  # type: ignore[no-untyped-def]
+    """A forecast that no plan lowers (its lowest peak is its vanilla one), with the allocator's slack given."""
+    return JobForecast(signature=f"s{peak}-{slack}", workload=workload, vanilla_peak_bytes=peak, min_peak_bytes=peak,
+                       predicted_iteration_seconds=1.0, source="traced", scope=PlanScope(),
+                       allocator_slack_bytes=slack)
+
+
+@pytest.mark.parametrize("slack, fits", [(400 * 2**20, True), (600 * 2**20, False)])
+def test_placement_books_each_process_its_context_and_its_allocator_slack(tiny_workload, slack, fits):
+    """What a neighbour finds taken is each job's tensors, its context and what its caching allocator reserves over
+    the tensors: two 4 GiB jobs with 0.5 GiB contexts fit a 10 GiB GPU by tensors and contexts alone (9 GiB), and
+    with 0.6 GiB of slack each they do not (10.2 GiB). The pod is capped at all three."""
+    gpu = Gpu(node="node-a", uuid="GPU-a0", name="g", memory_bytes=10 * GIB, capacity_bytes=10 * GIB,
+              context_bytes=GIB // 2)
+    ledger = Ledger()
+    first = Booking("default/first", gpu.uuid, gpu.node, 4 * GIB, _forecast(tiny_workload, 4 * GIB, slack))
+    ledger.book(first)
+    assert admitted_size(first, gpu) == 4 * GIB + slack + GIB // 2
+    assert ledger.committed(gpu) == 4 * GIB + slack + GIB // 2
+    second = Candidate("default/second", _forecast(tiny_workload, 4 * GIB, slack), None, parse_spec(
+        trainingjob("second", "vgg16", 1)["spec"]).selector)
+    assert (fit_unchanged([gpu], ledger, second) is not None) is fits
+    decision = choose([gpu], ledger, second, JointPlanner())
+    assert (decision.gpu is not None) is fits
+    if not fits:
+        assert decision.shortfall_bytes == 2 * (4 * GIB + slack + GIB // 2) - 10 * GIB
+    # alone, a 9.2 GiB job fits the GPU with its context and 0.3 GiB of slack, not with 0.4 GiB
+    alone = [too_large([gpu], Candidate("default/big", _forecast(tiny_workload, 9 * GIB + GIB // 5, extra), None,
+                                        second.selector)) for extra in (GIB * 3 // 10, GIB * 4 // 10)]
+    assert alone[0] is None and alone[1] is not None and alone[1].too_large
 
 
 if __name__ == "__main__":
