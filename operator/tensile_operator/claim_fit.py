@@ -5,16 +5,17 @@ capacity. So a GPU's room for a newcomer is its memory capacity less what every 
 jobs booked there (allocated or not yet), other workloads' allocated claims, and what its agent hosts outside any
 claim. The newcomer is admitted with `tensile.admission.admitted_bytes` of its vanilla peak where that fits; else the
 GPU's jobs are planned together with it, each neighbour within the peak it holds now (its claim does not grow) and the
-newcomer within the room left, and admitted with its planned peak where that fits. Best fit: the GPU left with the
-least room. Co-located jobs keep their peaks (and claims): nobody's claim is raised, none is lowered behind its back.
+newcomer within the room left, and admitted with its planned peak where that fits. Best fit among the GPUs that take
+the claim of its vanilla peak: the one left with the least room; where none does, the first GPU, least unclaimed room
+first, that takes the claim of its planned peak (each plan costs tenths of a second, and every job behind it waits).
+Co-located jobs keep their peaks (and claims): nobody's claim is raised, none is lowered behind its back.
 """
 
 from __future__ import annotations
 
 from tensile.admission import admitted_bytes
 from tensile.knobs import memory_text
-from tensile_operator.forecasting import JobForecast
-from tensile_operator.placement import (Booking, Candidate, Decision, Gpu, JointPlanner, Ledger, matching,
+from tensile_operator.placement import (Booking, Candidate, Decision, Gpu, JointPlanner, Ledger, PlanEntry, matching,
                                         process_overhead)
 
 
@@ -42,10 +43,10 @@ def size_on(gpu: Gpu, new: Candidate, peak: int) -> int | None:
     return admitted_bytes(peak, _slack(new), gpu.context_bytes, gpu.policy, gpu.memory_bytes)
 
 
-def fit_claim(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
-    """Whether `new` fits on `gpu` beside the claims there, at which peak and with which claim."""
+def claim_unplanned(gpu: Gpu, ledger: Ledger, new: Candidate) -> Decision | None:
+    """What `gpu` says of `new` without planning: it fits with the claim of its vanilla peak, or not even with that of
+    its lowest reachable peak (refused with the shortfall); None when only a plan beside its jobs can tell."""
     room = claim_room(gpu, ledger)
-    where = f"{gpu.node}/{gpu.uuid}"
     if new.forecast is None:
         peak = new.fixed_bytes or 0
     else:
@@ -57,11 +58,18 @@ def fit_claim(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) -
     lowest = size_on(gpu, new, _least(new))
     if new.forecast is None or lowest is None or lowest > room:
         short = (lowest if lowest is not None else _least(new) + process_overhead(gpu, new.forecast)) - room
-        return Decision(None, reason=f"{where}: {memory_text(max(short, 0))} short of the claim it needs "
-                                     f"({memory_text(room)} unclaimed)", shortfall_bytes=max(short, 1))
-    entries: list[tuple[str, JobForecast, float | None, int | None]] = [
-        (b.job, b.forecast, b.max_swap_rate, b.reserved_bytes)
-        for b in ledger.on_gpu(gpu.uuid) if b.forecast is not None]
+        return Decision(None, reason=f"{gpu.node}/{gpu.uuid}: {memory_text(max(short, 0))} short of the claim it "
+                                     f"needs ({memory_text(room)} unclaimed)", shortfall_bytes=max(short, 1))
+    return None
+
+
+def plan_claim(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
+    """Whether `new`, planned beside the jobs of `gpu` (where `claim_unplanned` cannot tell), fits the room their
+    claims leave, at which peak and with which claim."""
+    assert new.forecast is not None  # a job admitted by its budget is decided unplanned
+    room = claim_room(gpu, ledger)
+    entries: list[PlanEntry] = [(b.job, b.forecast, b.max_swap_rate, b.reserved_bytes)
+                                for b in ledger.on_gpu(gpu.uuid) if b.forecast is not None]
     own = room - process_overhead(gpu, new.forecast)
     own = own if new.budget_bytes is None else min(own, new.budget_bytes)
     entries.append((new.job, new.forecast, new.max_swap_rate, own))
@@ -70,24 +78,35 @@ def fit_claim(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) -
     size = size_on(gpu, new, peak)
     if size is None or size > room:
         short = (size or peak) - room
-        return Decision(None, reason=f"{where}: planned beside its jobs, its claim is {memory_text(short)} over the "
-                                     f"{memory_text(room)} unclaimed", shortfall_bytes=max(short, 1), planned=True)
+        return Decision(None, reason=f"{gpu.node}/{gpu.uuid}: planned beside its jobs, its claim is "
+                                     f"{memory_text(short)} over the {memory_text(room)} unclaimed",
+                        shortfall_bytes=max(short, 1), planned=True)
     return Decision(gpu, {new.job: peak}, planned=True, claim_bytes=size)
 
 
 def choose_claimed(gpus: list[Gpu], ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
-    """Best fit by claims among the GPUs `new` may use; else why it waits (too large for any GPU said so)."""
+    """Best fit by claims among the GPUs `new` may use; else why it waits (too large for any GPU said so).
+
+    GPUs where the claim of its vanilla peak fits are preferred (the job swaps nothing); only when there is none is
+    it planned beside the jobs of one GPU after another, least unclaimed room first, until its claim fits. Where
+    none fits, every GPU has been tried, and the refusal names the closest."""
     candidates = matching(gpus, new)
     if not candidates:
         return Decision(None, reason="no GPU matches spec.gpuSelector")
-    decisions = [fit_claim(g, ledger, new, planner) for g in candidates]
-    fitting = [d for d in decisions if d.gpu is not None]
+    unplanned = {g.uuid: claim_unplanned(g, ledger, new) for g in candidates}
+    fitting = [d for d in unplanned.values() if d is not None and d.gpu is not None]
     if fitting:
         return min(fitting, key=lambda d: claim_room(d.gpu, ledger) - (d.claim_bytes or 0))  # type: ignore[arg-type]
+    refusals = [d for d in unplanned.values() if d is not None]
+    for gpu in sorted((g for g in candidates if unplanned[g.uuid] is None), key=lambda g: claim_room(g, ledger)):
+        decision = plan_claim(gpu, ledger, new, planner)
+        if decision.gpu is not None:
+            return decision
+        refusals.append(decision)
     alone = too_large_for_claims(candidates, new)
     if alone is not None:
         return alone
-    closest = min(decisions, key=lambda d: d.shortfall_bytes)
+    closest = min(refusals, key=lambda d: d.shortfall_bytes)
     return Decision(None, reason=f"no GPU has room: the closest is {closest.reason}",
                     shortfall_bytes=closest.shortfall_bytes)
 

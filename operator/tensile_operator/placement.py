@@ -8,7 +8,9 @@ the vanilla peaks already fit, no job needs a plan change; if even each job's lo
 alone does not fit, no joint plan can (co-located jobs share the copy channels, they never swap
 more than alone). Each job is planned with the events its hook will use (its forecast's
 `scope`: native events only, recompute) and within its own budget. Joint plans are cached by the
-multiset of (workload signature, scope, max swap rate, own budget) and the GPU's budget.
+multiset of (workload signature, scope, max swap rate, own budget) and the GPU's budget. Where the newcomer
+must be planned, the GPUs are planned one at a time, the one with the least room at every job's lowest reachable
+peak first (best fit, by arithmetic), and the first where a joint plan fits takes it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tensile.lru import Lru
 from tensile_operator.forecasting import DEFAULT_BANDWIDTH, JobForecast
 from tensile.trainingjob_spec import GpuSelector
 
+PlanEntry = tuple[str, JobForecast, float | None, int | None]  # (job, forecast, max swap rate, its own budget)
 
 
 @dataclass(frozen=True)
@@ -131,8 +134,7 @@ class JointPlanner:
         self._lock = threading.Lock()
         self.runs = 0
 
-    def plan(self, entries: list[tuple[str, JobForecast, float | None, int | None]], budget: int,
-             bandwidth: float) -> tuple[bool, dict[str, int]]:
+    def plan(self, entries: list[PlanEntry], budget: int, bandwidth: float) -> tuple[bool, dict[str, int]]:
         """Entries: (job, forecast, max swap rate, its own budget): each job is planned to stay within its
         budget, as the agent plans it, so the room it leaves goes to its neighbours."""
         order = sorted(range(len(entries)), key=lambda i: (*_planned_as(entries[i]), entries[i][0]))
@@ -156,7 +158,7 @@ class JointPlanner:
         return fits, {entries[i][0]: peaks[k] for k, i in enumerate(order)}
 
 
-def _planned_as(entry: tuple[str, JobForecast, float | None, int | None]) -> tuple[str, bool, bool, float, int]:
+def _planned_as(entry: PlanEntry) -> tuple[str, bool, bool, float, int]:
     """What a job's plan depends on besides its neighbours: jobs equal in it share cached joint plans."""
     _, forecast, rate, budget = entry
     return forecast.signature, forecast.scope.activations_only, forecast.scope.recompute, rate or 1.0, budget or 0
@@ -201,8 +203,9 @@ def _reserve(peak: int, budget: int | None) -> int:
     return min(peak, budget) if budget is not None else peak
 
 
-def evaluate(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
-    """Does `new` fit on `gpu` with the jobs already there, planned together? With which peaks?"""
+def _together(gpu: Gpu, ledger: Ledger, new: Candidate) -> tuple[list[Booking], list[PlanEntry], int]:
+    """The GPU's jobs, those of them and `new` that are planned (by forecast), and the budget those share: the GPU's
+    capacity less every process's overhead, what its agent hosts and the jobs admitted by their budgets."""
     jobs = ledger.on_gpu(gpu.uuid)
     available = gpu.capacity_bytes - ledger.overheads(gpu, new) - ledger.external(gpu)
     fixed = sum(b.reserved_bytes for b in jobs if b.forecast is None)
@@ -211,13 +214,29 @@ def evaluate(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) ->
         fixed += new.fixed_bytes or 0
     else:
         planned.append((new.job, new.forecast, new.max_swap_rate, new.budget_bytes))
-    budget = available - fixed
+    return jobs, planned, available - fixed
+
+
+def room_at_lowest(gpu: Gpu, ledger: Ledger, new: Candidate) -> int:
+    """What `gpu` would keep with `new` if each planned job ran at its lowest reachable peak: no joint plan keeps more
+    (co-located jobs share the copy channels), and below zero none fits. Arithmetic, no planning: `choose` tries the
+    GPUs in its order."""
+    _, planned, budget = _together(gpu, ledger, new)
+    return budget - _lowest(planned)
+
+
+def _lowest(planned: list[PlanEntry]) -> int:
+    return sum(_reserve(f.min_peak_bytes, b) for _, f, _, b in planned)
+
+
+def evaluate(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
+    """Does `new` fit on `gpu` with the jobs already there, planned together? With which peaks?"""
+    jobs, planned, budget = _together(gpu, ledger, new)
     vanilla = sum(_reserve(f.vanilla_peak_bytes, b) for _, f, _, b in planned)
     if vanilla <= budget:
         return Decision(gpu, {j: _reserve(f.vanilla_peak_bytes, b) for j, f, _, b in planned} | _fixed(jobs, new))
-    lowest = sum(_reserve(f.min_peak_bytes, b) for _, f, _, b in planned)
-    if lowest > budget:
-        short = lowest - budget
+    short = _lowest(planned) - budget
+    if short > 0:
         return Decision(None, reason=f"{gpu.node}/{gpu.uuid}: {memory_text(short)} short even at every job's lowest reachable peak",
                         shortfall_bytes=short)
     fits, peaks = planner.plan(planned, budget, gpu.bandwidth)
@@ -258,21 +277,22 @@ def fit_unchanged(gpus: list[Gpu], ledger: Ledger, new: Candidate) -> Decision |
 def choose(gpus: list[Gpu], ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
     """Best fit: among GPUs where the job fits, the one left with the least free memory.
 
-    GPUs where the job fits without changing anyone's plan (vanilla peaks fit) are preferred: they
-    cost no job any swapping time. The joint planner runs only when no such GPU exists."""
+    GPUs where the job fits without changing anyone's plan (vanilla peaks fit) are preferred: they cost no job any
+    swapping time. Only when there is none does the joint planner run, and then on one GPU after another, tightest
+    first (least `room_at_lowest`), until a joint plan fits: a plan costs tenths of a second, and every job behind
+    this one waits for it. Where none fits, every GPU has been tried, and the refusal names the closest."""
     candidates = matching(gpus, new)
     if not candidates:
         return Decision(None, reason="no GPU matches spec.gpuSelector", shortfall_bytes=0)
     easy = fit_unchanged(candidates, ledger, new)
     if easy is not None:
         return easy
-    fitting: list[Decision] = []
     refusals: list[Decision] = []
-    for gpu in candidates:
+    for gpu in sorted(candidates, key=lambda g: room_at_lowest(g, ledger, new)):
         decision = evaluate(gpu, ledger, new, planner)
-        (fitting if decision.gpu is not None else refusals).append(decision)
-    if fitting:
-        return min(fitting, key=lambda d: _left(d, ledger, new))
+        if decision.gpu is not None:
+            return decision
+        refusals.append(decision)
     alone = too_large(candidates, new)
     if alone is not None:
         return alone

@@ -19,6 +19,7 @@ from tests.support.operator_harness import (GIB, cluster, fake_kubelet, gpu_held
                                             process_kubelet, serve_pods, simulated_gpu, start_operator, trainingjob)
 from tensile.admission import allocator_slack
 from tensile.errors import TensileUserError
+from tensile_operator.claim_fit import choose_claimed
 from tensile_operator.metrics import OperatorMetrics, metrics_port
 from tensile.trainingjob_spec import PlanScope, SpecError, parse_spec
 from tensile_operator.forecasting import JobForecast
@@ -561,6 +562,76 @@ def test_placement_books_each_process_its_context_and_its_allocator_slack(tiny_w
                                         second.selector)) for extra in (GIB * 3 // 10, GIB * 4 // 10)]
     assert alone[0] is None and alone[1] is not None and alone[1].too_large
 
+
+
+class CountingPlanner(JointPlanner):
+    """Counts the joint plans asked for (cached ones too: GPUs alike share them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def plan(self, entries, budget, bandwidth):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return super().plan(entries, budget, bandwidth)
+
+
+def _each_holding_one(forecaster, memory_for) -> tuple[list[Gpu], Ledger, Candidate]:  # type: ignore[no-untyped-def]
+    """GPUs sized by `memory_for(forecast, share)` for shares 0.7, 0.3, 0 and -0.2 (roomy, tight, tightest, small),
+    each holding one job at its vanilla peak, and a newcomer of the same workload whose plans can cut its peak (every
+    event kind)."""
+    spec = parse_spec(trainingjob("x", "vgg16", 1, scheduling={"planEvents": "all"})["spec"])
+    forecast = run(forecaster.forecast(spec.workload, spec.scope))
+    assert forecast.min_peak_bytes < forecast.vanilla_peak_bytes
+    gpus = [Gpu(node="node-a", uuid=uuid, name="g", memory_bytes=memory_for(forecast, share),
+                capacity_bytes=memory_for(forecast, share))
+            for uuid, share in (("GPU-roomy", 0.7), ("GPU-tight", 0.3), ("GPU-tightest", 0.0), ("GPU-small", -0.2))]
+    ledger = Ledger()
+    for g in gpus:
+        ledger.book(Booking(f"default/on-{g.uuid}", g.uuid, g.node, forecast.vanilla_peak_bytes, forecast))
+    return gpus, ledger, Candidate("default/new", forecast, None, spec.selector)
+
+
+def _cut(forecast: JobForecast, share: float) -> int:
+    return int(share * (forecast.vanilla_peak_bytes - forecast.min_peak_bytes))
+
+
+def test_an_admission_that_must_plan_stops_at_the_first_gpu_where_a_joint_plan_fits(forecaster):
+    """Each GPU holds a job at its vanilla peak, and the newcomer fits none unless the two are planned together. The
+    GPUs are planned tightest first (least room at every job's lowest reachable peak): the tightest refuses, planned,
+    by 15 MiB; the next one fits and takes the job; the roomiest is never planned, and the one too small even at the
+    lowest peaks needs no plan to refuse. Where none fits, each is planned and the refusal names the closest."""
+    gpus, ledger, newcomer = _each_holding_one(forecaster, lambda f, share: 2 * (
+        f.min_peak_bytes + f.allocator_slack_bytes) + _cut(f, share))  # both jobs at their lowest and a share of a cut
+    planner = CountingPlanner()
+    decision = choose(gpus, ledger, newcomer, planner)
+    assert decision.gpu is not None and decision.gpu.uuid == "GPU-tight" and decision.planned, decision
+    assert planner.calls == planner.runs == 2  # the tightest, then the tight one: not the roomy one
+    planner = CountingPlanner()
+    refused = choose([gpus[3], gpus[2]], ledger, newcomer, planner)
+    assert refused.gpu is None and planner.calls == 1, refused
+    assert refused.reason.startswith("no GPU has room: the closest is node-a/GPU-tightest: planned together")
+
+
+def test_a_claim_that_must_be_planned_stops_at_the_first_gpu_where_it_fits(forecaster):
+    """`dra` mode: neither GPU takes the claim of the newcomer's vanilla peak beside the one there, both take that of
+    its planned peak; the GPU with the least unclaimed room is planned first and takes it, the other is never planned.
+    A GPU that takes the vanilla claim is chosen without planning at all."""
+    def memory(f: JobForecast, share: float) -> int:  # the job there, the newcomer at its lowest and a share of its cut
+        return f.vanilla_peak_bytes + f.min_peak_bytes + 2 * f.allocator_slack_bytes + _cut(f, share)
+
+    gpus, ledger, newcomer = _each_holding_one(forecaster, memory)
+    gpus = gpus[:2]  # the roomy and the tight one
+    planner = CountingPlanner()
+    decision = choose_claimed(gpus, ledger, newcomer, planner)
+    assert decision.gpu is not None and decision.gpu.uuid == "GPU-tight" and decision.planned, decision
+    assert planner.calls == 1
+    assert newcomer.forecast is not None
+    roomy = memory(newcomer.forecast, 1.0)
+    planner = CountingPlanner()
+    decision = choose_claimed([*gpus, Gpu("node-a", "GPU-vanilla", "g", roomy, roomy)], ledger, newcomer, planner)
+    assert decision.gpu is not None and decision.gpu.uuid == "GPU-vanilla" and not decision.planned, decision
+    assert planner.calls == 0
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-x", "-q"]))
