@@ -92,7 +92,9 @@ class RequestPolicy:
 def allocator_slack(workload: Workload) -> int:
     """What the caching allocator reserves beyond the tensors' peak, for the vanilla run with expandable segments (the
     pod's default allocator setting): its segments' rounding and fragmentation. Added to a scheduled peak, it is that
-    peak as the allocator would reserve it."""
+    peak as the allocator would reserve it. Zero on the CPU device, whose allocator caches nothing."""
+    if workload.device != "cuda":
+        return 0
     peaks = reserved_peak(workload, expandable_segments=True)
     return max(0, peaks.reserved_peak_bytes - peaks.requested_peak_bytes)
 

@@ -26,7 +26,9 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from tensile.admission import allocator_slack
 from tensile.agent_contract import FAILED, PLANNED
+from tensile.lru import Lru
 from tensile.plan import Plan
 from tensile.plan_update import DEFAULT_THRESHOLD, drifted
 from tensile.planner import GpuPlan, JobToPlan, plan_gpu
@@ -39,14 +41,16 @@ log = logging.getLogger("tensile_agent.planning")
 # a request's reason that asks for no round: a job's allocator's settings changed, its reserved forecast is made again
 ALLOCATOR = "allocator"
 PLANNER_NICE = 19  # the planning process's niceness, relative to the agent
+SLACK_CACHE = 256  # workloads whose allocator slack is kept
 
 
-def gpu_budget(state: AgentState, uuid: str, jobs: list[Job]) -> int:
-    """What the planner may fill: capacity less a context per job and the budgets of jobs it cannot
-    plan (no workload yet); when every plannable job has a budget, at most their sum."""
+def gpu_budget(state: AgentState, uuid: str, jobs: list[Job], slack: int = 0) -> int:
+    """What the planner may fill: capacity less a context per job, the caching allocator's `slack` over the planned
+    jobs' tensors (their processes reserve it beside the tensors, and the operator books it), and the budgets of
+    jobs it cannot plan (no workload yet); when every plannable job has a budget, at most their sum."""
     gpu = state.gpu(uuid)
     fixed = sum(j.memory_budget_bytes or 0 for j in jobs if not j.plannable)
-    available = gpu.capacity_bytes - gpu.context_bytes * len(jobs) - fixed
+    available = gpu.capacity_bytes - gpu.context_bytes * len(jobs) - slack - fixed
     plannable = [j for j in jobs if j.plannable]
     if plannable and all(j.memory_budget_bytes for j in plannable):
         available = min(available, sum(j.memory_budget_bytes or 0 for j in plannable))
@@ -218,6 +222,7 @@ class PlanningService:
         self.threshold = threshold
         self.on_round = on_round
         self.planner = planner
+        self._slack: Lru[str, int] = Lru(SLACK_CACHE)  # workload signature -> tensile.admission.allocator_slack
         self._dirty: OrderedDict[str, set[str]] = OrderedDict()
         self._cv = threading.Condition()
         self._busy: str | None = None
@@ -343,15 +348,29 @@ class PlanningService:
         refresh_forecasts(state, gpu, bandwidth, planned)
         state.changed.set()
 
+    def _allocator_slack(self, workload: Workload) -> int:
+        """What the job's caching allocator reserves over its tensors, once per workload (its vanilla replay: a few
+        ms to tens of ms). A job registered while this round was being set up has its own round next."""
+        slack = self._slack.get(workload.signature)
+        if slack is None:
+            slack = allocator_slack(workload)
+            self._slack.put(workload.signature, slack)
+        return slack
+
     def plan_round(self, gpu: str, reasons: set[str]) -> None:
         """Plan every job of `gpu` together and commit the plans that changed (new versions)."""
         state = self.state
         with state.lock:
             if gpu not in state.inventory.gpus:
                 return
+            workloads = [j.workload for j in state.on_gpu(gpu) if j.workload is not None]
+        slack = sum(self._allocator_slack(w) for w in workloads)  # outside the lock: the model's replay of a new one
+        with state.lock:
+            if gpu not in state.inventory.gpus:
+                return
             jobs = state.on_gpu(gpu)
             plannable = [j for j in jobs if j.plannable]
-            budget = gpu_budget(state, gpu, jobs)
+            budget = gpu_budget(state, gpu, jobs, slack)
             taken = [(job, job.incarnation, job.workload, job.ewma) for job in plannable]
             bandwidth = state.gpu(gpu).bandwidth
         latencies_of = {}

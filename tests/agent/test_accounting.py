@@ -11,6 +11,7 @@ import time
 import pytest
 from tests.support.agent_harness import ThreadedAgent, call, get
 
+from tensile.admission import allocator_slack
 from tensile.agent_client import AgentClient
 from tensile.agent_contract import Measurements, PlanResponse
 from tensile_agent.gpus import Inventory
@@ -52,7 +53,7 @@ def test_jobs_a_gpu_cannot_fit_are_each_held_to_a_share_that_keeps_them_within_i
     other = client_of(server.url, "b", workload=workload, memory_budget_bytes=big)
     plans = {"a": planned(server, alone, first.version + 1), "b": planned(server, other)}
     budget = plans["a"].budget_bytes
-    assert budget == int(10 * MIB * 0.95)
+    assert budget == int(10 * MIB * 0.95) - 2 * allocator_slack(workload)  # each process's allocator slack is kept out
     for name, plan in plans.items():
         assert plan.fits is False and "cannot fit" in plan.message, (name, plan.message)
         assert plan.co_planned == ["ns/a", "ns/b"] and plan.gpu_share_bytes
@@ -138,7 +139,7 @@ def test_a_simulated_gpus_used_memory_is_the_observed_peaks_plus_the_context_it_
         assert client.post_measurements(Measurements(iterations=1, peak_bytes=5 * MIB)) is not None
         (gpu,) = get(server.url, "/v1/gpus")[1]["gpus"]
         assert gpu["context_bytes"] == expected and gpu["used_bytes"] == 5 * MIB + expected
-        assert gpu["last_round"]["budget_bytes"] == gpu["capacity_bytes"] - expected
+        assert gpu["last_round"]["budget_bytes"] == gpu["capacity_bytes"] - expected - allocator_slack(tiny_workload())
     text = get(server.url, "/metrics")[1]
     assert "# HELP tensile_gpu_used_bytes Used memory from NVML (simulated GPUs: the jobs' observed peaks plus the per-job context" in text
 

@@ -3,7 +3,9 @@ claims and `tensile render` share."""
 
 from __future__ import annotations
 
-from tensile.admission import GIB, MIB, RequestPolicy, admitted_bytes, parse_quantity, quantity
+from tensile.admission import GIB, MIB, RequestPolicy, admitted_bytes, allocator_slack, parse_quantity, quantity
+from tensile.allocator import reserved_peak
+from tensile.forecast import trace_workload
 
 
 def test_a_request_without_an_amount_takes_the_default_else_the_whole_device() -> None:
@@ -45,3 +47,13 @@ def test_the_admitted_size_is_peak_plus_slack_plus_context_rounded_to_the_policy
     assert admitted_bytes(1000 * MIB, 20 * MIB, 600 * MIB) == 1620 * MIB
     assert admitted_bytes(1000 * MIB, 20 * MIB, 600 * MIB, policy) == 1792 * MIB
     assert admitted_bytes(1000 * MIB, 20 * MIB, 600 * MIB, policy, capacity=GIB) is None
+
+
+def test_the_allocator_slack_is_the_reserved_over_the_requested_peak_on_cuda_and_none_on_the_cpu(tiny_workload) -> None:
+    """What admission adds over the tensors' peak: the caching allocator's rounding and fragmentation (expandable
+    segments, the pods' default); the CPU device's allocator caches nothing, so a CPU job is booked without it."""
+    cuda = tiny_workload()
+    peaks = reserved_peak(cuda, expandable_segments=True)
+    assert cuda.device == "cuda" and allocator_slack(cuda) == peaks.reserved_peak_bytes - peaks.requested_peak_bytes > 0
+    cpu = trace_workload("examples/tiny_mlp.py:build", 4, device="cpu")
+    assert allocator_slack(cpu) == 0
