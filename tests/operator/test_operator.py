@@ -633,9 +633,6 @@ def test_a_claim_that_must_be_planned_stops_at_the_first_gpu_where_it_fits(forec
     assert decision.gpu is not None and decision.gpu.uuid == "GPU-vanilla" and not decision.planned, decision
     assert planner.calls == 0
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-x", "-q"]))
-
 
 def test_a_placement_written_after_the_statuses_were_read_is_booked():
     """A predecessor's placement that lands after this operator's start-up LIST is booked when its event
@@ -1096,3 +1093,7 @@ def test_an_ended_pod_seen_again_does_not_rewrite_its_jobs_end():
 
     asyncio.run(scenario())
     assert [(name, s["phase"]) for name, s in app.kube.statuses] == [("running", "Succeeded")]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-x", "-q"]))
