@@ -31,6 +31,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from bench_results import results_dir
 from tensile import agent_client
 from tensile.agent_client import AgentClient
 from tensile.agent_contract import Measurements
@@ -39,7 +40,7 @@ from tensile.peak import analyze_vanilla
 from tensile.workload_io import workload_to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = results_dir()
 
 
 def free_port() -> int:

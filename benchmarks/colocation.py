@@ -55,8 +55,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench_results import results_dir
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
+RESULTS = results_dir()
 MIB = 2**20
 OOM_EXIT = 3  # a job's exit status when it ran out of memory
 TIGHT = 1.05  # the capacity over the larger of the jobs' scheduled peaks together and the largest vanilla peak

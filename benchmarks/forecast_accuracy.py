@@ -5,20 +5,22 @@ of real CPU storages; and (b) PyTorch's MemTracker on the same step. Prints a ta
 benchmarks/results/forecast_accuracy.json. The allocator figure includes kernel workspaces that
 no tensor owns (oneDNN convolution buffers), so it sits slightly above the storage-level figures.
 
-Target: within 2% of both for every zoo model.  Run: .venv/bin/python benchmarks/forecast_accuracy.py
+Target: within 2% of both for every zoo model.  Run: .venv/bin/python benchmarks/forecast_accuracy.py [--models M,...]
+(`--models`: some of the zoo models only, e.g. one for a smoke run.)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench_results import results_dir
 from tensile.crosscheck import memtracker_peak
 from tensile.forecast import trace_workload
 from tensile.peak import analyze_vanilla
@@ -27,7 +29,7 @@ from tensile.zoo import build_zoo_parts
 
 BATCHES = {"vgg16": 2, "inception_v3": 2, "inception_v4": 2, "resnet50": 4, "densenet121": 4, "bert_base": 2, "gpt2": 2}
 MIB = 1024**2
-RESULTS = Path(__file__).parent / "results" / "forecast_accuracy.json"
+RESULTS = results_dir() / "forecast_accuracy.json"
 
 
 def memtracker_peak_of(model_name: str, batch_size: int) -> int:
@@ -58,9 +60,16 @@ def allocator_peak(model_name: str, batch_size: int) -> int:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(BATCHES), help="comma-separated zoo models (default: all)")
+    args = parser.parse_args()
+    models = [m for m in args.models.split(",") if m]
+    if unknown := sorted(set(models) - set(BATCHES)):
+        parser.error(f"unknown models {unknown}; known: {', '.join(BATCHES)}")
     console = Console(width=140)
     rows = []
-    for name, batch_size in BATCHES.items():
+    for name in models:
+        batch_size = BATCHES[name]
         started = time.perf_counter()
         forecast = analyze_vanilla(trace_workload(name, batch_size, device="cpu")).peak_bytes
         forecast_seconds = time.perf_counter() - started

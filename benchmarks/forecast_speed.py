@@ -3,28 +3,30 @@ TENSILE plan — (target < 3 s, not counting interpreter and torch start-up), ag
 meta-device trace of the same step that only records op names (target: at most 1.6x), measured
 side by side in one run.
 
-Run: .venv/bin/python benchmarks/forecast_speed.py   (writes benchmarks/results/forecast_speed.json)
+Run: .venv/bin/python benchmarks/forecast_speed.py [--repeats 5]   (writes benchmarks/results/forecast_speed.json;
+`--repeats 1` for a smoke run)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench_results import results_dir
 from tensile.job_forecast import make_forecast
 from tensile.forecast import trace_workload
 from tensile.tracer import TrainingStep
 from tensile.zoo import build_zoo_parts
 
-MODEL, BATCH, REPEATS = "resnet50", 16, 5
-RESULTS = Path(__file__).parent / "results" / "forecast_speed.json"
+MODEL, BATCH = "resnet50", 16
+RESULTS = results_dir() / "forecast_speed.json"
 
 
 class _OpNames(TorchDispatchMode):
@@ -65,9 +67,12 @@ def timed(fn) -> float:  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each (their median counts)")
+    args = parser.parse_args()
     bare_trace(), full_forecast()  # imports and first-call caches out of the way
     bare, full = [], []
-    for _ in range(REPEATS):  # interleaved, so machine noise hits both alike
+    for _ in range(args.repeats):  # interleaved, so machine noise hits both alike
         bare.append(timed(bare_trace))
         full.append(timed(full_forecast))
     bare_median, full_median = statistics.median(bare), statistics.median(full)
@@ -82,7 +87,7 @@ def main() -> None:
         "bare_trace_seconds": bare,
         "forecast_seconds": full,
     }
-    table = Table(title=f"{MODEL} batch {BATCH}: forecast vs bare meta trace (median of {REPEATS})")
+    table = Table(title=f"{MODEL} batch {BATCH}: forecast vs bare meta trace (median of {args.repeats})")
     for column in ("bare trace s", "forecast s (trace, latencies, plan)", "ratio", "targets"):
         table.add_column(column, justify="right")
     table.add_row(f"{bare_median:.3f}", f"{full_median:.3f}", f"{full_median / bare_median:.2f}x", "< 3 s, <= 1.6x")

@@ -59,8 +59,9 @@ item() {  # NAME SECONDS COMMAND...: one item under its timeout, its status and 
     tail -n 5 "$OUT/$name.log" | sed 's/^/    /' | tee -a "$LOG"
 }
 
+RESULTS=${TENSILE_BENCH_RESULTS:-benchmarks/results}  # where the benchmarks write (benchmarks/bench_results.py)
 fresh() {  # the results file an item wrote in this call (the folder holds earlier devices' files too)
-    find benchmarks/results -name "$1*.json" -newer "$STARTED" -exec cp {} "$OUT/" \;
+    find "$RESULTS" -name "$1*.json" -newer "$STARTED" -exec cp {} "$OUT/" \;
 }
 
 for name in $ITEMS; do
@@ -84,7 +85,7 @@ for name in $ITEMS; do
         colocation)  # several jobs at once on a simulated share of the GPU, each capped: alone, declared, Tensile
             item colocation "${COLOC_S:-150}" "$PYTHON" benchmarks/colocation.py ${COLOC_JOBS:+--jobs "$COLOC_JOBS"}
             fresh colocation
-            find benchmarks/results -name "colocation*.png" -newer "$STARTED" -exec cp {} "$OUT/" \; ;;
+            find "$RESULTS" -name "colocation*.png" -newer "$STARTED" -exec cp {} "$OUT/" \; ;;
         *) say "unknown item '$name' (known: tests real_training run_model hook_overhead colocation)" ;;
     esac
 done

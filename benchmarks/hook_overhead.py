@@ -29,13 +29,13 @@ import json
 import platform
 import statistics
 import time
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench_results import results_dir
 from tensile.latency.calibrate import local_device, torch_device
 from tensile.latency.measure import HostLoad, synchronize
 from tensile.plan import Plan
@@ -45,7 +45,7 @@ from tensile_hook.settings import HookSettings
 from tensile.workload import Workload
 from tensile.zoo import build_zoo_parts
 
-RESULTS = Path(__file__).parent / "results" / "hook_overhead.json"
+RESULTS = results_dir() / "hook_overhead.json"
 
 
 def tiny_ops_model(batch_size: int, device: torch.device) -> tuple:

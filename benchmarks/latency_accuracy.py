@@ -25,6 +25,8 @@ Targets on this CPU: median error <= 15% per family, whole iteration within 10%.
 Writes benchmarks/results/latency_<device>.json.
 
 Run: .venv/bin/python benchmarks/latency_accuracy.py [--device cpu] [--threads 1] [--passes 3] [--reuse --model-dir DIR]
+`--quick` calibrates on the quick grid (`tensile calibrate --quick`) and holds out another quick grid: a smoke run's
+setting (seconds instead of ten minutes), whose rough model's figures mean nothing.
 On a shared, busy CPU use --threads 1 (the default here): with two OpenMP threads and other
 processes on the cores, a parallel region waits for a descheduled thread and single ops take
 milliseconds instead of microseconds, so timings then measure the neighbours, not the op.
@@ -49,6 +51,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench_results import results_dir
 from tensile.forecast import trace_workload
 from tensile.latency import assign_latencies, iteration_seconds, predict_seconds
 from tensile.latency.calibrate import calibrate, family_samples, local_device, measure_probes
@@ -68,14 +71,20 @@ from tensile.tracer import trace_step
 # do not depend on the batch and were seen; `seen_share` reports how much predicted time they are.
 BATCHES = {name: 2 for name in ZOO_MODELS}
 assert not set(BATCHES.values()) & set(ZOO_CALIBRATION_BATCHES), "evaluation batches must be held out"
-RESULTS = Path(__file__).parent / "results"
+RESULTS = results_dir()
 MIN_WARMUPS, MAX_WARMUPS = 2, 6  # a job's first iterations allocate optimizer state and grow glibc's heap
 
 
-def training_keys(device_type: str) -> set[str]:
+def grids(quick: bool) -> tuple[str, str]:
+    """The calibration grid and the held-out one (seed 1 of its own grid): the quick grid's small shapes for both with
+    --quick, so that their ops' keys differ as the default grid's and the held-out grid's do."""
+    return ("quick", "quick") if quick else ("default", "holdout")
+
+
+def training_keys(device_type: str, grid: str = "default") -> set[str]:
     """Keys of every op the training grid contains (traced on meta: no measuring needed)."""
     keys: set[str] = set()
-    for probe in make_grid("default", seed=0, device_type=device_type):
+    for probe in make_grid(grid, seed=0, device_type=device_type):
         step = build_step(probe, "meta")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -351,6 +360,9 @@ def main() -> None:
     parser.add_argument("--calibration-budget", type=float, default=480.0, metavar="SECONDS",
                         help="calibration's time budget (tensile calibrate --budget)")
     parser.add_argument("--skip-families", action="store_true")
+    parser.add_argument("--quick", action="store_true",
+                        help="calibrate on the quick grid and hold out another quick grid "
+                             "(a smoke run: figures mean nothing)")
     parser.add_argument("--skip-zoo-ops", action="store_true", help="skip the op-level errors on the zoo models")
     parser.add_argument("--out", type=Path, default=None,
                         help="result file (default: benchmarks/results/latency_<device>.json)")
@@ -362,7 +374,8 @@ def main() -> None:
     model_dir = args.model_dir or tempfile.mkdtemp(prefix="tensile-latency-")
     if args.passes < 1:
         raise SystemExit("--passes must be at least 1")
-    held_out_grid = [] if args.skip_families else make_grid("holdout", seed=1, device_type=device_type)
+    calibration_grid, held_out_name = grids(args.quick)
+    held_out_grid = [] if args.skip_families else make_grid(held_out_name, seed=1, device_type=device_type)
     alongside = None
     if args.reuse:
         model, path, _ = find_model(args.device, model_dir)
@@ -370,14 +383,14 @@ def main() -> None:
             raise SystemExit(f"--reuse: no model file at {path}")
     else:
         alongside = HeldOutAlongside(held_out_grid, args.passes, device_type,
-                                     len(make_grid("default", seed=0, device_type=device_type)))
-        model, path = calibrate(args.device, model_dir=model_dir, progress=console.is_terminal, threads=args.threads,
-                                alongside=alongside, budget_s=args.calibration_budget)
+                                     len(make_grid(calibration_grid, seed=0, device_type=device_type)))
+        model, path = calibrate(args.device, quick=args.quick, model_dir=model_dir, progress=console.is_terminal,
+                                threads=args.threads, alongside=alongside, budget_s=args.calibration_budget)
         torch.set_num_threads(args.threads)
     console.print(f"model {path} ({os.path.getsize(path) / 1024:.0f} KiB), calibration "
                   f"{model.meta.get('calibration_seconds', '?')} s, {model.meta.get('probes')} probes")
     prior = resolve_target(args.device, model_dir).prior
-    seen = training_keys(device_type)
+    seen = training_keys(device_type, calibration_grid)
     models = [m for m in args.models.split(",") if m]
     after: list = []  # one pass after calibration, when the passes ran alongside it: the machine's drift since
     if not held_out_grid:

@@ -9,7 +9,8 @@ ensemble size in --members, scoring every fit on the same held-out truth. The sp
 over the seeds is the fit's variance; what is left between two calibrations is the measurements'.
 
 Run: .venv/bin/python benchmarks/latency_fit_variance.py --cache /tmp/fitvar.pkl [--seeds 5] [--members auto,3]
-(measuring takes about 10 minutes of a quiet machine; with an existing --cache only the fits run).
+(measuring takes about 10 minutes of a quiet machine; with an existing --cache only the fits run). `--quick` measures
+the quick grids instead (latency_accuracy.py --quick): with `--seeds 1 --members 1`, a smoke run's setting.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from latency_accuracy import RESULTS, HeldOutAlongside, _agreeing, family_accuracy, label_spread, median_of_passes, training_keys
+from latency_accuracy import (RESULTS, HeldOutAlongside, _agreeing, family_accuracy, grids, label_spread,
+                              median_of_passes, training_keys)
 from tensile.latency.calibrate import fit_model, local_device, measure_probes
 from tensile.latency.device import resolve_target
 from tensile.latency.families import FAMILIES
@@ -37,10 +39,12 @@ from tensile.latency.probes import make_grid
 TARGET = 15.0  # median APE per family, percent (docs/latency_model.md)
 
 
-def measure(device_type: str, passes: int, budget_s: float) -> dict:
-    """Calibration's measurements and the held-out passes timed between them."""
-    grid = make_grid("default", seed=0, device_type=device_type)
-    alongside = HeldOutAlongside(make_grid("holdout", seed=1, device_type=device_type), passes, device_type, len(grid))
+def measure(device_type: str, passes: int, budget_s: float, quick: bool) -> dict:
+    """Calibration's measurements and the held-out passes timed between them, with the calibration grid's name."""
+    calibration_grid, held_out_name = grids(quick)
+    grid = make_grid(calibration_grid, seed=0, device_type=device_type)
+    held_out = make_grid(held_out_name, seed=1, device_type=device_type)
+    alongside = HeldOutAlongside(held_out, passes, device_type, len(grid))
     with Progress() as bar:
         task = bar.add_task(f"measuring {len(grid)} calibration probes (held-out passes alongside)", total=len(grid))
 
@@ -48,9 +52,9 @@ def measure(device_type: str, passes: int, budget_s: float) -> dict:
             alongside(probe)
             bar.update(task, advance=1)
 
-        roofline = measure_roofline(device_type)
+        roofline = measure_roofline(device_type, quick=quick)
         measured = measure_probes(grid, device_type, budget_s=budget_s, on_probe=after_probe)
-    return {"roofline": roofline, "measured": measured, "held_out_passes": alongside.finish()}
+    return {"roofline": roofline, "measured": measured, "held_out_passes": alongside.finish(), "grid": calibration_grid}
 
 
 def fit_scores(data: dict, device: str, seeds: int, members: list[str], console: Console) -> dict[str, list[dict]]:
@@ -59,7 +63,7 @@ def fit_scores(data: dict, device: str, seeds: int, members: list[str], console:
     device_type, key, name = local_device(device)
     groups = _agreeing(data["held_out_passes"])
     held_out = median_of_passes(groups)
-    seen = training_keys(device_type)
+    seen = training_keys(device_type, data.get("grid", "default"))  # caches made before the grid was kept: default
     prior = resolve_target(device).prior
     scores: dict[str, list[dict]] = {}
     for size in members:
@@ -102,6 +106,9 @@ def main() -> None:
                         help="comma-separated ensemble sizes (auto: as calibration chooses, train.ensemble_size)")
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--calibration-budget", type=float, default=480.0, metavar="SECONDS")
+    parser.add_argument("--quick", action="store_true",
+                        help="measure the quick grids, not the default and held-out ones "
+                             "(a smoke run: figures mean nothing)")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/latency_fit_variance_<device>.json")
     args = parser.parse_args()
     console = Console()
@@ -111,7 +118,7 @@ def main() -> None:
     if args.cache.exists():
         data = pickle.loads(args.cache.read_bytes())
     else:
-        data = measure(device_type, args.passes, args.calibration_budget)
+        data = measure(device_type, args.passes, args.calibration_budget, args.quick)
         args.cache.write_bytes(pickle.dumps(data))
     members = [m for m in args.members.split(",") if m]
     scores = fit_scores(data, args.device, args.seeds, members, console)

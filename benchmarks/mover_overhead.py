@@ -29,18 +29,18 @@ import statistics
 import sys
 import time
 import weakref
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench_results import results_dir
 from tensile.latency.calibrate import local_device
 from tensile.latency.measure import HostLoad
 from tensile_hook.movers import CudaMover
 from tensile_hook.storages import StorageSlot
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = results_dir()
 WARMUP_ROUNDS = 2
 
 

@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench_results import results_dir
 from tensile.latency.measure import HostLoad
 from tensile.trainingjob_spec import parse_spec
 from tensile_operator.claims import LEGACY, GpuAccess
@@ -46,7 +47,6 @@ from tensile_operator.forecasting import Forecaster, JobForecast
 from tensile_operator.placement import JointPlanner
 from tests.support.operator_harness import Cluster, cluster, fake_kubelet, simulated_gpu, start_operator, trainingjob
 
-ROOT = Path(__file__).resolve().parents[1]
 MODELS = [("vgg16", 1), ("gpt2", 1), ("bert_base", 1)]
 
 
@@ -367,7 +367,7 @@ def main() -> None:
     scenario = SCENARIOS[args.scenario]
     logging.basicConfig(level=logging.WARNING)
     result = asyncio.run(measure(scenario, args.jobs or scenario.jobs, args.interval, args.gpu_gib or scenario.gpu_gib))
-    out = Path(args.out or ROOT / "benchmarks" / "results" / scenario.out)
+    out = Path(args.out or results_dir() / scenario.out)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result) + f"\n(written to {out})" if scenario.joint else json.dumps(result, indent=2))
 

@@ -12,7 +12,9 @@ TENSILE peak as its budget. Co-located jobs get the product's default max swappi
 limit) or, with --max-swap-rate share, an equal share (1 / number of jobs); the mixed row is also
 run under the other rule. Writes benchmarks/results/paper_tables.json and .md.
 
-    python benchmarks/paper_tables.py [--quick] [--max-swap-rate default|share]
+    python benchmarks/paper_tables.py [--quick] [--max-swap-rate default|share] [--models vgg16,...]
+
+`--models` runs some of the five only (Table IV then mixes those): with `--quick` and one model, a smoke run's setting.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ import json
 import time
 import warnings
 from dataclasses import replace
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
+from bench_results import results_dir
 from tensile.compare import Comparison, compare
 from tensile.devices import DeviceSpec, device_preset
 from tensile.forecast import trace_workload
@@ -53,7 +55,7 @@ PAPER_HOST_LINK = 12e9  # bytes/s: PCIe 3.0 x16 with pinned memory, the lanes of
 PAPER_TABLE_IV = {"vdnn": (0.0580, 1.6297, 0.0356), "capuchin": (0.1150, 7.6545, 0.0150), "tensile": (0.1565, 1.1589, 0.1350)}
 POLICIES = ("vanilla", "vdnn", "capuchin", "tensile")
 OTHER_RULE = {"default": "share", "share": "default"}  # the two readings of the paper's max swapping rate
-RESULTS = Path(__file__).parent / "results"
+RESULTS = results_dir()
 
 
 def swap_rate(rule: str, jobs: int) -> float:
@@ -151,9 +153,9 @@ def run_tables(workloads: dict[str, Workload], device: DeviceSpec, copies: tuple
     """Table III, Fig. 6 and Table IV on one timing, co-located jobs' swapping rates by `rule`; `explain`
     adds the channel arithmetic and the per-parameter Adam run for each model below the paper's MSR.
     Table IV is also run under the other rule (`table_iv_other_rule`): the paper leaves the rate of
-    co-located jobs open, and the mixed row is where the choice shows."""
+    co-located jobs open, and the mixed row is where the choice shows. The models are the workloads' keys."""
     results: dict = {"table_iii": [], "fig_6": [], "table_iv": None}
-    for model in MODELS:
+    for model in workloads:
         progress.update(task, description=f"Table III {model}")
         case, comparison = run_case(model, [(model, workloads[model])], device)
         if case["gpu"]["tensile"]["msr"] < PAPER_TABLE_III[model]["tensile"][0]:  # below the paper: show why
@@ -162,14 +164,14 @@ def run_tables(workloads: dict[str, Workload], device: DeviceSpec, copies: tuple
                 case["per_parameter_adam"] = per_parameter_adam(model, device)
         results["table_iii"].append(case)
         progress.advance(task)
-    for model in MODELS:
+    for model in workloads:
         for n in copies:
             progress.update(task, description=f"Fig. 6 {model} x{n}")
             jobs = [(f"{model}#{i + 1}", workloads[model]) for i in range(n)]
             results["fig_6"].append(run_case(f"{model} x{n}", jobs, device, rule)[0])
             progress.advance(task)
     progress.update(task, description="Table IV mixed")
-    mixed = [(m, workloads[m]) for m in MODELS]
+    mixed = list(workloads.items())
     results["table_iv"] = run_case("mixed", mixed, device, rule)[0]
     results["table_iv_other_rule"] = run_case("mixed", mixed, device, OTHER_RULE[rule])[0]
     progress.advance(task)
@@ -181,7 +183,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="Fig. 6 with 1 and 2 copies only")
     parser.add_argument("--max-swap-rate", choices=sorted(OTHER_RULE), default="default",
                         help="co-located jobs' max swapping rate: the product's default (1.0, no limit) or an equal share (1 / jobs)")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help="comma-separated, some of the paper's five (default: all)")
     args = parser.parse_args()
+    models = [m for m in args.models.split(",") if m]
+    if unknown := sorted(set(models) - set(MODELS)):
+        parser.error(f"unknown models {unknown}; the paper's are {', '.join(MODELS)}")
     console = Console()
     device = device_preset("a6000")
     paper_device = replace(device, host_link_bandwidth=PAPER_HOST_LINK)
@@ -189,8 +196,8 @@ def main() -> None:
     started = time.perf_counter()
     copies = (1, 2) if args.quick else (1, 2, 3, 4)
     with Progress(console=console) as progress:
-        task = progress.add_task("tracing", total=len(MODELS) * (1 + 2 * (1 + len(copies))) + 2)
-        for model in MODELS:
+        task = progress.add_task("tracing", total=len(models) * (1 + 2 * (1 + len(copies))) + 2)
+        for model in models:
             workload = trace_workload(model, 16)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -202,7 +209,7 @@ def main() -> None:
                    **run_tables(workloads, device, copies, progress, task, explain=True, rule=args.max_swap_rate)}
         results["paper_platform"] = {
             "host_link_bandwidth": PAPER_HOST_LINK,
-            "vanilla_iteration_seconds": {m: paper_iteration_seconds(m) for m in MODELS},
+            "vanilla_iteration_seconds": {m: paper_iteration_seconds(m) for m in models},
             "slowdown": factors,
             **run_tables(paper_workloads, paper_device, copies, progress, task, explain=False, rule=args.max_swap_rate),
         }
@@ -368,9 +375,9 @@ def markdown(results: dict) -> str:
         "2. **The paper's platform**: the paper ran its own tinyflow-based framework, which synchronised after every op. "
         "Its Table II gives each model's prediction cost and that cost as a share of a vanilla iteration (prediction "
         "EOR), so a vanilla iteration there took: "
-        + ", ".join(f"{m} {paper['vanilla_iteration_seconds'][m]:.2f} s" for m in MODELS)
+        + ", ".join(f"{m} {seconds:.2f} s" for m, seconds in paper["vanilla_iteration_seconds"].items())
         + ". Here each model's ops are slowed evenly to that time (by "
-        + ", ".join(f"{paper['slowdown'][m]:.0f}x" for m in MODELS)
+        + ", ".join(f"{factor:.0f}x" for factor in paper["slowdown"].values())
         + f" against the prior), and copies run at PCIe 3.0 speed ({paper['host_link_bandwidth'] / 1e9:.0f} GB/s, the "
         "lanes of the paper's Xeon Silver 4210R host). Only the timing changes: same tensors, same plans' rules.",
         "",

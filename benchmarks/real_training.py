@@ -30,12 +30,12 @@ import os
 import platform
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench_results import results_dir
 from hook_overhead import empty_plan, timed_step
 from paper_tables import MODELS as PAPER_MODELS
 from paper_tables import PAPER_TABLE_III
@@ -56,7 +56,7 @@ TARGET_EOR = 1.15
 FORECAST_TARGET = 0.03  # forecast allocated and reserved peaks within 3% of measured
 MIB = 1 << 20
 FIRST_STEADY = 3  # iterations 0-1 recorded and matched, 2 aligned on the dispatch path
-RESULTS = Path(__file__).parent / "results"
+RESULTS = results_dir()
 
 
 def run(model_name: str, batch_size: int, steps: int, device: torch.device, settings: HookSettings | None = None,

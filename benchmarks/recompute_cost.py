@@ -25,12 +25,12 @@ import argparse
 import json
 import platform
 import statistics
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench_results import results_dir
 from hook_overhead import empty_plan, timed_iterations
 from tensile.latency.calibrate import local_device, torch_device
 from tensile.latency.measure import HostLoad
@@ -41,7 +41,7 @@ from tensile_hook.settings import HookSettings
 from tensile.workload import Workload
 from tensile.zoo import build_zoo_parts
 
-RESULTS = Path(__file__).parent / "results" / "recompute_cost.json"
+RESULTS = results_dir() / "recompute_cost.json"
 NO_LINK = 1e-9  # a share of the host link at which no swap hides behind compute: the planner recomputes instead
 
 
