@@ -108,7 +108,7 @@ def choose_claimed(gpus: list[Gpu], ledger: Ledger, new: Candidate, planner: Joi
         return alone
     closest = min(refusals, key=lambda d: d.shortfall_bytes)
     return Decision(None, reason=f"no GPU has room: the closest is {closest.reason}",
-                    shortfall_bytes=closest.shortfall_bytes)
+                    shortfall_bytes=closest.shortfall_bytes, planned=any(d.planned for d in refusals))
 
 
 def too_large_for_claims(gpus: list[Gpu], new: Candidate) -> Decision | None:

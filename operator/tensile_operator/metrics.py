@@ -22,6 +22,7 @@ from tensile.trainingjob_spec import PHASES
 DEFAULT_PORT = 8080
 PORT_ENV = "TENSILE_OPERATOR_METRICS_PORT"
 FORECAST_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+PLACEMENT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 log = logging.getLogger("tensile_operator.metrics")
 
 
@@ -66,6 +67,11 @@ class OperatorMetrics:
                                   "had to wait), or why refused", ["result"], registry=self.registry)
         self.forecast_seconds = Histogram("tensile_forecast_seconds", "Time to forecast a job (trace + plan; cache hits too)",
                                           buckets=FORECAST_BUCKETS, registry=self.registry)
+        # the scheduler places one job at a time: a slow decision (the joint planner's) delays every job behind it
+        self.placement_seconds = Histogram(
+            "tensile_placement_seconds", "Time to decide where a job goes or why it waits (the fit test on the GPUs it "
+            "may use); joint_plan: whether the joint planner was asked (a cache hit too)", ["joint_plan"],
+            buckets=PLACEMENT_BUCKETS, registry=self.registry)
         self._server: WSGIServer | None = None
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:

@@ -297,7 +297,8 @@ def choose(gpus: list[Gpu], ledger: Ledger, new: Candidate, planner: JointPlanne
     if alone is not None:
         return alone
     smallest = min(refusals, key=lambda d: d.shortfall_bytes)
-    return Decision(None, reason=f"no GPU has room: the closest is {smallest.reason}", shortfall_bytes=smallest.shortfall_bytes)
+    return Decision(None, reason=f"no GPU has room: the closest is {smallest.reason}", shortfall_bytes=smallest.shortfall_bytes,
+                    planned=any(d.planned for d in refusals))
 
 
 def too_large(gpus: list[Gpu], new: Candidate) -> Decision | None:

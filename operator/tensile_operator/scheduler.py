@@ -173,10 +173,14 @@ class Scheduler:
         gpus = [g for g in usable if g.uuid in free]
         dra = self.capacity.dra is not None
         alone_fits = too_large_for_claims if dra else too_large
+        started = time.perf_counter()
         decision = None if dra else fit_unchanged(gpus, self.capacity.ledger, candidate)
         if decision is None and gpus:  # the joint planner may run: off the event loop, on a snapshot of the ledger
             decision = await asyncio.to_thread(choose_claimed if dra else choose, gpus, self.capacity.snapshot(),
                                                candidate, self.planner)
+        if gpus:
+            planned = "true" if decision is not None and decision.planned else "false"
+            self.metrics.placement_seconds.labels(planned).observe(time.perf_counter() - started)
         if decision is not None and decision.gpu is not None:
             async with self._committing:
                 await self.commit(pending, decision.gpu, decision.peaks, decision.claim_bytes)

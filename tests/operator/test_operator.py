@@ -227,6 +227,41 @@ def test_forecast_failure_and_budget_only_jobs(tmp_path, forecaster):
     run(scenario())
 
 
+async def _scraped(port: int) -> dict[tuple[str, tuple], float]:
+    """The operator's /metrics as Prometheus reads them: (sample name, sorted labels) -> value."""
+    async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as r:
+        assert r.status == 200
+        families = text_string_to_metric_families(await r.text())
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_the_time_placement_takes_is_exported_by_whether_the_joint_planner_was_asked(tmp_path, forecaster):
+    """The scheduler places one job at a time, so a slow placement (the joint planner's) delays every job behind it:
+    `tensile_placement_seconds{joint_plan}` says how long each took and whether it planned. On a 1 GiB GPU one
+    DenseNet-121 at batch 4 fits at its vanilla peak (no plan); a second fits only planned together with it."""
+    async def scenario() -> None:
+        async with cluster(tmp_path) as c:
+            await c.publish_node("node-a", [simulated_gpu("GPU-a0", 1)])
+            port = _free_port()
+            op = await start_operator(forecaster, metrics_port=port)
+            try:
+                for name in ("first", "second"):
+                    await c.apply(trainingjob(name, "densenet121", 4))
+                    await c.wait(lambda: phase(c.job(name)) == "Admitted", 60, f"{name} admitted")  # noqa: B023
+                forecast = c.job("second")["status"]["forecast"]
+                assert forecast["scheduledPeakBytes"] < forecast["vanillaPeakBytes"]  # it was planned
+                samples = await _scraped(port)
+                assert {plan: samples[("tensile_placement_seconds_count", (("joint_plan", plan),))]
+                        for plan in ("false", "true")} == {"false": 1, "true": 1}
+                assert samples[("tensile_placement_seconds_sum", (("joint_plan", "true"),))] > 0
+            finally:
+                await op.stop()
+
+    run(scenario())
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
 def test_sixty_jobs_two_nodes_with_restart(tmp_path, forecaster):
