@@ -144,9 +144,9 @@ class AgentService:
             preset = preset_for(self.state.gpu(gpu).name)
             device = next((k for k, v in _presets().items() if v is preset), "cuda") if preset else "cuda"
             try:  # "prior" (uncalibrated) is reported per job in latency_source, not warned about per call
-                source = assign_latencies(workload, device)
+                source = assign_latencies(workload, device, warn=False)
             except TensileUserError:
-                source = assign_latencies(workload, "cuda")
+                source = assign_latencies(workload, "cuda", warn=False)
         return source, LatencyEWMA(workload)
 
     # ------------------------------------------------------------------ calls

@@ -25,7 +25,6 @@ import concurrent.futures
 import logging
 import sys
 import threading
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,9 +74,8 @@ def _standalone(workload: Workload, source: str, bandwidth: float, scope: PlanSc
     from tensile.peak import analyze_vanilla
     from tensile.planner import plan_job
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assign_latencies(workload, "cuda" if workload.device == "cuda" else "cpu")
+    # which source (calibrated or the prior) is the forecast's own concern, not a warning on every job
+    assign_latencies(workload, "cuda" if workload.device == "cuda" else "cpu", warn=False)
     vanilla = analyze_vanilla(workload).peak_bytes
     planned = plan_job(workload, bandwidth, activations_only=scope.activations_only, recompute=scope.recompute)
     return JobForecast(

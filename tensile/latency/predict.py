@@ -91,16 +91,17 @@ def predict_seconds(ops: Sequence[Op], model: LatencyModel | None, prior: Roofli
 
 
 def assign_latencies(workload: Workload, device: str = "cpu", model_dir: str | os.PathLike | None = None,
-                     utilization: float | None = None) -> str:
+                     utilization: float | None = None, warn: bool = True) -> str:
     """Fill op.latency (seconds) for every op; return "calibrated" or "prior" (which one was used).
 
     `device`: "cpu", "cuda" or a GPU preset name. Without a model file for it, the roofline prior is
     used and an UncalibratedWarning says how to calibrate; a model of the quick grid is used with a
-    QuickCalibrationWarning; a damaged file raises TensileUserError.
+    QuickCalibrationWarning; a damaged file raises TensileUserError. `warn=False` for a caller that reports the
+    source itself (the node agent, per job; the operator, per forecast), and would otherwise warn on every job.
     `utilization` (0..1) defaults to the GPU's current NVML reading, 0 on a CPU or without NVML.
     """
     model, path, prior = find_model(device, model_dir)
-    if model is None:
+    if warn and model is None:
         warnings.warn(
             f"no calibrated latency model for device '{device}' ({path} does not exist): op latencies come "
             f"from the roofline prior. Run `tensile calibrate --device {'cuda' if device != 'cpu' else 'cpu'}` "
@@ -108,7 +109,7 @@ def assign_latencies(workload: Workload, device: str = "cpu", model_dir: str | o
             UncalibratedWarning,
             stacklevel=2,
         )
-    elif model.meta.get("grid") == "quick":
+    elif warn and model is not None and model.meta.get("grid") == "quick":
         warnings.warn(
             f"the latency model {path} was calibrated on the quick grid (`tensile calibrate --quick`, made for tests): "
             f"its op latencies are rough. Run `tensile calibrate --device {model.kind}` for the default grid",

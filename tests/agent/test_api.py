@@ -7,6 +7,7 @@ import gzip
 import json
 import threading
 import time
+import warnings
 
 import pytest
 from tests.support.agent_harness import call, get
@@ -14,6 +15,7 @@ from tests.support.agent_harness import call, get
 from tensile import agent_client
 from tensile.agent_client import AgentClient
 from tensile.agent_contract import MAX_SMALL_BYTES, REPLAN_REASONS, ContractError, Measurements
+from tensile.latency import UncalibratedWarning
 from tensile_agent.gpus import Inventory
 from tensile_agent.server import Agent, AgentConfig
 from tensile.peak import analyze_vanilla
@@ -56,6 +58,21 @@ def test_register_plan_measure_unregister(agent_server, tiny_workload):
     assert agent_client.unregister(server.url, "ns/a", client.token)
     assert get(server.url, "/v1/jobs")[1]["jobs"] == []
     assert agent_client.unregister(server.url, "ns/a", client.token)  # gone already: fine
+
+
+def test_a_job_on_a_gpu_without_a_latency_model_says_so_in_its_view_and_warns_nobody(agent_server, tiny_workload,
+                                                                                     tmp_path, monkeypatch):
+    """Every registration on a GPU no calibrated latency model covers would warn the same UncalibratedWarning into the
+    agent's log; the job's view says which source its latencies came from instead."""
+    monkeypatch.setenv("TENSILE_HOME", str(tmp_path))  # no latency model calibrated on this machine counts
+    server = agent_server(["a6000:48GiB"])
+    with warnings.catch_warnings(record=True) as caught:  # the agent serves in a thread of this process
+        warnings.simplefilter("always")
+        client = register(server.url, tiny_workload())
+        client.wait_for_plan(30)
+    view = get(server.url, "/v1/jobs/ns/a", client.token)[1]
+    assert view["latency_source"] == "prior"
+    assert not [w for w in caught if issubclass(w.category, UncalibratedWarning)], [str(w.message) for w in caught]
 
 
 def test_safety_tokens_404_413_422(agent_server, tiny_workload):
