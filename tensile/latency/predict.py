@@ -96,8 +96,8 @@ def assign_latencies(workload: Workload, device: str = "cpu", model_dir: str | o
 
     `device`: "cpu", "cuda" or a GPU preset name. Without a model file for it, the roofline prior is
     used and an UncalibratedWarning says how to calibrate; a model of the quick grid is used with a
-    QuickCalibrationWarning; a damaged file raises TensileUserError. `warn=False` for a caller that reports the
-    source itself (the node agent, per job; the operator, per forecast), and would otherwise warn on every job.
+    QuickCalibrationWarning; a damaged file raises TensileUserError. `warn=False` for a caller that would warn on
+    every job: the node agent (its job's latency_source says the source) and the operator's forecasts.
     `utilization` (0..1) defaults to the GPU's current NVML reading, 0 on a CPU or without NVML.
     """
     model, path, prior = find_model(device, model_dir)
