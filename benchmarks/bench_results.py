@@ -13,6 +13,11 @@ COMMITTED = Path(__file__).resolve().parent / "results"
 
 
 def results_dir() -> Path:
-    """The folder named by TENSILE_BENCH_RESULTS where it is set and not empty, else benchmarks/results/."""
+    """The folder named by TENSILE_BENCH_RESULTS where it is set and not empty (made if it is not there yet), else
+    benchmarks/results/."""
     named = os.environ.get(ENVIRONMENT)
-    return Path(named) if named else COMMITTED
+    if not named:
+        return COMMITTED
+    folder = Path(named)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
