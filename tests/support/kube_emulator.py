@@ -299,11 +299,16 @@ class KubeEmulator(KubernetesEmulator):
     async def _release_claims(self, freed: bool = False) -> None:
         """Claims reserved for pods that are gone or finished are released (deallocated when none is left), and the
         unbound pods that wait for claims are scheduled again once anything was."""
-        live = {p["metadata"]["uid"] for p in self.items(PODS)
-                if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")}
-        for (res, _, _), obj in list(self.objects.items()):
-            status = (obj.raw.get("status") or {}) if res == resource(RESOURCE_CLAIMS) and not obj.deleted else {}
-            reserved = status.get("reservedFor") or []
+        # read in place, not through `items` (a deep copy of every pod, after every pod write: quadratic in the pods,
+        # and in the process of the operator under test, whose admissions waited for it)
+        claims, pods = resource(RESOURCE_CLAIMS), resource(PODS)
+        reserving = [obj for (res, _, _), obj in list(self.objects.items())
+                     if res == claims and not obj.deleted and (obj.raw.get("status") or {}).get("reservedFor")]
+        live = {o.raw["metadata"]["uid"] for (res, _, _), o in self.objects.items() if res == pods
+                and not o.deleted and (o.raw.get("status") or {}).get("phase") not in ("Succeeded", "Failed")} \
+            if reserving else set()
+        for obj in reserving:
+            reserved = obj.raw["status"]["reservedFor"]
             kept = [r for r in reserved if r.get("uid") in live]
             if len(kept) != len(reserved):
                 freed = freed or not kept
