@@ -1,8 +1,8 @@
 """Every script of benchmarks/ runs for real at its smallest setting: as a process of its own from the repository root,
 on the CPU device, into a temporary folder (TENSILE_BENCH_RESULTS, benchmarks/bench_results.py), leaving the committed
 results as they are. It must exit 0 and write results holding what its row of benchmarks/README.md reads, so that a
-script broken by a change elsewhere fails here rather than when it is run by hand or in a GPU session. The figures
-themselves are not checked: at these sizes they mean nothing. benchmarks/colocation.py has a test of its own
+script broken by a change elsewhere fails here rather than when it is run by hand or by gpu_session.sh on a GPU. The
+figures themselves are not checked: at these sizes they mean nothing. benchmarks/colocation.py has a test of its own
 (tests/local/test_colocation.py); mover_overhead.py needs CUDA: here its refusal, on a GPU a small run."""
 
 from __future__ import annotations
