@@ -44,7 +44,7 @@ PLANNER_NICE = 19  # the planning process's niceness, relative to the agent
 SLACK_CACHE = 256  # workloads whose allocator slack is kept
 
 
-def gpu_budget(state: AgentState, uuid: str, jobs: list[Job], slack: int = 0) -> int:
+def gpu_budget(state: AgentState, uuid: str, jobs: list[Job], slack: int) -> int:
     """What the planner may fill: capacity less a context per job, the caching allocator's `slack` over the planned
     jobs' tensors (their processes reserve it beside the tensors, and the operator books it), and the budgets of
     jobs it cannot plan (no workload yet); when every plannable job has a budget, at most their sum."""
@@ -350,7 +350,7 @@ class PlanningService:
 
     def _allocator_slack(self, workload: Workload) -> int:
         """What the job's caching allocator reserves over its tensors, once per workload (its vanilla replay: a few
-        ms to tens of ms). A job registered while this round was being set up has its own round next."""
+        ms to tens of ms)."""
         slack = self._slack.get(workload.signature)
         if slack is None:
             slack = allocator_slack(workload)
@@ -363,16 +363,14 @@ class PlanningService:
         with state.lock:
             if gpu not in state.inventory.gpus:
                 return
-            workloads = [j.workload for j in state.on_gpu(gpu) if j.workload is not None]
-        slack = sum(self._allocator_slack(w) for w in workloads)  # outside the lock: the model's replay of a new one
-        with state.lock:
-            if gpu not in state.inventory.gpus:
-                return
             jobs = state.on_gpu(gpu)
             plannable = [j for j in jobs if j.plannable]
-            budget = gpu_budget(state, gpu, jobs, slack)
             taken = [(job, job.incarnation, job.workload, job.ewma) for job in plannable]
             bandwidth = state.gpu(gpu).bandwidth
+        # outside the lock: the allocator model replays a workload new to this planner
+        slack = sum(self._allocator_slack(workload) for _, _, workload, _ in taken if workload is not None)
+        with state.lock:
+            budget = gpu_budget(state, gpu, jobs, slack)
         latencies_of = {}
         for job, _, _, ewma in taken:  # outside the state lock: requests never wait for this
             with job.lock:

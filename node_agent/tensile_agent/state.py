@@ -286,7 +286,7 @@ class AgentState:
                       "scheduled_peak_bytes": j.scheduled_peak, "observed_peak_bytes": j.observed.peak_bytes,
                       "observed_planned_peak_bytes": j.observed.planned_peak_bytes,
                       "observed_reserved_peak_bytes": j.observed.reserved_peak_bytes,
-                      "forecast_reserved_peak_bytes": j.allocator.reserved_peak_bytes if j.allocator else None,
+                      "forecast_reserved_peak_bytes": (r.reserved_peak_bytes if (r := j.reserved_forecast) else None),
                       "memory_budget_bytes": j.memory_budget_bytes,
                       "plan_version": j.version} for j in jobs]
         return gpu.to_dict() | {

@@ -15,19 +15,14 @@ from __future__ import annotations
 
 from tensile.admission import admitted_bytes
 from tensile.knobs import memory_text
-from tensile_operator.placement import (Booking, Candidate, Decision, Gpu, JointPlanner, Ledger, PlanEntry, matching,
-                                        process_overhead)
+from tensile_operator.placement import (Booking, Candidate, Decision, Gpu, JointPlanner, Ledger, PlanEntry, held_by,
+                                        matching, process_overhead, slack_of)
 
 
 def claim_room(gpu: Gpu, ledger: Ledger) -> int:
     """What the GPU's memory capacity has left for another claim."""
-    held = sum(b.claim_bytes if b.claim_bytes is not None else b.reserved_bytes + process_overhead(gpu, b.forecast)
-               for b in ledger.on_gpu(gpu.uuid))
+    held = sum(b.claim_bytes if b.claim_bytes is not None else held_by(gpu, b) for b in ledger.on_gpu(gpu.uuid))
     return gpu.memory_bytes - held - ledger.external(gpu)
-
-
-def _slack(new: Candidate) -> int:
-    return new.forecast.allocator_slack_bytes if new.forecast is not None else 0
 
 
 def _least(new: Candidate) -> int:
@@ -40,13 +35,13 @@ def _least(new: Candidate) -> int:
 
 def size_on(gpu: Gpu, new: Candidate, peak: int) -> int | None:
     """The claim `new` asks for on `gpu` when admitted at `peak` (None: the device takes no claim that large)."""
-    return admitted_bytes(peak, _slack(new), gpu.context_bytes, gpu.policy, gpu.memory_bytes)
+    return admitted_bytes(peak, slack_of(new.forecast), gpu.context_bytes, gpu.policy, gpu.memory_bytes)
 
 
-def claim_unplanned(gpu: Gpu, ledger: Ledger, new: Candidate) -> Decision | None:
-    """What `gpu` says of `new` without planning: it fits with the claim of its vanilla peak, or not even with that of
-    its lowest reachable peak (refused with the shortfall); None when only a plan beside its jobs can tell."""
-    room = claim_room(gpu, ledger)
+def claim_unplanned(gpu: Gpu, room: int, new: Candidate) -> Decision | None:
+    """What `gpu`, with `room` unclaimed, says of `new` without planning: it fits with the claim of its vanilla peak,
+    or not even with that of its lowest reachable peak (refused with the shortfall); None when only a plan beside its
+    jobs can tell."""
     if new.forecast is None:
         peak = new.fixed_bytes or 0
     else:
@@ -63,11 +58,10 @@ def claim_unplanned(gpu: Gpu, ledger: Ledger, new: Candidate) -> Decision | None
     return None
 
 
-def plan_claim(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
-    """Whether `new`, planned beside the jobs of `gpu` (where `claim_unplanned` cannot tell), fits the room their
+def plan_claim(gpu: Gpu, room: int, ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
+    """Whether `new`, planned beside the jobs of `gpu` (where `claim_unplanned` cannot tell), fits the `room` their
     claims leave, at which peak and with which claim."""
     assert new.forecast is not None  # a job admitted by its budget is decided unplanned
-    room = claim_room(gpu, ledger)
     entries: list[PlanEntry] = [(b.job, b.forecast, b.max_swap_rate, b.reserved_bytes)
                                 for b in ledger.on_gpu(gpu.uuid) if b.forecast is not None]
     own = room - process_overhead(gpu, new.forecast)
@@ -93,13 +87,14 @@ def choose_claimed(gpus: list[Gpu], ledger: Ledger, new: Candidate, planner: Joi
     candidates = matching(gpus, new)
     if not candidates:
         return Decision(None, reason="no GPU matches spec.gpuSelector")
-    unplanned = {g.uuid: claim_unplanned(g, ledger, new) for g in candidates}
+    rooms = {g.uuid: claim_room(g, ledger) for g in candidates}
+    unplanned = {g.uuid: claim_unplanned(g, rooms[g.uuid], new) for g in candidates}
     fitting = [d for d in unplanned.values() if d is not None and d.gpu is not None]
     if fitting:
-        return min(fitting, key=lambda d: claim_room(d.gpu, ledger) - (d.claim_bytes or 0))  # type: ignore[arg-type]
+        return min(fitting, key=lambda d: rooms[d.gpu.uuid] - (d.claim_bytes or 0))  # type: ignore[union-attr]
     refusals = [d for d in unplanned.values() if d is not None]
-    for gpu in sorted((g for g in candidates if unplanned[g.uuid] is None), key=lambda g: claim_room(g, ledger)):
-        decision = plan_claim(gpu, ledger, new, planner)
+    for gpu in sorted((g for g in candidates if unplanned[g.uuid] is None), key=lambda g: rooms[g.uuid]):
+        decision = plan_claim(gpu, rooms[gpu.uuid], ledger, new, planner)
         if decision.gpu is not None:
             return decision
         refusals.append(decision)

@@ -113,7 +113,7 @@ class DraInventory:
             node, uuid = self._identity(slice_, device)
             agent = by_uuid.get(uuid)
             size = parse_quantity(memory["value"])
-            key = (slice_["spec"]["driver"], slice_["spec"]["pool"]["name"], device["name"])
+            key = (*_pool(slice_), device["name"])
             result.append(Gpu(
                 node=node, uuid=uuid,
                 name=str(_attribute(device, self.access.attribute_domain, "productName") or ""),

@@ -76,11 +76,21 @@ def hosted_bytes(job: dict) -> int:
     return max(own, int(job.get("forecastReservedPeakBytes") or 0), int(job.get("observedReservedPeakBytes") or 0))
 
 
+def slack_of(forecast: JobForecast | None) -> int:
+    """The caching allocator's slack over a job's tensors (`JobForecast.allocator_slack_bytes`); a job admitted by its
+    budget has no forecast, and none known."""
+    return forecast.allocator_slack_bytes if forecast is not None else 0
+
+
 def process_overhead(gpu: Gpu, forecast: JobForecast | None) -> int:
     """What a job's process holds on `gpu` beyond its tensors' peak: its CUDA context (with the library workspaces)
-    and, where a forecast says it, the caching allocator's slack over the tensors (`JobForecast.allocator_slack_bytes`;
-    a job admitted by its budget has none known). A neighbour pays for both, so both are booked."""
-    return gpu.context_bytes + (forecast.allocator_slack_bytes if forecast is not None else 0)
+    and its allocator's slack (`slack_of`). A neighbour pays for both, so both are booked."""
+    return gpu.context_bytes + slack_of(forecast)
+
+
+def held_by(gpu: Gpu, booking: Booking) -> int:
+    """What a booked job's process holds on `gpu`: its booked peak and its `process_overhead`."""
+    return booking.reserved_bytes + process_overhead(gpu, booking.forecast)
 
 
 @dataclass
@@ -174,12 +184,8 @@ class Ledger:
         return [b for b in self.bookings.values() if b.gpu == uuid]
 
     def committed(self, gpu: Gpu) -> int:
-        jobs = self.on_gpu(gpu.uuid)
-        return sum(b.reserved_bytes + process_overhead(gpu, b.forecast) for b in jobs) + self.external(gpu)
-
-    def overheads(self, gpu: Gpu, new: Candidate) -> int:
-        """What the processes of the GPU's jobs and of `new` hold beyond their tensors (`process_overhead`)."""
-        return sum(process_overhead(gpu, b.forecast) for b in self.on_gpu(gpu.uuid)) + process_overhead(gpu, new.forecast)
+        """What the GPU's booked jobs' processes hold (`held_by`) and what no booking holds (`external`)."""
+        return sum(held_by(gpu, b) for b in self.on_gpu(gpu.uuid)) + self.external(gpu)
 
     def external(self, gpu: Gpu) -> int:
         """What the jobs the GPU's agent hosts and no booking holds commit (e.g. `tensile run --agent`: what it holds,
@@ -207,7 +213,8 @@ def _together(gpu: Gpu, ledger: Ledger, new: Candidate) -> tuple[list[Booking], 
     """The GPU's jobs, those of them and `new` that are planned (by forecast), and the budget those share: the GPU's
     capacity less every process's overhead, what its agent hosts and the jobs admitted by their budgets."""
     jobs = ledger.on_gpu(gpu.uuid)
-    available = gpu.capacity_bytes - ledger.overheads(gpu, new) - ledger.external(gpu)
+    overheads = sum(process_overhead(gpu, b.forecast) for b in jobs) + process_overhead(gpu, new.forecast)
+    available = gpu.capacity_bytes - overheads - ledger.external(gpu)
     fixed = sum(b.reserved_bytes for b in jobs if b.forecast is None)
     planned = [(b.job, b.forecast, b.max_swap_rate, b.budget_bytes) for b in jobs if b.forecast is not None]
     if new.forecast is None:
@@ -217,21 +224,15 @@ def _together(gpu: Gpu, ledger: Ledger, new: Candidate) -> tuple[list[Booking], 
     return jobs, planned, available - fixed
 
 
-def room_at_lowest(gpu: Gpu, ledger: Ledger, new: Candidate) -> int:
-    """What `gpu` would keep with `new` if each planned job ran at its lowest reachable peak: no joint plan keeps more
-    (co-located jobs share the copy channels), and below zero none fits. Arithmetic, no planning: `choose` tries the
-    GPUs in its order."""
-    _, planned, budget = _together(gpu, ledger, new)
-    return budget - _lowest(planned)
-
-
 def _lowest(planned: list[PlanEntry]) -> int:
     return sum(_reserve(f.min_peak_bytes, b) for _, f, _, b in planned)
 
 
-def evaluate(gpu: Gpu, ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
-    """Does `new` fit on `gpu` with the jobs already there, planned together? With which peaks?"""
-    jobs, planned, budget = _together(gpu, ledger, new)
+def evaluate(gpu: Gpu, together: tuple[list[Booking], list[PlanEntry], int], new: Candidate,
+             planner: JointPlanner) -> Decision:
+    """Does `new` fit on `gpu` with the jobs already there (`together`: `_together`'s), planned together? With which
+    peaks?"""
+    jobs, planned, budget = together
     vanilla = sum(_reserve(f.vanilla_peak_bytes, b) for _, f, _, b in planned)
     if vanilla <= budget:
         return Decision(gpu, {j: _reserve(f.vanilla_peak_bytes, b) for j, f, _, b in planned} | _fixed(jobs, new))
@@ -264,22 +265,23 @@ def matching(gpus: list[Gpu], new: Candidate) -> list[Gpu]:
 def fit_unchanged(gpus: list[Gpu], ledger: Ledger, new: Candidate) -> Decision | None:
     """Best fit among the GPUs where `new` fits at its vanilla peak with every committed peak unchanged:
     nobody pays swap time and the planner need not run (microseconds: the scheduler calls it inline)."""
-    need = new.fixed_bytes if new.forecast is None else _reserve(new.forecast.vanilla_peak_bytes, new.budget_bytes)
-    easy: list[Decision] = []
-    for gpu in gpus:
-        jobs = ledger.on_gpu(gpu.uuid)
-        available = gpu.capacity_bytes - ledger.overheads(gpu, new) - ledger.external(gpu)
-        if sum(b.reserved_bytes for b in jobs) + (need or 0) <= available:
-            easy.append(Decision(gpu, {b.job: b.reserved_bytes for b in jobs} | {new.job: need or 0}))
-    return min(easy, key=lambda d: _left(d, ledger, new)) if easy else None
+    need = (new.fixed_bytes if new.forecast is None else _reserve(new.forecast.vanilla_peak_bytes, new.budget_bytes)) or 0
+    left = {gpu.uuid: gpu.capacity_bytes - ledger.committed(gpu) - process_overhead(gpu, new.forecast) - need
+            for gpu in gpus}
+    easy = [gpu for gpu in gpus if left[gpu.uuid] >= 0]
+    if not easy:
+        return None
+    best = min(easy, key=lambda gpu: left[gpu.uuid])  # best fit: the least room kept
+    return Decision(best, {b.job: b.reserved_bytes for b in ledger.on_gpu(best.uuid)} | {new.job: need})
 
 
 def choose(gpus: list[Gpu], ledger: Ledger, new: Candidate, planner: JointPlanner) -> Decision:
-    """Best fit: among GPUs where the job fits, the one left with the least free memory.
+    """Where the job goes: best fit among the GPUs where it fits without changing anyone's plan (vanilla peaks fit),
+    else the first GPU, tightest first, where a joint plan fits.
 
-    GPUs where the job fits without changing anyone's plan (vanilla peaks fit) are preferred: they cost no job any
-    swapping time. Only when there is none does the joint planner run, and then on one GPU after another, tightest
-    first (least `room_at_lowest`), until a joint plan fits: a plan costs tenths of a second, and every job behind
+    GPUs of the first kind are preferred: they cost no job any swapping time. Only when there is none does the joint
+    planner run, and then on one GPU after another, tightest first (the least room kept were every job at its lowest
+    reachable peak: no joint plan keeps more, and below zero none fits), until a joint plan fits: a plan costs tenths of a second, and every job behind
     this one waits for it. Where none fits, every GPU has been tried, and the refusal names the closest."""
     candidates = matching(gpus, new)
     if not candidates:
@@ -287,9 +289,10 @@ def choose(gpus: list[Gpu], ledger: Ledger, new: Candidate, planner: JointPlanne
     easy = fit_unchanged(candidates, ledger, new)
     if easy is not None:
         return easy
+    together = {gpu.uuid: _together(gpu, ledger, new) for gpu in candidates}
     refusals: list[Decision] = []
-    for gpu in sorted(candidates, key=lambda g: room_at_lowest(g, ledger, new)):
-        decision = evaluate(gpu, ledger, new, planner)
+    for gpu in sorted(candidates, key=lambda g: together[g.uuid][2] - _lowest(together[g.uuid][1])):
+        decision = evaluate(gpu, together[gpu.uuid], new, planner)
         if decision.gpu is not None:
             return decision
         refusals.append(decision)
@@ -320,9 +323,3 @@ def too_large(gpus: list[Gpu], new: Candidate) -> Decision | None:
                                  f"free of {memory_text(largest.memory_bytes)} with no other job; it needs {memory_text(need)}, "
                                  f"{what}): waits for a larger GPU", shortfall_bytes=need - room, too_large=True)
 
-
-def _left(decision: Decision, ledger: Ledger, new: Candidate) -> int:
-    """The room the GPU of a decision placing `new` keeps: best fit takes the least."""
-    gpu = decision.gpu
-    assert gpu is not None
-    return gpu.capacity_bytes - ledger.overheads(gpu, new) - ledger.external(gpu) - sum(decision.peaks.values())

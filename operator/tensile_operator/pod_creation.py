@@ -17,7 +17,7 @@ from tensile_operator.claims import JobClaims
 from tensile_operator.completion import JobCompletion
 from tensile_operator.events import NORMAL, EventRecorder, Said
 from tensile_operator.kube import Conflict, Kube, KubeError, retried, transient
-from tensile_operator.placement import Booking, Gpu, process_overhead
+from tensile_operator.placement import Booking, Gpu, held_by, slack_of
 from tensile_operator.pod_state import pinned_elsewhere, started
 from tensile_operator.pods import JobTokens, build_pod, owner_of, pod_name
 from tensile_operator.statuses import JobStatuses, condition
@@ -50,8 +50,8 @@ def admitted_size(booking: Booking, gpu: Gpu | None) -> int:
     if booking.claim_bytes is not None:
         return booking.claim_bytes
     if gpu is None:
-        return booking.reserved_bytes + (booking.forecast.allocator_slack_bytes if booking.forecast else 0)
-    return booking.reserved_bytes + process_overhead(gpu, booking.forecast)
+        return booking.reserved_bytes + slack_of(booking.forecast)
+    return held_by(gpu, booking)
 
 
 class PodLauncher:

@@ -64,7 +64,7 @@ def test_agent_publishes_its_node_and_the_jobs_observations(tmp_path, tiny_workl
                              30, "the jobs' reserved forecasts")
                 gpu = committed()
                 for job in gpu["jobs"]:
-                    made = agent.agent.state.jobs[job["job"]].allocator
+                    made = agent.agent.state.jobs[job["job"]].reserved_forecast
                     assert made is not None and job["forecastReservedPeakBytes"] == made.reserved_peak_bytes > 0
                     assert dict(gpus_from_tensilenode(c.node("node-a"))[0].hosted)[job["job"]] == max(
                         job["scheduledPeakBytes"], job["forecastReservedPeakBytes"], 4_000_000)
@@ -86,6 +86,30 @@ def test_agent_publishes_its_node_and_the_jobs_observations(tmp_path, tiny_workl
                 agent.__exit__(None, None, None)
 
     asyncio.run(scenario())
+
+
+def test_the_tensilenode_publishes_a_reserved_forecast_only_for_the_current_plan(tiny_workload, monkeypatch):
+    """The operator books a hosted job by its reserved forecast: a forecast of an earlier plan version (the model
+    failed on the new plan) is published as none, as the job's view and the metrics say it, not the old figure."""
+    from tensile import agent_client
+    from tensile_agent import allocator_forecast
+
+    with ThreadedAgent(["a6000:8GiB"]) as agent:
+        client = AgentClient(agent.url, "default/placed", max_backoff=0.2)
+        assert client.register(workload=tiny_workload()) is not None and client.wait_for_plan(30).status == "planned"
+        agent.idle()
+        (job,) = tensilenode_status(agent.agent.state, agent.url)["gpus"][0]["jobs"]
+        assert job["forecastReservedPeakBytes"] > 0 and job["planVersion"] == 1
+
+        def fails(*args: object, **kwargs: object) -> tuple[int, int]:
+            raise RuntimeError("a workload the model cannot replay")
+
+        monkeypatch.setattr(allocator_forecast, "scheduled_reserved_peak", fails)
+        budget = job["vanillaPeakBytes"] // 2  # a plan of its own: a new version
+        agent_client.update_knobs(agent.url, "default/placed", client.token, {"memoryBudgetBytes": budget})
+        agent.idle()
+        (job,) = tensilenode_status(agent.agent.state, agent.url)["gpus"][0]["jobs"]
+        assert job["planVersion"] == 2 and "forecastReservedPeakBytes" not in job, job
 
 
 def status_validator(crd: str, *path: str) -> jsonschema.Draft4Validator:

@@ -494,8 +494,9 @@ def slice_of_generation(node: str, gpus: list[tuple[str, float]], generation: in
 def test_a_gpu_only_an_older_generation_of_its_pool_lists_is_gone(tmp_path, forecaster):
     """node-a's driver writes its pool's generation 2 without GPU-a0 and has not yet deleted generation 1's slice,
     which still lists it: the running job there says `GPUUnpublished` (a consumer uses each pool's newest generation
-    only), and a new job is placed on GPU-a1. Generation 3 comes in two slices; while only the one without GPU-a0 is
-    written, the pool is incomplete and nothing is said; once both are, GPU-a0 is published again. A half-written
+    only), and a new job is placed on GPU-a1. Generation 3 comes in two slices; while only the one with GPU-a0 is
+    written, the pool is incomplete and GPU-a0 is not said back (the newest complete generation, 2, lacks it); once
+    both are, it is published again. A half-written
     generation 4 without it says nothing either: the newest complete generation, 3, lists it."""
     async def scenario() -> None:
         async with cluster(tmp_path) as c:
@@ -514,11 +515,11 @@ def test_a_gpu_only_an_older_generation_of_its_pool_lists_is_gone(tmp_path, fore
                 await c.apply(trainingjob("more", None, profile="p", memoryBudget="1Gi"))
                 await c.wait(lambda: ((c.job("more") or {}).get("status") or {}).get("placement"), 20, "more placed")
                 assert c.job("more")["status"]["placement"]["gpu"] == "GPU-a1"
-                # generation 3, half written: GPU-a0 is in the slice still to come, and the pool is incomplete
-                await c.create(RESOURCE_SLICES, slice_of_generation("node-a", [("GPU-a1", 4)], 3, 0, 2))
+                # generation 3, half written: its first slice lists GPU-a0, but the pool is incomplete
+                await c.create(RESOURCE_SLICES, slice_of_generation("node-a", [("GPU-a0", 4)], 3, 0, 2))
                 await asyncio.sleep(0.5)
                 assert condition_of(c.job("run"), "NodeAvailable")["reason"] == "GPUUnpublished"
-                await c.create(RESOURCE_SLICES, slice_of_generation("node-a", [("GPU-a0", 4)], 3, 1, 2))
+                await c.create(RESOURCE_SLICES, slice_of_generation("node-a", [("GPU-a1", 4)], 3, 1, 2))
                 await c.wait(lambda: condition_of(c.job("run"), "NodeAvailable").get("reason") == "GPUPublished", 10,
                              "run: NodeAvailable GPUPublished")
                 # generation 4, half written, its first slice without GPU-a0: complete generation 3 still says

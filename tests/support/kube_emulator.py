@@ -302,11 +302,15 @@ class KubeEmulator(KubernetesEmulator):
         # read in place, not through `items` (a deep copy of every pod, after every pod write: quadratic in the pods,
         # and in the process of the operator under test, whose admissions waited for it)
         claims, pods = resource(RESOURCE_CLAIMS), resource(PODS)
-        reserving = [obj for (res, _, _), obj in list(self.objects.items())
-                     if res == claims and not obj.deleted and (obj.raw.get("status") or {}).get("reservedFor")]
-        live = {o.raw["metadata"]["uid"] for (res, _, _), o in self.objects.items() if res == pods
-                and not o.deleted and (o.raw.get("status") or {}).get("phase") not in ("Succeeded", "Failed")} \
-            if reserving else set()
+        reserving, live = [], set()
+        for (res, _, _), obj in self.objects.items():
+            if obj.deleted:  # a soft-deleted object has no raw form
+                continue
+            status = obj.raw.get("status") or {}
+            if res == claims and status.get("reservedFor"):
+                reserving.append(obj)
+            elif res == pods and status.get("phase") not in ("Succeeded", "Failed"):
+                live.add(obj.raw["metadata"]["uid"])
         for obj in reserving:
             reserved = obj.raw["status"]["reservedFor"]
             kept = [r for r in reserved if r.get("uid") in live]
