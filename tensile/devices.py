@@ -21,8 +21,9 @@ class DeviceSpec:
     flops_per_second: float  # peak rate a training step's matmuls / convolutions can reach
     memory_bandwidth: float  # bytes/s, device memory
     host_link_bandwidth: float  # bytes/s per direction, host <-> device (PCIe / NVLink-C2C)
-    # per process, not usable by tensors and not in a forecast's reserved peak: the CUDA context (outside the caching
-    # allocator) and cuDNN's workspaces (tensile.cublas_workspaces says why cuBLAS's are forecast and these are not)
+    # per process, what it holds outside PyTorch's caching allocator (the CUDA context, the kernels it loads, the
+    # libraries' handles): booked beside its reserved peak, and what a job's memory cap keeps out of its allocator's
+    # share (tensile_hook.memory_cap). cuDNN's workspaces come from the allocator's share (tensile.cublas_workspaces)
     context_bytes: int
     compute_capability_major: int = 0  # what sizes cuBLAS's workspaces (tensile.cublas_workspaces); 0: no CUDA
 
@@ -33,6 +34,23 @@ PRESETS: dict[str, DeviceSpec] = {
     "h200": DeviceSpec("NVIDIA H200", 141 * GIB, 67e12, 4.8e12, 50e9, 700 * 1024**2, 9),
     "cpu": DeviceSpec("CPU", 24 * GIB, 1.0e11, 2.0e10, 2.0e10, 0),
 }
+
+
+# per process where neither a preset nor a measurement says (the presets: 600-700 MiB)
+DEFAULT_CONTEXT_BYTES = 600 * 1024**2
+
+
+def preset_name_for(gpu_name: str) -> str | None:
+    """The short name of a GPU's preset by the name its driver (or a file named after it) gives it: "NVIDIA H100 80GB
+    HBM3" and "nvidia-h100-80gb-hbm3" are h100's, "NVIDIA GH200 480GB" h200's; None where no preset's is in it."""
+    squeezed = re.sub(r"[^a-z0-9]", "", gpu_name.lower())
+    return next((key for key in PRESETS if key != "cpu" and key in squeezed), None)
+
+
+def preset_for(gpu_name: str) -> DeviceSpec | None:
+    """The preset of a GPU by its driver's name (`preset_name_for`), or None."""
+    key = preset_name_for(gpu_name)
+    return PRESETS[key] if key is not None else None
 
 
 def device_preset(name: str) -> DeviceSpec:

@@ -217,16 +217,21 @@ PLAN_EVENTS = Knob(variable="TENSILE_PLAN_EVENTS", option="--plan-events", parse
 # which the operator's pod, `tensile local` and `tensile run --memory-cap` give its process, whose CUDA memory the
 # hook's sitecustomize caps at it (runtime_hook/tensile_hook/memory_cap.py), whether the hook then runs or not
 MEMORY_CAP = Setting("TENSILE_MEMORY_CAP", "--memory-cap", parse_memory)
+# Beside it: the part of that size admission counted for what the process holds outside PyTorch's caching allocator
+# (its GPU's per-job context: the CUDA context), which the cap keeps out of the allocator's share
+CONTEXT_BYTES = Setting("TENSILE_CONTEXT_BYTES", "--context-bytes", parse_memory)
 KNOBS: tuple[Knob[Any, Any], ...] = (MAX_SWAP_RATE, MEMORY_BUDGET, RECOMPUTE, PLAN_EVENTS)
 
 
 def knob_variables(memory_budget: str | int | None = None, max_swap_rate: float | None = None,
                    plan_events: str | None = None, recompute: bool | None = None,
-                   memory_cap: int | None = None) -> dict[str, str]:
-    """The hook's variables for a job's knobs and its memory cap, as the operator's pods, `tensile run` and `tensile
-    local` set them; one given as None is left out (the environment's value, else the hook's default, stands)."""
+                   memory_cap: int | None = None, context_bytes: int | None = None) -> dict[str, str]:
+    """The hook's variables for a job's knobs and its memory cap (with the context it counts), as the operator's pods,
+    `tensile run` and `tensile local` set them; one given as None is left out (the environment's value, else the
+    hook's default, stands)."""
     values: dict[Setting[Any], object] = {MEMORY_BUDGET: memory_budget, MAX_SWAP_RATE: max_swap_rate,
-                                          PLAN_EVENTS: plan_events, RECOMPUTE: recompute, MEMORY_CAP: memory_cap}
+                                          PLAN_EVENTS: plan_events, RECOMPUTE: recompute, MEMORY_CAP: memory_cap,
+                                          CONTEXT_BYTES: context_bytes}
     return {knob.variable: _variable_text(value) for knob, value in values.items() if value is not None}
 
 

@@ -17,12 +17,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from tensile.devices import PRESETS, DeviceSpec, parse_bytes
+from tensile.devices import DEFAULT_CONTEXT_BYTES, parse_bytes, preset_for
 from tensile.errors import TensileUserError
 
 log = logging.getLogger("tensile_agent.gpus")
 DEFAULT_HEADROOM = 0.05  # share of device memory admission leaves free
-DEFAULT_CONTEXT_BYTES = 600 * 1024**2
 DEFAULT_BANDWIDTH = 25e9
 
 
@@ -33,7 +32,7 @@ class GpuInfo:
     name: str
     memory_bytes: int
     capacity_bytes: int  # for admission: memory less the headroom (contexts are per job, below)
-    context_bytes: int  # per job: CUDA context + library workspaces
+    context_bytes: int  # per job: what its process holds outside the caching allocator (tensile.devices)
     bandwidth: float  # host link, bytes/s per direction
     simulated: bool
     compute_capability_major: int  # 0: unknown
@@ -43,14 +42,6 @@ class GpuInfo:
                 "capacity_bytes": self.capacity_bytes, "context_bytes": self.context_bytes,
                 "host_link_bandwidth": self.bandwidth, "simulated": self.simulated,
                 "compute_capability_major": self.compute_capability_major}
-
-
-def preset_for(name: str) -> DeviceSpec | None:
-    lowered = name.lower()
-    for key, spec in PRESETS.items():
-        if key != "cpu" and (key == lowered or key in lowered.replace(" ", "")):
-            return spec
-    return None
 
 
 def _make(uuid: str, index: int, name: str, memory: int, simulated: bool, headroom: float,

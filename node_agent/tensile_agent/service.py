@@ -28,6 +28,7 @@ from tensile.agent_contract import (
     RegisterResponse,
     higher,
 )
+from tensile.devices import preset_name_for
 from tensile.errors import TensileUserError
 from tensile.latency import LatencyEWMA
 from tensile.workload import Workload
@@ -35,7 +36,6 @@ from tensile.workload_io import workload_from_dict, workload_to_dict
 
 from tensile_agent.auth import LOCAL, OPERATOR, POD, Admission, Authenticator, Caller, NoCredential, RegistrationLimits
 from tensile_agent.auth import registrations_over
-from tensile_agent.gpus import preset_for
 from tensile_agent.planning import ALLOCATOR, PlanningService
 from tensile_agent.problems import Problem
 from tensile_agent.state import AgentState, Job
@@ -141,8 +141,7 @@ class AgentService:
         if not any(op.latency > 0 for op in workload.ops):
             from tensile.latency import assign_latencies
 
-            preset = preset_for(self.state.gpu(gpu).name)
-            device = next((k for k, v in _presets().items() if v is preset), "cuda") if preset else "cuda"
+            device = preset_name_for(self.state.gpu(gpu).name) or "cuda"
             try:  # "prior" (uncalibrated) is reported per job in latency_source, not warned about per call
                 source = assign_latencies(workload, device, warn=False)
             except TensileUserError:
@@ -394,12 +393,6 @@ class AgentService:
         return {"api_version": "v1", "node": self.state.node, "epoch": self.state.epoch, "started": self.state.started,
                 "gpus": len(inventory.gpus), "simulated": inventory.simulated, "reason": inventory.reason,
                 "jobs": len(self.state.jobs), "planning_idle": self.planning.idle()}
-
-
-def _presets() -> dict:
-    from tensile.devices import PRESETS
-
-    return PRESETS
 
 
 __all__ = ["AgentService", "JobRef", "Problem"]

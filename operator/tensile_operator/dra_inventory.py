@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tensile.admission import RequestPolicy, parse_quantity
+from tensile.devices import DEFAULT_CONTEXT_BYTES
 from tensile_operator.claims import GpuAccess, claim_owner
 from tensile_operator.kube import Kube
 from tensile_operator.placement import Gpu
 
-DEFAULT_CONTEXT_BYTES = 600 * 1024**2  # per process, where no agent measured it (tensile.devices' presets: 600-700 MiB)
 
 
 class DraInventory:

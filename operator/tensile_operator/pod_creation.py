@@ -10,6 +10,7 @@ from collections.abc import Coroutine
 from enum import Enum
 from typing import Any
 
+from tensile.devices import DEFAULT_CONTEXT_BYTES
 from tensile_operator import timing
 from tensile_operator.agent import NodeAgentClient
 from tensile_operator.capacity import CapacityLedger
@@ -45,13 +46,19 @@ def pod_budget(booking: Booking) -> int | None:
 
 def admitted_size(booking: Booking, gpu: Gpu | None) -> int:
     """What the job was admitted with, its process's CUDA memory cap (TENSILE_MEMORY_CAP): its claim's request in `dra`
-    mode, else its booked peak plus what its process holds beyond it (`process_overhead`; without its GPU, only the
-    allocator's slack)."""
+    mode, else its booked peak plus what its process holds beyond it (`process_overhead`; without its GPU, the
+    allocator's slack and the `context_of` a GPU no one describes)."""
     if booking.claim_bytes is not None:
         return booking.claim_bytes
     if gpu is None:
-        return booking.reserved_bytes + slack_of(booking.forecast)
+        return booking.reserved_bytes + slack_of(booking.forecast) + context_of(None)
     return held_by(gpu, booking)
+
+
+def context_of(gpu: Gpu | None) -> int:
+    """The part of a job's admitted size counted for what its process holds outside the caching allocator
+    (TENSILE_CONTEXT_BYTES, which its memory cap keeps out of the allocator's share): its GPU's per-job context."""
+    return gpu.context_bytes if gpu is not None else DEFAULT_CONTEXT_BYTES
 
 
 class PodLauncher:
@@ -126,7 +133,7 @@ class PodLauncher:
         signature = booking.forecast.signature if booking.forecast else None
         pod = build_pod(body, booking.node, booking.gpu, gpu.agent if gpu else None,
                         pod_budget(booking), booking.max_swap_rate, signature, self.image, booking.plan_events,
-                        booking.recompute, claim, memory_cap=admitted_size(booking, gpu))
+                        booking.recompute, claim, memory_cap=admitted_size(booking, gpu), context_bytes=context_of(gpu))
         namespace, name = meta["namespace"], pod["metadata"]["name"]
         await self.admit(booking, gpu, meta.get("uid", ""))
 

@@ -115,9 +115,11 @@ class JobTokens:
 
 def hook_env(job: str, gpu_uuid: str, agent: str | None, budget: int | None,
              max_swap_rate: float | None, signature: str | None, existing_path: str | None, plan_events: str,
-             recompute: bool, visible_devices: bool = True, memory_cap: int | None = None) -> list[dict]:
+             recompute: bool, visible_devices: bool = True, memory_cap: int | None = None,
+             context_bytes: int | None = None) -> list[dict]:
     """`visible_devices`: the GPU named by environment variables (legacy mode; with a claim, the driver does it);
-    `memory_cap`: the job's admitted size, its process's CUDA memory cap (TENSILE_MEMORY_CAP)."""
+    `memory_cap`: the job's admitted size, its process's CUDA memory cap (TENSILE_MEMORY_CAP), of which `context_bytes`
+    were counted for what the process holds outside its caching allocator (TENSILE_CONTEXT_BYTES)."""
     env = {
         "TENSILE_JOB": job,
         "TENSILE_GPU": gpu_uuid,
@@ -126,7 +128,7 @@ def hook_env(job: str, gpu_uuid: str, agent: str | None, budget: int | None,
         # the budget and rate it was admitted with, the events admission planned with (the hook's own plans and its
         # agent's keep to the same) and spec.scheduling.recompute (the hook registers with it, so the agent plans
         # without recomputes from the start)
-        **knob_variables(budget, max_swap_rate, plan_events, recompute, memory_cap),  # memory_cap: its admitted size
+        **knob_variables(budget, max_swap_rate, plan_events, recompute, memory_cap, context_bytes),
         "PYTHONPATH": os.pathsep.join(p for p in (f"{HOOK_MOUNT}/site", f"{HOOK_MOUNT}/lib", existing_path) if p),
     }
     if agent:
@@ -138,9 +140,11 @@ def hook_env(job: str, gpu_uuid: str, agent: str | None, budget: int | None,
 
 def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, budget: int | None,
               max_swap_rate: float | None, signature: str | None, image: str = DEFAULT_IMAGE, plan_events: str = "auto",
-              recompute: bool = True, claim: str | None = None, memory_cap: int | None = None) -> dict:
+              recompute: bool = True, claim: str | None = None, memory_cap: int | None = None,
+              context_bytes: int | None = None) -> dict:
     """The pod manifest for the TrainingJob `body` placed on (node, gpu_uuid); with `claim`, its GPU is that
-    ResourceClaim's (the pod names no node and no device). `memory_cap`: its process's CUDA memory cap."""
+    ResourceClaim's (the pod names no node and no device). `memory_cap`: its process's CUDA memory cap, of which
+    `context_bytes` are its context's (`hook_env`)."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     template = copy.deepcopy(body["spec"].get("template") or {})
@@ -165,7 +169,7 @@ def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, budget: i
     for container in spec.get("containers") or []:
         existing = next((e.get("value") for e in container.get("env") or [] if e.get("name") == "PYTHONPATH"), None)
         ours = hook_env(job, gpu_uuid, agent, budget, max_swap_rate, signature, existing, plan_events, recompute,
-                        visible_devices=claim is None, memory_cap=memory_cap)
+                        visible_devices=claim is None, memory_cap=memory_cap, context_bytes=context_bytes)
         if claim is not None:
             resources = container.setdefault("resources", {})
             others = [c for c in resources.get("claims") or [] if c.get("name") != CLAIM]

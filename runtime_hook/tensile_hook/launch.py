@@ -12,7 +12,7 @@ from tensile.agent_client import Http
 from tensile.agent_contract import GPU_PATTERN
 from tensile.allocator import expandable_segments_setting
 from tensile.errors import TensileUserError
-from tensile.knobs import knob_variables
+from tensile.knobs import CONTEXT_BYTES, MEMORY_CAP, knob_variables
 from tensile.workload_io import load_workload
 from tensile_hook.settings import HookSettings
 
@@ -22,13 +22,16 @@ SITE_DIR = Path(__file__).parent / "site"  # its sitecustomize switches the hook
 def hook_variables(*, memory_budget: str | None = None, workload: str | None = None, plan: str | None = None,
                    agent: str | None = None, token: str | None = None, gpu: str | None = None,
                    max_swap_rate: float | None = None, report: str | None = None, plan_events: str | None = None,
-                   recompute: bool = True, memory_cap: int | None = None) -> dict[str, str]:
+                   recompute: bool = True, memory_cap: int | None = None,
+                   context_bytes: int | None = None) -> dict[str, str]:
     """The TENSILE_* variables of these settings. One not given (None, empty) is left out, and recompute is set
     only when off: the environment's value, else the hook's default, stands. `memory_cap`: the bytes the job was
-    admitted with, its process's CUDA memory cap (tensile_hook.memory_cap)."""
+    admitted with, its process's CUDA memory cap, of which `context_bytes` were counted for its CUDA context
+    (tensile_hook.memory_cap)."""
     named = {"TENSILE_WORKLOAD": workload, "TENSILE_PLAN": plan, "TENSILE_AGENT": agent, "TENSILE_TOKEN": token,
              "TENSILE_GPU": gpu, "TENSILE_REPORT": report}
-    knobs = knob_variables(memory_budget, max_swap_rate, plan_events, None if recompute else False, memory_cap)
+    knobs = knob_variables(memory_budget, max_swap_rate, plan_events, None if recompute else False, memory_cap,
+                           context_bytes)
     return {name: value for name, value in (named | knobs).items() if value}
 
 
@@ -67,5 +70,8 @@ def check_environment(env: Mapping[str, str], checked: Collection[str] = ()) -> 
                 load_plan_files(settings)
             elif settings.workload_path:
                 load_workload(settings.workload_path)
+        for setting in (MEMORY_CAP, CONTEXT_BYTES):  # read by the cap (tensile_hook.memory_cap), before the hook
+            if setting.variable not in checked:
+                setting.from_environment(env, None)
     except (ValueError, TensileUserError) as exc:
         raise TensileUserError(f"{exc} (set in the environment: fix or unset it)") from None

@@ -253,7 +253,8 @@ def memory_cap_outcome(data: Mapping[str, Any], totals: RunTotals) -> str | None
     cap = data.get("memory_cap")
     if cap:
         off = " with the hook stood down" if data.get("stood_down") else ""
-        said.append(f"CUDA memory capped at {memory_text(cap['cap_bytes'])}{off}")
+        said.append(f"CUDA memory capped at {memory_text(cap['cap_bytes'])} ({memory_text(cap['allocator_bytes'])} "
+                    f"for its caching allocator){off}")
     if totals.out_of_memory_retries:
         said.append(f"{totals.out_of_memory_retries} out-of-memory errors turned into passive evictions and retried")
     return "; ".join(said) or None

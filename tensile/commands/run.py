@@ -23,7 +23,7 @@ from tensile.commands import output_file
 from tensile.console import print_note
 from tensile.errors import TensileUserError
 from tensile.trace_choices import DEFAULT_BATCH_SIZE, DTYPE_NAMES, OPTIMIZER_NAMES
-from tensile.knobs import MAX_SWAP_RATE, MEMORY_BUDGET, MEMORY_CAP, PLAN_EVENTS, RECOMPUTE
+from tensile.knobs import CONTEXT_BYTES, MAX_SWAP_RATE, MEMORY_BUDGET, MEMORY_CAP, PLAN_EVENTS, RECOMPUTE
 from tensile.training_command import local_command
 from tensile.plan import PLAN_EVENTS as PLAN_EVENT_CHOICES, load_plan
 from tensile_hook.launch import check_environment, hook_environment, hook_variables
@@ -67,6 +67,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help=f"cap the command's CUDA memory at this ({MEMORY_CAP.variable}: e.g. 12Gi, what it was "
                              "admitted with), also where the hook stands down: past it the job gets an out-of-memory "
                              "error of its own, which the hook turns into evictions where it can")
+    parser.add_argument(CONTEXT_BYTES.option, metavar="BYTES",
+                        help=f"with {MEMORY_CAP.option}: what of it the process holds outside PyTorch's caching "
+                             f"allocator, its CUDA context ({CONTEXT_BYTES.variable}); the allocator gets the rest. "
+                             "Default: the GPU preset's by the device's name (600-700 MiB), else 600 MiB")
     parser.add_argument("--report", help="write the hook's JSON report here")
     parser.add_argument("--keep-files", action="store_true",
                         help="keep the run's own files (without --report, the hook's report; with --model, the traced "
@@ -98,6 +102,15 @@ def _check(args: argparse.Namespace) -> list[str]:
         MAX_SWAP_RATE.from_option(str(args.max_swap_rate))
     if args.memory_cap is not None:
         args.memory_cap = MEMORY_CAP.from_option(args.memory_cap)
+    if args.context_bytes is not None:
+        if args.memory_cap is None:
+            raise TensileUserError(f"{CONTEXT_BYTES.option} is the part of {MEMORY_CAP.option} kept for the CUDA "
+                                   f"context: give {MEMORY_CAP.option} too")
+        args.context_bytes = CONTEXT_BYTES.from_option(args.context_bytes)
+        if args.context_bytes >= args.memory_cap:
+            raise TensileUserError(f"{CONTEXT_BYTES.option} ({args.context_bytes:,} bytes) leaves nothing of "
+                                   f"{MEMORY_CAP.option} ({args.memory_cap:,} bytes) for the caching allocator: give a "
+                                   "larger cap or a smaller context")
     if args.agent:
         try:
             Http(args.agent)  # the client's own check of the URL, before the hook in the child meets it
@@ -181,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     variables = hook_variables(memory_budget=args.memory_budget, workload=args.workload, plan=args.plan,
                                agent=args.agent, token=args.token, gpu=args.gpu, max_swap_rate=args.max_swap_rate,
                                report=args.report, plan_events=args.plan_events, recompute=args.recompute,
-                               memory_cap=args.memory_cap)
+                               memory_cap=args.memory_cap, context_bytes=args.context_bytes)
     env = hook_environment(args.job, variables)
     # before --model's tracing and its files, which stand in for the environment's: a bad setting is refused before
     # anything is done or made

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from tensile.devices import PRESETS, DeviceSpec
+from tensile.devices import PRESETS, DeviceSpec, preset_name_for
 from tensile.errors import TensileUserError
 from tensile.latency.prior import Roofline
 from tensile.latency.store import SUFFIX, default_model_dir, slug
@@ -79,11 +79,8 @@ def gpu_utilization(index: int = 0) -> float | None:
 
 
 def _preset_for(name: str) -> str:
-    key = slug(name)
-    for short, spec in PRESETS.items():
-        if short != "cpu" and (slug(spec.name) == key or short in key.split("-")):
-            return short
-    return DEFAULT_CUDA_PRESET
+    """The preset a GPU's latencies are predicted with where it is not calibrated: its own, else the default."""
+    return preset_name_for(name) or DEFAULT_CUDA_PRESET
 
 
 def _cuda_files(model_dir: Path) -> list[Path]:

@@ -113,17 +113,19 @@ def unreachable_budget(run: JobRun) -> str | None:
     return f"BudgetUnreachable: {spec.budget_field} {text}"
 
 
-def job_environment(run: JobRun, agent_url: str, credential_path: str, admitted: int) -> dict[str, str]:
+def job_environment(run: JobRun, agent_url: str, credential_path: str, admitted: int,
+                    context: int) -> dict[str, str]:
     """The environment the job runs in: this process's, with the hook switched on and told what `tensile run` would
     be (the local agent and the file of its credential, the budget the job was admitted with, its knobs, where to
-    write its report) and its CUDA memory capped at its `admitted` size."""
+    write its report) and its CUDA memory capped at its `admitted` size, `context` of it counted for its process's
+    CUDA context (outside the caching allocator)."""
     from tensile_hook.launch import hook_environment, hook_variables
 
     spec = run.job.spec
     variables = hook_variables(memory_budget=str(run.demand) if run.demand else None, agent=agent_url,
                                workload=str(run.workload_path) if run.workload_path else None, report=str(run.report),
                                max_swap_rate=spec.max_swap_rate, plan_events=spec.plan_events, recompute=spec.recompute,
-                               memory_cap=admitted)
+                               memory_cap=admitted, context_bytes=context)
     return hook_environment(run.name, variables) | {"TENSILE_TOKEN_FILE": credential_path}
 
 
@@ -241,7 +243,8 @@ class LocalRunner:
     def _start(self, run: JobRun) -> None:
         run.report = job_report(self.reports, run.name)
         run.log = job_log(self.reports, run.name)
-        env = job_environment(run, self.agent.url, self.agent.credential_path, self.admission.need(run))
+        env = job_environment(run, self.agent.url, self.agent.credential_path, self.admission.need(run),
+                              self.admission.context)
         with open(run.log, "wb") as log:
             try:
                 run.process = subprocess.Popen(run.job.command, env=env, stdout=log, stderr=subprocess.STDOUT,

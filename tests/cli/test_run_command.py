@@ -466,12 +466,31 @@ def test_tensile_run_refuses_a_memory_cap_that_is_no_size(capsys):
     assert "--memory-cap: 'lots' is not a memory size" in " ".join(capsys.readouterr().err.split())
 
 
+@pytest.mark.parametrize("options, said", [
+    (["--context-bytes", "700Mi"], "--context-bytes is the part of --memory-cap kept for the CUDA context: give "
+                                   "--memory-cap too"),
+    (["--memory-cap", "1Gi", "--context-bytes", "1Gi"], "--context-bytes (1,073,741,824 bytes) leaves nothing of "
+                                                        "--memory-cap (1,073,741,824 bytes) for the caching allocator"),
+    (["--memory-cap", "1Gi", "--context-bytes", "some"], "--context-bytes: 'some' is not a memory size")])
+def test_tensile_run_refuses_a_context_without_a_cap_or_as_large_as_it(capsys, options, said):
+    assert main(["run", *options, "--", sys.executable, "-c", "pass"]) == 2
+    assert said in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_cap_in_the_environment_that_is_no_size_is_refused_before_the_command_starts(capsys, monkeypatch):
+    """The cap's variables are read by sitecustomize, which would print a line and leave the job uncapped."""
+    monkeypatch.setenv("TENSILE_CONTEXT_BYTES", "much")
+    assert main(["run", "--", sys.executable, "-c", "pass"]) == 2
+    assert "TENSILE_CONTEXT_BYTES: 'much' is not a memory size" in " ".join(capsys.readouterr().err.split())
+
+
 @pytest.mark.slow
 def test_tensile_run_gives_the_command_its_memory_cap_and_expandable_segments(capfd, monkeypatch, tmp_path):
     """The cap reaches the command's sitecustomize as TENSILE_MEMORY_CAP (bytes); the allocator setting gains
     expandable segments beside the user's own."""
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
-    probe = "import os; print(os.environ['TENSILE_MEMORY_CAP'], os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
-    assert main(["run", "--memory-cap", "64Mi", "--report", str(tmp_path / "r.json"), "--",
+    probe = ("import os; print(os.environ['TENSILE_MEMORY_CAP'], os.environ['TENSILE_CONTEXT_BYTES'], "
+             "os.environ['PYTORCH_CUDA_ALLOC_CONF'])")
+    assert main(["run", "--memory-cap", "64Mi", "--context-bytes", "16Mi", "--report", str(tmp_path / "r.json"), "--",
                  sys.executable, "-c", probe]) == 0
-    assert f"{64 * 2**20} max_split_size_mb:128,expandable_segments:True" in capfd.readouterr().out
+    assert f"{64 * 2**20} {16 * 2**20} max_split_size_mb:128,expandable_segments:True" in capfd.readouterr().out

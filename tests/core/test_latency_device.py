@@ -8,9 +8,11 @@ from tensile.latency import device
 
 
 @pytest.mark.parametrize("name, preset", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA RTX A6000", "a6000"),
-                                          ("NVIDIA H200", "h200")])
+                                          ("NVIDIA H200", "h200"), ("NVIDIA GH200 480GB", "h200"),
+                                          ("NVIDIA L40S", device.DEFAULT_CUDA_PRESET)])
 def test_a_gpu_machine_forecasts_with_its_gpus_preset(monkeypatch, name, preset):
-    """Its latencies, host link and compute capability (what sizes cuBLAS's workspaces) are that GPU's."""
+    """Its latencies, host link and compute capability (what sizes cuBLAS's workspaces) are that GPU's, found by the
+    same rule the node agent finds its GPUs' presets by (tensile.devices.preset_name_for)."""
     monkeypatch.setattr(device, "gpu_name", lambda index=0: name)
     assert device.forecast_preset("cuda") == preset
 

@@ -123,7 +123,8 @@ def test_under_an_older_pytorch_the_training_runs_without_the_hook_and_says_why(
 def test_sitecustomize_caps_cuda_memory_whether_the_hook_runs_or_stands_down(monkeypatch, capsys, tmp_path: Path,
                                                                               stands_down: str | None) -> None:
     """A job the hook does not carry ran unguarded beside its neighbours: its CUDA memory is capped at its admitted
-    size (TENSILE_MEMORY_CAP) before the hook starts and whatever it then does, and its report says so."""
+    size (TENSILE_MEMORY_CAP, its allocator at that less its context, TENSILE_CONTEXT_BYTES) before the hook starts
+    and whatever it then does, and its report says so."""
     from tests.support.recording_cuda import GIB, RecordingCuda
 
     from tensile_hook import lifecycle
@@ -139,7 +140,8 @@ def test_sitecustomize_caps_cuda_memory_whether_the_hook_runs_or_stands_down(mon
 
     monkeypatch.setattr(lifecycle, "activate_from_env", activate_from_env)
     report = tmp_path / "report.json"
-    for name, value in (("TENSILE_JOB", "capped"), ("TENSILE_MEMORY_CAP", "20Gi"), ("TENSILE_REPORT", str(report))):
+    for name, value in (("TENSILE_JOB", "capped"), ("TENSILE_MEMORY_CAP", "20Gi"), ("TENSILE_CONTEXT_BYTES", "4Gi"),
+                        ("TENSILE_REPORT", str(report))):
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("RANK", raising=False)
     if stands_down == "several processes":
@@ -147,14 +149,16 @@ def test_sitecustomize_caps_cuda_memory_whether_the_hook_runs_or_stands_down(mon
     else:
         monkeypatch.delenv("WORLD_SIZE", raising=False)
     _sitecustomize(starts=True)
-    assert cuda.calls == [("device", 0), ("set_per_process_memory_fraction", 0.25, 0, 0)]
+    assert cuda.calls == [("device", 0), ("set_per_process_memory_fraction", 0.2, 0, 0)]
     said = capsys.readouterr().err
     if stands_down is None:
         assert [cap.cap_bytes for cap in started] == [20 * GIB] and not report.exists() and said == ""
         return
-    assert started == [] and "CUDA memory of device 0 capped at 20,480 MiB (25.0% of its 81,920 MiB" in said, said
+    assert started == [] and ("CUDA memory of device 0 capped at 20,480 MiB: its caching allocator at 16,384 MiB "
+                              "(20.0% of its 81,920 MiB), 4,096 MiB kept for its context") in said, said
     data = json.loads(report.read_text())
-    assert data["memory_cap"] == {"cap_bytes": 20 * GIB, "device": 0, "device_bytes": 80 * GIB, "fraction": 0.25}
+    assert data["memory_cap"] == {"cap_bytes": 20 * GIB, "context_bytes": 4 * GIB, "allocator_bytes": 16 * GIB,
+                                  "device": 0, "device_bytes": 80 * GIB, "fraction": 0.2}
     why = "2 processes" if stands_down == "several processes" else "the plan file is unreadable"
     assert why in data["stood_down"]
     assert data["iterations"] == [] and data["device"] == "cuda:0"
@@ -168,8 +172,9 @@ def test_an_active_hook_reports_the_cap_it_was_started_under(monkeypatch) -> Non
     for variable in ("TENSILE_AGENT", "TENSILE_PLAN", "TENSILE_WORKLOAD", "TENSILE_REPORT"):
         monkeypatch.delenv(variable, raising=False)
     try:
-        executor = lifecycle.activate_from_env(MemoryCap(2**30, 0, 2**32, 0.25))
-        assert executor.report.memory_cap == {"cap_bytes": 2**30, "device": 0, "device_bytes": 2**32, "fraction": 0.25}
+        executor = lifecycle.activate_from_env(MemoryCap(2**30, 2**28, 3 * 2**28, 0, 2**32, 0.1875))
+        assert executor.report.memory_cap == {"cap_bytes": 2**30, "context_bytes": 2**28, "allocator_bytes": 3 * 2**28,
+                                              "device": 0, "device_bytes": 2**32, "fraction": 0.1875}
         assert executor.report.stood_down is None
     finally:
         lifecycle.deactivate()

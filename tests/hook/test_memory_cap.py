@@ -7,24 +7,46 @@ import pytest
 import torch
 from tests.support.recording_cuda import RecordingCuda
 
+from tensile.devices import DEFAULT_CONTEXT_BYTES, PRESETS
 from tensile_hook.memory_cap import cap_memory
 from tensile_hook.report import HookReport, RunTotals, memory_cap_outcome
 
 GIB = 2**30
 
 
-def test_the_cap_is_the_admitted_size_as_a_share_of_the_devices_memory():
+def test_the_allocator_is_capped_at_the_admitted_size_less_the_context_as_a_share_of_the_devices_memory():
+    """The fraction caps only the caching allocator; the CUDA context is held beside it, so the allocator gets the
+    admitted size less the context admission counted, and the process as a whole stays within its admission."""
     cuda = RecordingCuda()
-    cap = cap_memory(cuda, {"TENSILE_MEMORY_CAP": "20Gi"})
+    cap = cap_memory(cuda, {"TENSILE_MEMORY_CAP": "20Gi", "TENSILE_CONTEXT_BYTES": "4Gi"})
     assert cap is not None
-    assert (cap.cap_bytes, cap.device, cap.device_bytes, cap.fraction) == (20 * GIB, 0, 80 * GIB, 0.25)
-    assert cuda.calls == [("device", 0), ("set_per_process_memory_fraction", 0.25, 0, 0)]
+    assert (cap.cap_bytes, cap.context_bytes, cap.allocator_bytes) == (20 * GIB, 4 * GIB, 16 * GIB)
+    assert (cap.device, cap.device_bytes, cap.fraction) == (0, 80 * GIB, 0.2)
+    assert cuda.calls == [("device", 0), ("set_per_process_memory_fraction", 0.2, 0, 0)]
+
+
+@pytest.mark.parametrize("name, context", [("NVIDIA H100 80GB HBM3", PRESETS["h100"].context_bytes),
+                                           ("NVIDIA RTX A6000", PRESETS["a6000"].context_bytes),
+                                           ("NVIDIA L40S", DEFAULT_CONTEXT_BYTES)])
+def test_without_a_context_given_the_devices_preset_says_it_else_the_default(name, context):
+    """`tensile run --memory-cap` by hand names no context: the GPU's preset, found by the device's name, says it."""
+    cuda = RecordingCuda(name=name)
+    cap = cap_memory(cuda, {"TENSILE_MEMORY_CAP": "20Gi"})
+    assert cap is not None and cap.context_bytes == context and cap.allocator_bytes == 20 * GIB - context
+    assert cuda.calls[-1] == ("set_per_process_memory_fraction", (20 * GIB - context) / (80 * GIB), 0, 0)
+
+
+def test_a_cap_no_larger_than_the_context_is_refused_naming_both_and_nothing_is_set():
+    cuda = RecordingCuda()
+    with pytest.raises(ValueError, match="TENSILE_MEMORY_CAP .*TENSILE_CONTEXT_BYTES"):
+        cap_memory(cuda, {"TENSILE_MEMORY_CAP": "512Mi", "TENSILE_CONTEXT_BYTES": "512Mi"})
+    assert not any(call[0] == "set_per_process_memory_fraction" for call in cuda.calls)
 
 
 def test_a_process_a_launcher_numbers_caps_its_own_device_with_it_current():
     """Set with device 0 current, a torchrun job's eight processes each made a CUDA context on GPU 0."""
     cuda = RecordingCuda(devices=4)
-    cap = cap_memory(cuda, {"TENSILE_MEMORY_CAP": str(8 * GIB), "LOCAL_RANK": "2"})
+    cap = cap_memory(cuda, {"TENSILE_MEMORY_CAP": str(9 * GIB), "TENSILE_CONTEXT_BYTES": str(GIB), "LOCAL_RANK": "2"})
     assert cap is not None and cap.device == 2
     assert cuda.calls == [("device", 2), ("set_per_process_memory_fraction", 0.1, 2, 2)]
 
@@ -56,12 +78,14 @@ def test_an_out_of_memory_error_the_guard_retries_is_counted_and_said(planless):
 
     planless.residency.run_op(out_of_memory_once, (torch.zeros(4),), {})
     assert planless.state.stats.out_of_memory_retries == 1 and planless.state.stats.passive_evictions == 1
-    report = HookReport("job", "cuda:0", memory_cap={"cap_bytes": 20 * GIB, "device": 0, "device_bytes": 80 * GIB,
-                                                     "fraction": 0.25})
+    report = HookReport("job", "cuda:0", memory_cap={"cap_bytes": 20 * GIB, "context_bytes": 4 * GIB,
+                                                     "allocator_bytes": 16 * GIB, "device": 0,
+                                                     "device_bytes": 80 * GIB, "fraction": 0.2})
     report.add(planless.state.stats)
     data = report.to_dict()
-    assert memory_cap_outcome(data, RunTotals.of(data)) == ("CUDA memory capped at 20,480 MiB; 1 out-of-memory errors "
-                                                            "turned into passive evictions and retried")
+    assert memory_cap_outcome(data, RunTotals.of(data)) == ("CUDA memory capped at 20,480 MiB (16,384 MiB for its "
+                                                            "caching allocator); 1 out-of-memory errors turned into "
+                                                            "passive evictions and retried")
 
 
 def test_a_report_without_a_cap_or_a_retry_says_nothing_of_them():

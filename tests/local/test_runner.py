@@ -249,15 +249,16 @@ def test_a_jobs_plan_events_and_recompute_reach_its_forecast_and_its_hook(tmp_pa
         "  template:", "  scheduling:\n    planEvents: native\n  template:"))
     job = load_job(path)
     assert job.spec.plan_events == "native"
-    assert job_environment(JobRun(job), "http://127.0.0.1:1", "/dev/null", MIB)["TENSILE_PLAN_EVENTS"] == "native"
+    assert job_environment(JobRun(job), "http://127.0.0.1:1", "/dev/null", MIB, 0)["TENSILE_PLAN_EVENTS"] == "native"
     annotated = path.read_text().replace("metadata:\n", "metadata:\n  annotations:\n    tensile.dev/plan-events: all\n")
     path.write_text(annotated)
     assert load_job(path).spec.plan_events == "all"
     plain = load_job(_write(tmp_path, "plain"))
     assert plain.spec.plan_events == "auto" and plain.spec.recompute
-    assert "TENSILE_RECOMPUTE" not in job_environment(JobRun(plain), "http://127.0.0.1:1", "/dev/null", MIB)
+    assert "TENSILE_RECOMPUTE" not in job_environment(JobRun(plain), "http://127.0.0.1:1", "/dev/null", MIB, 0)
     path.write_text(annotated.replace("metadata:\n  annotations:\n", "metadata:\n  annotations:\n    tensile.dev/recompute: \"off\"\n"))
-    assert job_environment(JobRun(load_job(path)), "http://127.0.0.1:1", "/dev/null", MIB)["TENSILE_RECOMPUTE"] == "false"
+    env = job_environment(JobRun(load_job(path)), "http://127.0.0.1:1", "/dev/null", MIB, 0)
+    assert env["TENSILE_RECOMPUTE"] == "false"
 
 
 def test_a_jobs_annotations_override_its_budget_and_swap_rate_as_in_the_cluster(tmp_path):
@@ -459,8 +460,9 @@ def test_a_job_is_admitted_by_what_its_allocator_reserves_and_capped_at_it(tmp_p
     held = JobRun(run.job, demand=30 * MIB, summary=summary | {"memory_budget_bytes": 30 * MIB})
     assert admission.need(held) == 47 * MIB  # tensors held to 30, the allocator's 12 over them, 5 context
     assert [r.name for r in admission.admit([run, held], [])] == ["reserving"]  # 104 MiB together: one waits
-    env = job_environment(run, "http://127.0.0.1:1", "/dev/null", admission.need(run))
+    env = job_environment(run, "http://127.0.0.1:1", "/dev/null", admission.need(run), admission.context)
     assert env["TENSILE_MEMORY_CAP"] == str(57 * MIB) and env["TENSILE_MEMORY_BUDGET"] == str(40 * MIB)
+    assert env["TENSILE_CONTEXT_BYTES"] == str(5 * MIB)  # the cap's part for the CUDA context: the allocator gets 52
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     profile = JobRun(run.job, demand=20 * MIB)  # admitted by its budget: no forecast
     assert admission.need(profile) == 25 * MIB

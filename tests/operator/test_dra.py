@@ -14,10 +14,10 @@ from tests.support.operator_harness import Cluster, cluster, fake_kubelet, phase
 from tests.support.operator_scenarios import running
 
 from tensile.admission import GIB, MIB, admitted_bytes, parse_quantity
+from tensile.devices import DEFAULT_CONTEXT_BYTES
 from tensile_operator import timing
 from tensile_operator.app import OperatorApp
 from tensile_operator.claims import GpuAccess
-from tensile_operator.dra_inventory import DEFAULT_CONTEXT_BYTES
 
 pytestmark = pytest.mark.cluster
 KUBERNETES = ("1.36.0", "1.37.0")

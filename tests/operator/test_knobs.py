@@ -231,6 +231,34 @@ def test_a_pod_caps_its_cuda_memory_and_expands_segments_beside_the_users_alloca
     assert [e["name"] for e in pod["spec"]["containers"][1]["env"]].count("PYTORCH_CUDA_ALLOC_CONF") == 1
 
 
+def test_a_pods_cap_counts_its_gpus_context_apart_and_its_caching_allocator_gets_the_rest():
+    """The cap the hook sets limits only the caching allocator; the CUDA context is held beside it. The pod says which
+    part of its admitted size its GPU's context is (TENSILE_CONTEXT_BYTES), so the allocator is capped at the rest
+    and the process, context included, holds no more than it was admitted with. A job whose GPU is gone by then is
+    given the default context, on top of what it was booked with."""
+    from tests.support.recording_cuda import RecordingCuda
+
+    from tensile.devices import DEFAULT_CONTEXT_BYTES
+    from tensile_hook.memory_cap import cap_memory
+    from tensile_operator.pod_creation import admitted_size, context_of
+
+    gpu = Gpu(node="node-a", uuid="GPU-a0", name="g", memory_bytes=10 * GIB, capacity_bytes=10 * GIB,
+              context_bytes=GIB // 2)
+    booking = Booking("default/x", gpu.uuid, gpu.node, 2 * GIB, budget_bytes=2 * GIB)  # by its budget: no slack
+    assert (admitted_size(booking, gpu), context_of(gpu)) == (2 * GIB + GIB // 2, GIB // 2)
+    assert (admitted_size(booking, None), context_of(None)) == (2 * GIB + DEFAULT_CONTEXT_BYTES, DEFAULT_CONTEXT_BYTES)
+    body = trainingjob("x", None, profile="p", memoryBudget="2Gi")
+    body["metadata"] |= {"namespace": "default", "uid": "u-x"}
+    pod = build_pod(body, "node-a", "GPU-a0", None, 2 * GIB, None, None, memory_cap=admitted_size(booking, gpu),
+                    context_bytes=context_of(gpu))
+    env = pod_env(pod)
+    assert (env["TENSILE_MEMORY_CAP"], env["TENSILE_CONTEXT_BYTES"]) == (str(2 * GIB + GIB // 2), str(GIB // 2))
+    cuda = RecordingCuda(total=10 * GIB)
+    cap = cap_memory(cuda, env)
+    assert cap is not None and cap.allocator_bytes == 2 * GIB
+    assert cuda.calls[-1] == ("set_per_process_memory_fraction", 0.2, 0, 0)
+
+
 # ---- 6. a job no GPU can hold ----------------------------------------------------------------------------------
 
 def test_a_job_larger_than_every_gpu_is_said_to_fit_none_even_alone(forecaster):

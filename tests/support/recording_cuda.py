@@ -11,10 +11,12 @@ GIB = 2**30
 
 
 class RecordingCuda:
-    """torch.cuda as far as the cap uses it: `devices` devices of `total` bytes, the calls recorded in order."""
+    """torch.cuda as far as the cap uses it: `devices` devices of `total` bytes named `name`, the calls recorded in
+    order."""
 
-    def __init__(self, devices: int = 1, total: int = 80 * GIB, available: bool = True) -> None:
-        self.devices, self.total, self.available = devices, total, available
+    def __init__(self, devices: int = 1, total: int = 80 * GIB, available: bool = True,
+                 name: str = "NVIDIA H100 80GB HBM3") -> None:
+        self.devices, self.total, self.available, self.name = devices, total, available, name
         self.calls: list[tuple] = []
         self.current = 0
 
@@ -35,7 +37,7 @@ class RecordingCuda:
         self.current = before
 
     def get_device_properties(self, index: int) -> SimpleNamespace:
-        return SimpleNamespace(total_memory=self.total)
+        return SimpleNamespace(total_memory=self.total, name=self.name)
 
     def set_per_process_memory_fraction(self, fraction: float, device: int) -> None:
         self.calls.append(("set_per_process_memory_fraction", fraction, device, self.current))
