@@ -31,7 +31,7 @@ log = logging.getLogger("tensile_agent.allocator_forecast")
 POD_EXPANDABLE_SEGMENTS = expandable_segments_in({})
 
 
-def allocator_settings(job: Job, gpu: GpuInfo) -> tuple[bool, int]:
+def allocator_settings_of(job: Job, gpu: GpuInfo) -> tuple[bool, int]:
     """(expandable segments, one cuBLAS workspace's bytes) of the job's process: what its hook said, else assumed."""
     expandable = POD_EXPANDABLE_SEGMENTS if job.expandable_segments is None else job.expandable_segments
     if job.cublas_workspace_bytes is not None:
@@ -48,7 +48,7 @@ def refresh_forecasts(state: AgentState, gpu: str, bandwidth: float,
     info = state.gpu(gpu)
     for job, incarnation, version, plan, workload in planned:
         with state.lock:
-            settings = allocator_settings(job, info)
+            settings = allocator_settings_of(job, info)
             made = job.allocator
         if made is not None and made.is_for(incarnation, version, settings):
             continue
@@ -59,5 +59,5 @@ def refresh_forecasts(state: AgentState, gpu: str, bandwidth: float,
             continue
         with state.lock:
             if (state.jobs.get(job.key) is job and (job.incarnation, job.version) == (incarnation, version)
-                    and allocator_settings(job, info) == settings):
+                    and allocator_settings_of(job, info) == settings):
                 job.allocator = AllocatorForecast(incarnation, version, *settings, reserved, allocated)

@@ -27,7 +27,7 @@ from tensile.agent_client import AgentClient, AgentError
 from tensile.agent_contract import FAILED, MAX_OP_SAMPLES, ContractError, Measurements, PlanResponse
 from tensile.knobs import budget_bytes, memory_text
 from tensile.plan import Plan, plan_from_data, plan_problems, rebind, summary
-from tensile_hook.allocator_settings import allocator_settings
+from tensile_hook.allocator_settings import allocator_settings, training_device
 from tensile_hook.latency_samples import OpSamples
 from tensile_hook.plan_book import Planner
 from tensile_hook.report import HookReport, IterationStats
@@ -78,6 +78,7 @@ class AgentLink:
         # model under no_grad); registered, it held the job's name under a token the agent gave it, and the training's
         # own registration was refused (403)
         self._trains = False
+        self._device: int | None = None  # the CUDA device the training thread works on, once it trains
         self._first_call: RemovableHandle | None = None
         self._registering = False  # a registration went out (or was tried), which the exit undoes
         self._matched: bool | None = None  # the forecast workload's signature against the live one, to report
@@ -126,8 +127,10 @@ class AgentLink:
         handle, self._first_call = self._first_call, None
         if handle is not None:
             handle.remove()
+        device = training_device()
         with self._lock:
             self._trains = True
+            self._device = device
             self._lock.notify_all()
 
     def _register_forecast(self, workload: Workload) -> None:
@@ -420,7 +423,7 @@ class AgentLink:
             # the operator gives every pod it places a token; a job without one came by itself. The agent
             # plans with the events this hook's own planner would use (on CUDA, what the native path carries), and
             # forecasts what the process reserves with its allocator's settings
-            expandable, workspace = allocator_settings(todo.workload.device, self.environ)
+            expandable, workspace = allocator_settings(todo.workload.device, self.environ, self._device)
             self.client.register(workload=todo.workload, memory_budget_bytes=todo.budget,
                                  max_swap_rate=self.settings.max_swap_rate, recompute=self.settings.recompute,
                                  external=self.settings.token is None,

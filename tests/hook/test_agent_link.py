@@ -135,6 +135,19 @@ def test_the_registration_tells_the_agent_whether_the_allocator_expands_its_segm
     assert (forecast["expandable_segments"], forecast["cublas_workspace_bytes"]) == sent
 
 
+def test_the_workspace_is_sized_by_the_device_the_training_thread_works_on(agent_server, tiny_workload, monkeypatch):
+    """CUDA's current device is per thread: the link's own thread would read device 0, an A6000 here, where the
+    training works on device 1, an H100 (a stand-in for torch.cuda says which thread asks)."""
+    trainer = threading.get_ident()
+    capability = {0: (8, 6), 1: (9, 0)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1 if threading.get_ident() == trainer else 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda device=None: capability[torch.cuda.current_device() if device is None else device])
+    sent, _ = _registered_allocator(agent_server().url, "ns/second-gpu", {}, tiny_workload())
+    assert sent == (False, 32 * 2**20)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_jobs_registration_carries_its_cublas_workspace_size(agent_server, tiny_workload):
