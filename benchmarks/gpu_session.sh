@@ -8,15 +8,17 @@
 # items_logs.tar.gz at the end): the CUDA tests' log, the five
 # models' real training (MSR from max_memory_allocated, EOR, bit-identity), `tensile run --model`'s report, the
 # hook's overhead (a log and, where there is one, a JSON file each), several jobs on the GPU at once (alone, capped at
-# declared shares, under Tensile: a JSON file and its plot), and this script's own log: the device, each item's exit
-# status, seconds and last lines. Commit the JSON files under
+# declared shares, under Tensile: a JSON file and its plot), what a process holds outside its caching allocator and
+# whether the memory cap holds it to its admitted size (a JSON file), and this script's own log: the device, each
+# item's exit status, seconds and last lines. Commit the JSON files under
 # benchmarks/results/ (named by the device) and update benchmarks/README.md.
 #
-# Settings (environment): PYTHON (python3), ITEMS (which items, in order: tests real_training run_model
+# Settings (environment): PYTHON (python3), ITEMS (which items, in order: context tests real_training run_model
 # hook_overhead colocation), MODELS (real_training's, comma-separated; the paper's five by default), BATCH (16),
-# COLOC_JOBS (colocation's MODEL@BATCH,...; its own default by device), and each item's timeout in seconds: TESTS_S
-# (120), REAL_S (140), RUN_S (45), OVERHEAD_S (75), COLOC_S (150): 530 s in all. On a machine without CUDA the same
-# script runs on the CPU device (the CUDA tests skip; colocation needs about 180 s there: COLOC_S=240):
+# COLOC_JOBS (colocation's MODEL@BATCH,...; its own default by device), and each item's timeout in seconds: CONTEXT_S
+# (25), TESTS_S (105), REAL_S (140), RUN_S (45), OVERHEAD_S (75), COLOC_S (150): 540 s in all. On a machine without
+# CUDA the same script runs on the CPU device (the CUDA tests skip, `context` refuses; colocation needs about 180 s
+# there: COLOC_S=240):
 #   MODELS=resnet50 BATCH=2 OUT=/tmp/gs PYTHON=.venv/bin/python bash benchmarks/gpu_session.sh
 set -uo pipefail
 R=$(cd "$(dirname "$0")/.." && pwd)
@@ -26,7 +28,7 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # the items that run from /tmp write
 PYTHON=${PYTHON:-python3}
 # made absolute: the tests run from /tmp
 case $PYTHON in */*) PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")" ;; esac
-ITEMS=${ITEMS:-tests real_training run_model hook_overhead colocation}
+ITEMS=${ITEMS:-context tests real_training run_model hook_overhead colocation}
 BATCH=${BATCH:-16}
 export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-160}  # rich's tables, unfolded in the logs
 LOG="$OUT/session.log"
@@ -66,8 +68,11 @@ fresh() {  # the results file an item wrote in this call (the folder holds earli
 
 for name in $ITEMS; do
     case $name in
+        context)  # first, on a device no item has used yet
+            item cuda_context "${CONTEXT_S:-25}" "$PYTHON" benchmarks/cuda_context.py
+            fresh cuda_context ;;
         tests)  # `-m`, from outside the repository
-            item cuda_tests "${TESTS_S:-120}" bash -c "cd /tmp && '$PYTHON' -m pytest -q -p no:cacheprovider \
+            item cuda_tests "${TESTS_S:-105}" bash -c "cd /tmp && '$PYTHON' -m pytest -q -p no:cacheprovider \
                 '$R/tests/hook/test_movers_cuda.py' '$R/tests/core/test_latency_cuda.py' \
                 '$R/tests/hook/test_cuda.py'" ;;
         real_training)
@@ -86,7 +91,7 @@ for name in $ITEMS; do
             item colocation "${COLOC_S:-150}" "$PYTHON" benchmarks/colocation.py ${COLOC_JOBS:+--jobs "$COLOC_JOBS"}
             fresh colocation
             find "$RESULTS" -name "colocation*.png" -newer "$STARTED" -exec cp {} "$OUT/" \; ;;
-        *) say "unknown item '$name' (known: tests real_training run_model hook_overhead colocation)" ;;
+        *) say "unknown item '$name' (known: context tests real_training run_model hook_overhead colocation)" ;;
     esac
 done
 # at most 8 files come back: the items' logs travel as one archive (their last lines are in session.log)

@@ -3,7 +3,8 @@ on the CPU device, into a temporary folder (TENSILE_BENCH_RESULTS, benchmarks/be
 results as they are. It must exit 0 and write results holding what its row of benchmarks/README.md reads, so that a
 script broken by a change elsewhere fails here rather than when it is run by hand or by gpu_session.sh on a GPU. The
 figures themselves are not checked: at these sizes they mean nothing. benchmarks/colocation.py has a test of its own
-(tests/local/test_colocation.py); mover_overhead.py needs CUDA: here its refusal, on a GPU a small run."""
+(tests/local/test_colocation.py); mover_overhead.py and cuda_context.py need CUDA: here their refusal, on a GPU a
+small run."""
 
 from __future__ import annotations
 
@@ -80,11 +81,15 @@ SMOKES = [
     Smoke("recompute_cost", ("--batch-size", "1", "--steps", "4", "--device", "cpu"), ("recompute_cost.json",),
           (("rows", EVERY, "seconds"), ("rows", EVERY, "hook_seconds"), ("rows", EVERY, "events_per_iteration"))),
 ]
-MOVER = Smoke("mover_overhead",
-              ("--rounds", "1", "--storages", "2", "--min-mib", "1", "--max-mib", "2", "--small-ops", "2"),
-              ("mover_overhead_*.json",),
-              (("rows", EVERY, "mover", "median_us"), ("rows", EVERY, "bare_copy", "median_us"),
-               ("bit_identical", "mover")))
+CUDA_ONLY = [  # here: their refusal; on a GPU, a small run
+    Smoke("mover_overhead",
+          ("--rounds", "1", "--storages", "2", "--min-mib", "1", "--max-mib", "2", "--small-ops", "2"),
+          ("mover_overhead_*.json",),
+          (("rows", EVERY, "mover", "median_us"), ("rows", EVERY, "bare_copy", "median_us"),
+           ("bit_identical", "mover"))),
+    Smoke("cuda_context", ("--cap", "1GiB"), ("cuda_context_*.json",),
+          (("outside_allocator_bytes",), ("booked_context_bytes",), ("cap", "process_bytes"), ("cap", "within_cap"))),
+]
 
 
 def run_script(script: str, args: tuple[str, ...], out: Path) -> subprocess.CompletedProcess:
@@ -137,15 +142,17 @@ def test_the_script_runs_at_its_smallest_setting_and_writes_what_its_readme_row_
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_mover_overhead_runs_small_on_a_gpu(tmp_path: Path) -> None:
-    smoke_run(MOVER, tmp_path)
+@pytest.mark.parametrize("smoke", CUDA_ONLY, ids=lambda smoke: smoke.id)
+def test_a_cuda_only_script_runs_small_on_a_gpu(smoke: Smoke, tmp_path: Path) -> None:
+    smoke_run(smoke, tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_the_mover_overhead_says_it_needs_cuda_where_there_is_none(tmp_path: Path) -> None:
+@pytest.mark.parametrize("smoke", CUDA_ONLY, ids=lambda smoke: smoke.id)
+def test_a_cuda_only_script_says_it_needs_cuda_where_there_is_none(smoke: Smoke, tmp_path: Path) -> None:
     """Its only path without CUDA: its options, then a refusal that names the cause, and no file written."""
-    assert run_script(MOVER.script, ("--help",), tmp_path).returncode == 0
-    done = run_script(MOVER.script, MOVER.args, tmp_path)
+    assert run_script(smoke.script, ("--help",), tmp_path).returncode == 0
+    done = run_script(smoke.script, smoke.args, tmp_path)
     assert done.returncode == 1 and "no CUDA device is visible" in done.stderr, done.stderr[-2000:]
     assert not list(tmp_path.iterdir())
 
@@ -153,7 +160,7 @@ def test_the_mover_overhead_says_it_needs_cuda_where_there_is_none(tmp_path: Pat
 def test_every_benchmark_script_has_a_smoke_run() -> None:
     """A new script gets a smoke run here (or a test of its own, named in TESTED_ELSEWHERE)."""
     scripts = {path.stem for path in BENCHMARKS.glob("*.py")} - {"bench_results"}
-    smoked = {smoke.script for smoke in [*SMOKES, MOVER]}
+    smoked = {smoke.script for smoke in [*SMOKES, *CUDA_ONLY]}
     assert scripts == smoked | set(TESTED_ELSEWHERE)
     assert all(path.exists() for path in TESTED_ELSEWHERE.values())
 
