@@ -46,11 +46,11 @@ def pod_budget(booking: Booking) -> int | None:
 def admitted_size(booking: Booking, gpu: Gpu | None) -> int:
     """What the job was admitted with, its process's CUDA memory cap (TENSILE_MEMORY_CAP): its claim's request in `dra`
     mode, else its booked peak plus what its process holds beyond it (`process_overhead`; without its GPU, only the
-    allocator's slack)."""
+    allocator's slack, with the largest cuBLAS workspaces a GPU may give: never below what it was booked with)."""
     if booking.claim_bytes is not None:
         return booking.claim_bytes
     if gpu is None:
-        return booking.reserved_bytes + slack_of(booking.forecast)
+        return booking.reserved_bytes + slack_of(booking.forecast, None)
     return held_by(gpu, booking)
 
 
