@@ -17,8 +17,7 @@
 # hook_overhead colocation), MODELS (real_training's, comma-separated; the paper's five by default), BATCH (16),
 # COLOC_JOBS (colocation's MODEL@BATCH,...; its own default by device), and each item's timeout in seconds: CONTEXT_S
 # (25), TESTS_S (105), REAL_S (140), RUN_S (45), OVERHEAD_S (75), COLOC_S (150): 540 s in all. On a machine without
-# CUDA the same script runs on the CPU device (the CUDA tests skip, `context` refuses; colocation needs about 180 s
-# there: COLOC_S=240):
+# CUDA the same script runs on the CPU device (the CUDA tests skip, `context` refuses), in about 3.5 minutes:
 #   MODELS=resnet50 BATCH=2 OUT=/tmp/gs PYTHON=.venv/bin/python bash benchmarks/gpu_session.sh
 set -uo pipefail
 R=$(cd "$(dirname "$0")/.." && pwd)
@@ -62,6 +61,7 @@ item() {  # NAME SECONDS COMMAND...: one item under its timeout, its status and 
 }
 
 RESULTS=${TENSILE_BENCH_RESULTS:-benchmarks/results}  # where the benchmarks write (benchmarks/bench_results.py)
+mkdir -p "$RESULTS"
 fresh() {  # the results file an item wrote in this call (the folder holds earlier devices' files too)
     find "$RESULTS" -name "$1*.json" -newer "$STARTED" -exec cp {} "$OUT/" \;
 }

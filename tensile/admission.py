@@ -1,9 +1,10 @@
 """The GPU memory a job is admitted with, and so asks Kubernetes for (a ResourceClaim's `capacity.requests.memory`).
 
 One number, from one function (`admitted_bytes`): the job's scheduled peak as the CUDA caching allocator would reserve
-it (the peak its tensors hold plus what the allocator keeps beyond them, `allocator_slack`), plus the per-process CUDA
-context and library workspaces, rounded up to what the device's request policy accepts (`RequestPolicy`). Admission
-books it, the claim requests it, and `tensile render` prints it.
+it (the peak its tensors hold plus what the allocator keeps beyond them, `allocator_slack`, cuBLAS's workspaces
+included), plus the per-process CUDA context and what the libraries hold outside the allocator, rounded up to what
+the device's request policy accepts (`RequestPolicy`). Admission books it, the claim requests it, and `tensile render`
+prints it.
 
 The request policy follows Kubernetes' consumable capacity (KEP-5075, resource.k8s.io/v1 `DeviceCapacity`): a
 request without an amount consumes the policy's default (without one, the whole capacity); `validValues` rounds up to
@@ -17,7 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tensile.allocator import reserved_peak
+from tensile.cublas_workspaces import cublas_workspaces
 from tensile.knobs import parse_memory
+from tensile.peak import analyze_vanilla
 from tensile.workload import Workload
 
 GIB = 1024**3
@@ -89,14 +92,18 @@ class RequestPolicy:
         return amount
 
 
-def allocator_slack(workload: Workload) -> int:
+def allocator_slack(workload: Workload, workspace_bytes: int) -> int:
     """What the caching allocator reserves beyond the tensors' peak, for the vanilla run with expandable segments (the
-    pod's default allocator setting): its segments' rounding and fragmentation. Added to a scheduled peak, it is that
-    peak as the allocator would reserve it. Zero on the CPU device, whose allocator caches nothing."""
+    pod's default allocator setting) and cuBLAS's workspaces of `workspace_bytes` each (tensile.cublas_workspaces;
+    the GPU's `booked_workspace_bytes`): its segments' rounding and fragmentation, and the workspaces, which the
+    process holds beside its tensors from its first matmuls on and which no other booked figure counts. Added to a
+    scheduled peak, it is that peak as the allocator would reserve it. Measured from the tensors' own peak
+    (Algorithm 1's vanilla peak), not from the replay's requested peak, which holds the workspaces too. Zero on the
+    CPU device, whose allocator caches nothing and which has no cuBLAS."""
     if workload.device != "cuda":
         return 0
-    peaks = reserved_peak(workload, expandable_segments=True)
-    return max(0, peaks.reserved_peak_bytes - peaks.requested_peak_bytes)
+    peaks = reserved_peak(workload, expandable_segments=True, workspaces=cublas_workspaces(workload, workspace_bytes))
+    return max(0, peaks.reserved_peak_bytes - analyze_vanilla(workload).peak_bytes)
 
 
 def admitted_bytes(scheduled_peak: int, slack: int, context: int, policy: RequestPolicy | None = None,

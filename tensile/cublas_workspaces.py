@@ -32,6 +32,7 @@ WORKSPACE_CONFIG = "CUBLAS_WORKSPACE_CONFIG"
 LARGE_WORKSPACE_MAJORS = (9, 10, 12)  # compute capability majors whose default workspace is 32 MiB
 LARGE_WORKSPACE_BYTES = 4096 * 8 * KIB  # :4096:8
 SMALL_WORKSPACE_BYTES = 4096 * 2 * KIB + 16 * 8 * KIB  # :4096:2:16:8
+DEFAULT_WORKSPACE_SIZES = (SMALL_WORKSPACE_BYTES, LARGE_WORKSPACE_BYTES)  # what `booked_workspace_bytes` returns
 _PAIR = re.compile(r":([0-9]+):([0-9]+)")
 
 # aten ops that run a cuBLAS or cuBLASLt matmul on CUDA (linear, matmul and einsum reach these as they decompose)
@@ -52,6 +53,16 @@ def cublas_workspace_bytes(compute_capability_major: int, environ: Mapping[str, 
     if not pairs:
         return default
     return sum(int(size) * KIB * int(count) for size, count in pairs)
+
+
+def booked_workspace_bytes(compute_capability_major: int) -> int:
+    """The size of one cuBLAS workspace Tensile books for a job on a GPU of this compute capability (0: unknown): the
+    default environment's (`cublas_workspace_bytes(major, {})`), since admission sizes a job before its process
+    starts and does not read a pod's own CUBLAS_WORKSPACE_CONFIG; on a GPU whose compute capability is unknown, the
+    largest default size, so that no job is booked below what its process may hold."""
+    if compute_capability_major <= 0:
+        return max(DEFAULT_WORKSPACE_SIZES)
+    return cublas_workspace_bytes(compute_capability_major, {})
 
 
 def thread_of(op: Op) -> str:

@@ -28,6 +28,7 @@ from typing import Any
 
 from tensile.admission import allocator_slack
 from tensile.agent_contract import FAILED, PLANNED
+from tensile.cublas_workspaces import booked_workspace_bytes
 from tensile.lru import Lru
 from tensile.plan import Plan
 from tensile.plan_update import DEFAULT_THRESHOLD, drifted
@@ -41,13 +42,14 @@ log = logging.getLogger("tensile_agent.planning")
 # a request's reason that asks for no round: a job's allocator's settings changed, its reserved forecast is made again
 ALLOCATOR = "allocator"
 PLANNER_NICE = 19  # the planning process's niceness, relative to the agent
-SLACK_CACHE = 256  # workloads whose allocator slack is kept
+SLACK_CACHE = 256  # (workload, workspace size) pairs whose allocator slack is kept
 
 
 def gpu_budget(state: AgentState, uuid: str, jobs: list[Job], slack: int) -> int:
     """What the planner may fill: capacity less a context per job, the caching allocator's `slack` over the planned
-    jobs' tensors (their processes reserve it beside the tensors, and the operator books it), and the budgets of
-    jobs it cannot plan (no workload yet); when every plannable job has a budget, at most their sum."""
+    jobs' tensors with the GPU's cuBLAS workspaces (their processes reserve it beside the tensors, and the operator
+    books it), and the budgets of jobs it cannot plan (no workload yet); when every plannable job has a budget, at
+    most their sum."""
     gpu = state.gpu(uuid)
     fixed = sum(j.memory_budget_bytes or 0 for j in jobs if not j.plannable)
     available = gpu.capacity_bytes - gpu.context_bytes * len(jobs) - slack - fixed
@@ -222,7 +224,8 @@ class PlanningService:
         self.threshold = threshold
         self.on_round = on_round
         self.planner = planner
-        self._slack: Lru[str, int] = Lru(SLACK_CACHE)  # workload signature -> tensile.admission.allocator_slack
+        # (workload signature, one cuBLAS workspace's bytes) -> tensile.admission.allocator_slack
+        self._slack: Lru[tuple[str, int], int] = Lru(SLACK_CACHE)
         self._dirty: OrderedDict[str, set[str]] = OrderedDict()
         self._cv = threading.Condition()
         self._busy: str | None = None
@@ -348,13 +351,15 @@ class PlanningService:
         refresh_forecasts(state, gpu, bandwidth, planned)
         state.changed.set()
 
-    def _allocator_slack(self, workload: Workload) -> int:
-        """What the job's caching allocator reserves over its tensors, once per workload (its vanilla replay: a few
-        ms to tens of ms)."""
-        slack = self._slack.get(workload.signature)
+    def _allocator_slack(self, workload: Workload, workspace_bytes: int) -> int:
+        """What the job's caching allocator reserves over its tensors with cuBLAS workspaces of `workspace_bytes` (the
+        GPU's booked size, as the operator books it), once per workload and size (its vanilla replay: a few ms to
+        tens of ms)."""
+        key = (workload.signature, workspace_bytes)
+        slack = self._slack.get(key)
         if slack is None:
-            slack = allocator_slack(workload)
-            self._slack.put(workload.signature, slack)
+            slack = allocator_slack(workload, workspace_bytes)
+            self._slack.put(key, slack)
         return slack
 
     def plan_round(self, gpu: str, reasons: set[str]) -> None:
@@ -366,9 +371,10 @@ class PlanningService:
             jobs = state.on_gpu(gpu)
             plannable = [j for j in jobs if j.plannable]
             taken = [(job, job.incarnation, job.workload, job.ewma) for job in plannable]
-            bandwidth = state.gpu(gpu).bandwidth
+            info = state.gpu(gpu)
+            bandwidth, workspace = info.bandwidth, booked_workspace_bytes(info.compute_capability_major)
         # outside the lock: the allocator model replays a workload new to this planner
-        slack = sum(self._allocator_slack(workload) for _, _, workload, _ in taken if workload is not None)
+        slack = sum(self._allocator_slack(workload, workspace) for _, _, workload, _ in taken if workload is not None)
         with state.lock:
             budget = gpu_budget(state, gpu, jobs, slack)
         latencies_of = {}

@@ -35,7 +35,7 @@ def _least(new: Candidate) -> int:
 
 def size_on(gpu: Gpu, new: Candidate, peak: int) -> int | None:
     """The claim `new` asks for on `gpu` when admitted at `peak` (None: the device takes no claim that large)."""
-    return admitted_bytes(peak, slack_of(new.forecast), gpu.context_bytes, gpu.policy, gpu.memory_bytes)
+    return admitted_bytes(peak, slack_of(new.forecast, gpu), gpu.context_bytes, gpu.policy, gpu.memory_bytes)
 
 
 def claim_unplanned(gpu: Gpu, room: int, new: Candidate) -> Decision | None:
@@ -133,7 +133,7 @@ def knobs_outgrow_claim(booking: Booking, gpu: Gpu | None, max_swap_rate: float 
     lowest = min(forecast.vanilla_peak_bytes, planned.forecast_of("job").scheduled_peak_bytes)
     if booking.budget_bytes is not None:
         lowest = min(lowest, booking.budget_bytes)
-    need = admitted_bytes(lowest, forecast.allocator_slack_bytes, gpu.context_bytes, gpu.policy)
+    need = admitted_bytes(lowest, slack_of(forecast, gpu), gpu.context_bytes, gpu.policy)
     if need is None or need <= booking.claim_bytes:
         return None
     return (f"with these knobs the job needs at least {memory_text(need)}, more than its ResourceClaim "

@@ -2,10 +2,11 @@
 
 Read fresh (three LISTs) before each scheduling pass and every RESYNC_SECONDS, the ResourceSlices also as their
 watch delivers them (a GPU its driver withdraws is noticed at once, not at the next pass): a device's UUID, node,
-memory capacity and request policy from the ResourceSlices of the drivers the configured DeviceClass selects; the
-memory every allocated ResourceClaim consumes on it (`status.allocation.devices.results[].consumedCapacity`),
-Tensile's and everyone else's; and the agents' view from the TensileNodes (their address, per-process context and
-host-link bandwidth, the jobs they host).
+memory capacity, request policy and compute capability (NVIDIA's `cudaComputeCapability`) from the ResourceSlices
+of the drivers the configured DeviceClass selects; the memory every allocated ResourceClaim consumes on it
+(`status.allocation.devices.results[].consumedCapacity`), Tensile's and everyone else's; and the agents' view from
+the TensileNodes (their address, per-process context, host-link bandwidth and compute capability, the jobs they
+host).
 What makes the cluster unable to take any claim is said as a `problem` for every waiting job: a DeviceClass that does
 not exist, or GPUs that publish no memory capacity.
 """
@@ -102,7 +103,9 @@ class DraInventory:
                 if _attribute(d, self.access.attribute_domain, "uuid")]
 
     def gpus(self, agents: Mapping[str, list[Gpu]]) -> list[Gpu]:
-        """Every shared GPU with a memory capacity, with what claims consume of it and its agent's view of it."""
+        """Every shared GPU with a memory capacity, with what claims consume of it and its agent's view of it. Its
+        compute capability (what sizes the cuBLAS workspaces its jobs are booked with) is its driver's
+        `cudaComputeCapability` attribute, else its agent's figure, else unknown."""
         consumed = self._consumed()
         by_uuid = {g.uuid: g for gpus in agents.values() for g in gpus}
         result = []
@@ -114,6 +117,7 @@ class DraInventory:
             agent = by_uuid.get(uuid)
             size = parse_quantity(memory["value"])
             key = (*_pool(slice_), device["name"])
+            major = _major(_attribute(device, self.access.attribute_domain, "cudaComputeCapability"))
             result.append(Gpu(
                 node=node, uuid=uuid,
                 name=str(_attribute(device, self.access.attribute_domain, "productName") or ""),
@@ -122,7 +126,8 @@ class DraInventory:
                 simulated=agent.simulated if agent else False,
                 **({"bandwidth": agent.bandwidth} if agent else {}),
                 agent=agent.agent if agent else None, hosted=agent.hosted if agent else (),
-                policy=RequestPolicy.from_capacity(memory), claimed=tuple(consumed.get(key, ()))))
+                policy=RequestPolicy.from_capacity(memory), claimed=tuple(consumed.get(key, ())),
+                compute_capability_major=major or (agent.compute_capability_major if agent else 0)))
         return result
 
     def _consumed(self) -> dict[tuple[str, str, str], list[tuple[str, int]]]:
@@ -157,3 +162,10 @@ def _attribute(device: Mapping, domain: str, name: str) -> object:
     attributes = device.get("attributes") or {}
     entry = attributes.get(f"{domain}/{name}") or attributes.get(name)
     return next(iter(entry.values())) if entry else None
+
+
+def _major(version: object) -> int:
+    """The major number of a `cudaComputeCapability` attribute (a version, "9.0.0"); 0 where it is absent or malformed
+    (unknown: its jobs are booked with the largest cuBLAS workspaces)."""
+    major = version.split(".", 1)[0].strip() if isinstance(version, str) else ""
+    return int(major) if major.isdecimal() else 0

@@ -25,10 +25,12 @@ import concurrent.futures
 import logging
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from tensile.admission import allocator_slack
+from tensile.cublas_workspaces import DEFAULT_WORKSPACE_SIZES
 from tensile.lru import Lru
 from tensile_operator.heap import freeze_long_lived
 from tensile.trainingjob_spec import PlanScope, WorkloadSpec
@@ -54,9 +56,10 @@ class JobForecast:
     predicted_iteration_seconds: float
     source: str  # "traced" or "profile"
     scope: PlanScope  # the events it was planned with, as the job's hook will plan
-    # what the caching allocator reserves beyond the tensors' peak (tensile.admission.allocator_slack): made with the
-    # forecast, off the event loop, since placement reads it inline
-    allocator_slack_bytes: int
+    # what the caching allocator reserves beyond the tensors' peak (tensile.admission.allocator_slack), by the size of
+    # one cuBLAS workspace, for each size a GPU may book (tensile.cublas_workspaces.DEFAULT_WORKSPACE_SIZES;
+    # placement.slack_of picks the GPU's): made with the forecast, off the event loop, since placement reads it inline
+    allocator_slack_bytes: Mapping[int, int]
 
     def to_status(self) -> dict:
         return {
@@ -86,7 +89,7 @@ def _standalone(workload: Workload, source: str, bandwidth: float, scope: PlanSc
         predicted_iteration_seconds=sum(op.latency for op in workload.ops),
         source=source,
         scope=scope,
-        allocator_slack_bytes=allocator_slack(workload),
+        allocator_slack_bytes={size: allocator_slack(workload, size) for size in DEFAULT_WORKSPACE_SIZES},
     )
 
 

@@ -1,9 +1,10 @@
 """Where a job fits: GPUs from TensileNodes, the jobs committed to each, and the joint-plan fit test.
 
 A GPU's committed memory is the sum of its jobs' scheduled peaks (the paper's MP = sum MP_j) plus what each job's
-process holds beside its tensors (`process_overhead`: a CUDA context, and the caching allocator's slack over the tensors
-its segments round and fragment), plus what the jobs its agent hosts outside Tensile hold. A candidate fits when the TENSILE planner, planning the GPU's jobs together with
-the candidate under the GPU's capacity, reaches a sum within it. Two shortcuts avoid planning: if
+process holds beside its tensors (`process_overhead`: a CUDA context, and the caching allocator's slack over the
+tensors: what its segments round and fragment, and the cuBLAS workspaces of the GPU's compute capability), plus what
+the jobs its agent hosts outside Tensile hold. A candidate fits when the TENSILE planner, planning the GPU's jobs
+together with the candidate under the GPU's capacity, reaches a sum within it. Two shortcuts avoid planning: if
 the vanilla peaks already fit, no job needs a plan change; if even each job's lowest reachable peak
 alone does not fit, no joint plan can (co-located jobs share the copy channels, they never swap
 more than alone). Each job is planned with the events its hook will use (its forecast's
@@ -19,6 +20,7 @@ import threading
 from dataclasses import dataclass, field
 
 from tensile.admission import RequestPolicy
+from tensile.cublas_workspaces import booked_workspace_bytes
 from tensile.knobs import memory_text
 from tensile.lru import Lru
 from tensile_operator.forecasting import DEFAULT_BANDWIDTH, JobForecast
@@ -34,13 +36,14 @@ class Gpu:
     name: str
     memory_bytes: int
     capacity_bytes: int
-    context_bytes: int = 0  # per job (CUDA context + library workspaces)
+    context_bytes: int = 0  # per job (CUDA context, cuDNN's workspaces: what no forecast counts)
     simulated: bool = False
     bandwidth: float = DEFAULT_BANDWIDTH
     agent: str | None = None  # the node agent's URL
     hosted: tuple[tuple[str, int], ...] = ()  # (job, bytes it holds besides its context) of every job its agent hosts
     policy: RequestPolicy | None = None  # its memory capacity's request policy (a device a ResourceSlice publishes)
     claimed: tuple[tuple[str, int], ...] = ()  # (owning job or "", bytes) of every allocated claim on it
+    compute_capability_major: int = 0  # what sizes its processes' cuBLAS workspaces (`slack_of`); 0: unknown
 
 
 def gpus_from_tensilenode(body: dict) -> list[Gpu]:
@@ -63,6 +66,7 @@ def gpus_from_tensilenode(body: dict) -> list[Gpu]:
             bandwidth=float(gpu.get("hostLinkBandwidth") or DEFAULT_BANDWIDTH),
             agent=agent,
             hosted=hosted,
+            compute_capability_major=int(gpu.get("computeCapabilityMajor") or 0),
         ))
     return result
 
@@ -76,16 +80,19 @@ def hosted_bytes(job: dict) -> int:
     return max(own, int(job.get("forecastReservedPeakBytes") or 0), int(job.get("observedReservedPeakBytes") or 0))
 
 
-def slack_of(forecast: JobForecast | None) -> int:
-    """The caching allocator's slack over a job's tensors (`JobForecast.allocator_slack_bytes`); a job admitted by its
-    budget has no forecast, and none known."""
-    return forecast.allocator_slack_bytes if forecast is not None else 0
+def slack_of(forecast: JobForecast | None, gpu: Gpu | None) -> int:
+    """The caching allocator's slack over a job's tensors on `gpu` (`JobForecast.allocator_slack_bytes`), with the
+    cuBLAS workspaces its compute capability gives (`booked_workspace_bytes`; without the GPU, or where its compute
+    capability is unknown, the largest); a job admitted by its budget has no forecast, and none known."""
+    if forecast is None:
+        return 0
+    return forecast.allocator_slack_bytes[booked_workspace_bytes(gpu.compute_capability_major if gpu else 0)]
 
 
 def process_overhead(gpu: Gpu, forecast: JobForecast | None) -> int:
-    """What a job's process holds on `gpu` beyond its tensors' peak: its CUDA context (with the library workspaces)
-    and its allocator's slack (`slack_of`). A neighbour pays for both, so both are booked."""
-    return gpu.context_bytes + slack_of(forecast)
+    """What a job's process holds on `gpu` beyond its tensors' peak: its CUDA context and its allocator's slack with
+    the GPU's cuBLAS workspaces (`slack_of`). A neighbour pays for both, so both are booked."""
+    return gpu.context_bytes + slack_of(forecast, gpu)
 
 
 def held_by(gpu: Gpu, booking: Booking) -> int:

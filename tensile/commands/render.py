@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     preset = device_preset(args.gpu_preset)
     gpu = Gpu(node=args.node or SIMULATED_NODE, uuid=args.gpu or SIMULATED_GPU, name=preset.name,
               memory_bytes=preset.memory_bytes, capacity_bytes=preset.memory_bytes, context_bytes=preset.context_bytes,
-              simulated=not args.gpu, bandwidth=preset.host_link_bandwidth)
+              simulated=not args.gpu, bandwidth=preset.host_link_bandwidth,
+              compute_capability_major=preset.compute_capability_major)
     forecaster = Forecaster()
     try:
         forecast = job_forecast(spec, forecaster)

@@ -14,6 +14,8 @@ from tests.support.agent_harness import ThreadedAgent, call, get
 from tensile.admission import allocator_slack
 from tensile.agent_client import AgentClient
 from tensile.agent_contract import Measurements, PlanResponse
+from tensile.cublas_workspaces import booked_workspace_bytes, cublas_workspace_bytes
+from tensile.devices import PRESETS
 from tensile_agent.gpus import Inventory
 from tensile_agent.server import Agent, AgentConfig, add_arguments, config_from_args
 
@@ -43,9 +45,13 @@ def metric_lines(url: str, name: str) -> list[str]:
 @pytest.mark.slow
 def test_jobs_a_gpu_cannot_fit_are_each_held_to_a_share_that_keeps_them_within_it(agent_server, tiny_workload):
     """A 10 MiB GPU, two jobs of 6.1 MiB lowest reachable peak each: the agent knew (fits false) but each plan
-    carried no budget, so the hooks' guards were off and on a real GPU the two would OOM together."""
-    server = agent_server(["small:10MiB"], context_bytes=0)
+    carried no budget, so the hooks' guards were off and on a real GPU the two would OOM together. The GPU has room
+    for each process's allocator slack on top (no preset: its compute capability is unknown, so the slack is booked
+    with the largest cuBLAS workspaces)."""
     workload = tiny_workload()
+    slack = allocator_slack(workload, booked_workspace_bytes(0))
+    room = 19 * MIB // 2  # for the two jobs' tensors
+    server = agent_server([f"small:{room + 2 * slack}"], context_bytes=0, headroom=0.0)
     alone = client_of(server.url, "a", workload=workload)
     first = planned(server, alone)
     assert first.fits is True and first.gpu_share_bytes is None and first.plan_object().memory_budget_bytes is None
@@ -53,7 +59,7 @@ def test_jobs_a_gpu_cannot_fit_are_each_held_to_a_share_that_keeps_them_within_i
     other = client_of(server.url, "b", workload=workload, memory_budget_bytes=big)
     plans = {"a": planned(server, alone, first.version + 1), "b": planned(server, other)}
     budget = plans["a"].budget_bytes
-    assert budget == int(10 * MIB * 0.95) - 2 * allocator_slack(workload)  # each process's allocator slack is kept out
+    assert budget == room  # each process's allocator slack is kept out
     for name, plan in plans.items():
         assert plan.fits is False and "cannot fit" in plan.message, (name, plan.message)
         assert plan.co_planned == ["ns/a", "ns/b"] and plan.gpu_share_bytes
@@ -73,9 +79,11 @@ def test_jobs_a_gpu_cannot_fit_are_each_held_to_a_share_that_keeps_them_within_i
 def test_jobs_sharing_a_gpu_that_fits_get_their_peak_and_a_part_of_the_room_left(agent_server, tiny_workload):
     """A share is at least the job's scheduled peak when the GPU fits its jobs; a budget of the job's own stays its
     guard's then, even above its share (the joint plan holds it below; lowering it by rounding bytes made hooks
-    with a budget of their own refuse the plan's), and the plan says nothing of a share."""
-    server = agent_server(["small:64MiB"], context_bytes=0)
+    with a budget of their own refuse the plan's), and the plan says nothing of a share. The GPU has room for each
+    process's allocator slack on top (the largest cuBLAS workspaces': no preset, no compute capability known)."""
     workload = tiny_workload()
+    slack = allocator_slack(workload, booked_workspace_bytes(0))
+    server = agent_server([f"small:{60 * MIB + 2 * slack}"], context_bytes=0, headroom=0.0)
     own = 40 * MIB
     clients = {name: client_of(server.url, name, workload=workload, **extra)
                for name, extra in (("free", {}), ("budgeted", {"memory_budget_bytes": own}))}
@@ -139,9 +147,24 @@ def test_a_simulated_gpus_used_memory_is_the_observed_peaks_plus_the_context_it_
         assert client.post_measurements(Measurements(iterations=1, peak_bytes=5 * MIB)) is not None
         (gpu,) = get(server.url, "/v1/gpus")[1]["gpus"]
         assert gpu["context_bytes"] == expected and gpu["used_bytes"] == 5 * MIB + expected
-        assert gpu["last_round"]["budget_bytes"] == gpu["capacity_bytes"] - expected - allocator_slack(tiny_workload())
+        slack = allocator_slack(tiny_workload(), cublas_workspace_bytes(PRESETS["a6000"].compute_capability_major, {}))
+        assert gpu["last_round"]["budget_bytes"] == gpu["capacity_bytes"] - expected - slack
     text = get(server.url, "/metrics")[1]
     assert "# HELP tensile_gpu_used_bytes Used memory from NVML (simulated GPUs: the jobs' observed peaks plus the per-job context" in text
+
+
+@pytest.mark.parametrize("preset", ["a6000", "h100"])
+def test_a_rounds_budget_keeps_out_the_slack_with_the_cublas_workspaces_of_the_gpus_compute_capability(
+        agent_server, tiny_workload, preset):
+    """An A6000's processes hold cuBLAS workspaces of 8 MiB + 128 KiB, an H100's of 32 MiB: the round keeps out the
+    allocator's slack with those of the GPU, as the operator books it."""
+    server = agent_server([f"{preset}:48GiB"], context_bytes=0)
+    planned(server, client_of(server.url, "a", workload=tiny_workload()))
+    (gpu,) = get(server.url, "/v1/gpus")[1]["gpus"]
+    assert gpu["compute_capability_major"] == PRESETS[preset].compute_capability_major
+    workspace = cublas_workspace_bytes(PRESETS[preset].compute_capability_major, {})
+    assert workspace == {"a6000": 8 * MIB + 128 * 1024, "h100": 32 * MIB}[preset]
+    assert gpu["last_round"]["budget_bytes"] == gpu["capacity_bytes"] - allocator_slack(tiny_workload(), workspace)
 
 
 def test_a_silent_job_of_the_operators_is_kept_shown_and_said_once(agent_server, tiny_workload, caplog):

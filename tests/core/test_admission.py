@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from tensile.admission import GIB, MIB, RequestPolicy, admitted_bytes, allocator_slack, parse_quantity, quantity
 from tensile.allocator import reserved_peak
+from tensile.cublas_workspaces import LARGE_WORKSPACE_BYTES, SMALL_WORKSPACE_BYTES, cublas_workspaces
 from tensile.forecast import trace_workload
+from tensile.workload import Op, TensorInfo, Workload
 
 
 def test_a_request_without_an_amount_takes_the_default_else_the_whole_device() -> None:
@@ -49,11 +51,31 @@ def test_the_admitted_size_is_peak_plus_slack_plus_context_rounded_to_the_policy
     assert admitted_bytes(1000 * MIB, 20 * MIB, 600 * MIB, policy, capacity=GIB) is None
 
 
-def test_the_allocator_slack_is_the_reserved_over_the_requested_peak_on_cuda_and_none_on_the_cpu(tiny_workload) -> None:
+def test_the_allocator_slack_is_the_reserved_peak_with_the_workspaces_over_the_tensors_on_cuda_and_none_on_the_cpu(
+        tiny_workload) -> None:
     """What admission adds over the tensors' peak: the caching allocator's rounding and fragmentation (expandable
-    segments, the pods' default); the CPU device's allocator caches nothing, so a CPU job is booked without it."""
+    segments, the pods' default) and the cuBLAS workspaces of the given size, which the tensors' peak does not hold
+    (measured from the replay without them: the one with them requests the workspaces too); the CPU device's
+    allocator caches nothing and it has no cuBLAS, so a CPU job is booked without it."""
     cuda = tiny_workload()
-    peaks = reserved_peak(cuda, expandable_segments=True)
-    assert cuda.device == "cuda" and allocator_slack(cuda) == peaks.reserved_peak_bytes - peaks.requested_peak_bytes > 0
+    assert cuda.device == "cuda"
+    tensors = reserved_peak(cuda, expandable_segments=True).requested_peak_bytes
+    slack = {size: allocator_slack(cuda, size) for size in (0, SMALL_WORKSPACE_BYTES, LARGE_WORKSPACE_BYTES)}
+    for size, held in slack.items():
+        with_workspaces = reserved_peak(cuda, expandable_segments=True, workspaces=cublas_workspaces(cuda, size))
+        assert held == with_workspaces.reserved_peak_bytes - tensors
+    assert 0 < slack[0] < slack[SMALL_WORKSPACE_BYTES] < slack[LARGE_WORKSPACE_BYTES]
+    assert slack[LARGE_WORKSPACE_BYTES] >= slack[0] + 2 * LARGE_WORKSPACE_BYTES  # a workspace per thread, at least
     cpu = trace_workload("examples/tiny_mlp.py:build", 4, device="cpu")
-    assert allocator_slack(cpu) == 0
+    assert allocator_slack(cpu, LARGE_WORKSPACE_BYTES) == 0
+
+
+def test_the_allocator_slack_holds_the_workspaces_in_the_pages_they_map() -> None:
+    """A forward and a backward matmul, each making a 1 MiB output it frees at once: the tensors hold 1 MiB in the
+    small pool's one 2 MiB page, and the two workspaces (one per thread) share the large pool's expandable segment,
+    mapped in 20 MiB pages: 64 MiB of Hopper's take four of them, 16.25 MiB of an Ampere's one."""
+    ops = [Op(0, "aten.mm.default", "forward", (), (0,)), Op(1, "aten.mm.default", "backward", (), (1,))]
+    matmuls = Workload("hand", 1, "cuda", {i: TensorInfo(i, MIB, "activation", "float32", i, i) for i in (0, 1)}, ops)
+    assert allocator_slack(matmuls, 0) == 2 * MIB - MIB
+    assert allocator_slack(matmuls, SMALL_WORKSPACE_BYTES) == 20 * MIB + 2 * MIB - MIB
+    assert allocator_slack(matmuls, LARGE_WORKSPACE_BYTES) == 4 * 20 * MIB + 2 * MIB - MIB

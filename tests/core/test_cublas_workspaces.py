@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tensile.allocator import reserved_peak
-from tensile.cublas_workspaces import cublas_workspace_bytes, cublas_workspaces
+from tensile.cublas_workspaces import (DEFAULT_WORKSPACE_SIZES, booked_workspace_bytes, cublas_workspace_bytes,
+                                       cublas_workspaces)
 from tensile.peak import analyze_vanilla
 from tensile.workload import Op, TensorInfo, Workload
 
@@ -26,6 +27,15 @@ def test_the_default_size_is_32_mib_on_hopper_and_blackwell_and_8_mib_before(maj
 ])
 def test_cublas_workspace_config_sets_the_size(config, size):
     assert cublas_workspace_bytes(9, {"CUBLAS_WORKSPACE_CONFIG": config}) == size
+
+
+def test_a_gpu_is_booked_the_default_size_of_its_compute_capability_and_an_unknown_one_the_largest():
+    """Admission books the default environment's size (a pod's own CUBLAS_WORKSPACE_CONFIG is not read); where the
+    GPU's compute capability is unknown, the largest default size, so that no job is booked below what it holds."""
+    assert [booked_workspace_bytes(major) for major in (7, 8, 9, 10, 12)] == [
+        cublas_workspace_bytes(major, {}) for major in (7, 8, 9, 10, 12)]
+    assert booked_workspace_bytes(0) == 32 * MIB == max(cublas_workspace_bytes(major, {}) for major in range(1, 13))
+    assert {booked_workspace_bytes(major) for major in range(13)} == set(DEFAULT_WORKSPACE_SIZES)
 
 
 def workload(device: str, ops: list[tuple[str, str]]) -> Workload:

@@ -14,10 +14,13 @@ from tests.support.operator_harness import Cluster, cluster, fake_kubelet, phase
 from tests.support.operator_scenarios import running
 
 from tensile.admission import GIB, MIB, admitted_bytes, parse_quantity
+from tensile.cublas_workspaces import SMALL_WORKSPACE_BYTES
 from tensile.devices import DEFAULT_CONTEXT_BYTES
 from tensile_operator import timing
 from tensile_operator.app import OperatorApp
 from tensile_operator.claims import GpuAccess
+from tensile_operator.dra_inventory import DraInventory
+from tensile_operator.placement import Gpu
 
 pytestmark = pytest.mark.cluster
 KUBERNETES = ("1.36.0", "1.37.0")
@@ -29,9 +32,9 @@ def strictly_valid(obj: dict) -> None:
 
 
 async def dra_cluster(c: Cluster, gpus: dict[str, list[tuple[str, float]]], with_class: bool = True,
-                      memory: bool = True) -> None:
+                      memory: bool = True, compute_capability: str | None = None) -> None:
     for node, devices in gpus.items():
-        await c.create(RESOURCE_SLICES, gpu_slice(node, devices, memory=memory))
+        await c.create(RESOURCE_SLICES, gpu_slice(node, devices, memory=memory, compute_capability=compute_capability))
     if with_class:
         await c.create(DEVICE_CLASSES, device_class())
 
@@ -44,7 +47,7 @@ def claim_of(c: Cluster, job: dict) -> dict:
 def test_an_admitted_job_gets_a_claim_of_its_admitted_size_and_a_pod_that_names_it(tmp_path, forecaster):
     async def scenario() -> None:
         async with cluster(tmp_path) as c:
-            await dra_cluster(c, {"node-a": [("GPU-a0", 8)]})
+            await dra_cluster(c, {"node-a": [("GPU-a0", 8)]}, compute_capability="8.6.0")
             op = await start_operator(forecaster, access=GpuAccess())
             kubelet = asyncio.create_task(fake_kubelet(c, lambda pod: 30, bound_only=True))
             try:
@@ -54,8 +57,9 @@ def test_an_admitted_job_gets_a_claim_of_its_admitted_size_and_a_pod_that_names_
                 claim = claim_of(c, job)
                 forecast = forecaster.by_signature(job["status"]["forecast"]["signature"],
                                                    op.app.capacity.booking("default/vgg").forecast.scope)
-                size = admitted_bytes(forecast.vanilla_peak_bytes, forecast.allocator_slack_bytes,
-                                      DEFAULT_CONTEXT_BYTES, POLICY)
+                # the slack with the cuBLAS workspaces of the compute capability its driver publishes (8.6: 8 MiB)
+                slack = forecast.allocator_slack_bytes[SMALL_WORKSPACE_BYTES]
+                size = admitted_bytes(forecast.vanilla_peak_bytes, slack, DEFAULT_CONTEXT_BYTES, POLICY)
                 assert job["status"]["placement"]["claimBytes"] == size
                 exactly = claim["spec"]["devices"]["requests"][0]["exactly"]
                 assert exactly["deviceClassName"] == DRIVER
@@ -81,6 +85,24 @@ def test_an_admitted_job_gets_a_claim_of_its_admitted_size_and_a_pod_that_names_
                 await op.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_gpus_compute_capability_is_its_drivers_else_its_agents_else_unknown():
+    """NVIDIA's driver publishes `cudaComputeCapability` as a version: its major number sizes the cuBLAS workspaces a
+    job there is booked with. Without it, the GPU's agent's figure; a malformed one, or none at all, is unknown (the
+    largest workspaces are booked), never a failed inventory."""
+    inventory = DraInventory(None, GpuAccess())  # type: ignore[arg-type]  # no API calls: slices given directly
+    published = {"9.0.0": "GPU-h", "8.6": "GPU-a", "nine": "GPU-x", "": "GPU-y"}
+    for version, uuid in published.items():
+        slice_ = gpu_slice(f"node-{uuid}", [(uuid, 8)], compute_capability=version)
+        inventory.slice_changed(slice_, slice_["metadata"]["name"])
+    for node, uuid in (("node-agent", "GPU-agent"), ("node-none", "GPU-none")):
+        slice_ = gpu_slice(node, [(uuid, 8)])
+        inventory.slice_changed(slice_, slice_["metadata"]["name"])
+    agents = {"node-agent": [Gpu("node-agent", "GPU-agent", "g", 8 * GIB, 8 * GIB, compute_capability_major=8)],
+              "node-h": [Gpu("node-h", "GPU-h", "g", 8 * GIB, 8 * GIB, compute_capability_major=8)]}
+    majors = {gpu.uuid: gpu.compute_capability_major for gpu in inventory.gpus(agents)}
+    assert majors == {"GPU-h": 9, "GPU-a": 8, "GPU-x": 0, "GPU-y": 0, "GPU-agent": 8, "GPU-none": 0}
 
 
 def condition_of(job: dict | None, type_: str) -> dict:

@@ -18,13 +18,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support.operator_harness import (GIB, cluster, fake_kubelet, gpu_held_by_big, jitter, phase, pod_env,
                                             process_kubelet, serve_pods, simulated_gpu, start_operator, trainingjob)
 from tensile.admission import allocator_slack
+from tensile.cublas_workspaces import DEFAULT_WORKSPACE_SIZES, booked_workspace_bytes, cublas_workspace_bytes
+from tensile.devices import DEFAULT_CONTEXT_BYTES
 from tensile.errors import TensileUserError
 from tensile_operator.claim_fit import choose_claimed
 from tensile_operator.metrics import OperatorMetrics, metrics_port
 from tensile.trainingjob_spec import PlanScope, SpecError, parse_spec
 from tensile_operator.forecasting import JobForecast
 from tensile_operator.placement import (Booking, Candidate, Gpu, JointPlanner, Ledger, choose, fit_unchanged,
-                                        gpus_from_tensilenode, too_large)
+                                        gpus_from_tensilenode, process_overhead, too_large)
 from tensile_operator.pod_creation import admitted_size
 from tensile_operator.rbac import RULES
 from tensile.plan import PLAN_EVENTS
@@ -43,7 +45,8 @@ def run(coro):  # type: ignore[no-untyped-def]
 def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster):
     async def scenario():  # type: ignore[no-untyped-def]
         async with cluster(tmp_path) as c:
-            await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4), simulated_gpu("GPU-a1", 8)], agent="http://127.0.0.1:9")
+            await c.publish_node("node-a", [simulated_gpu("GPU-a0", 4) | {"computeCapabilityMajor": 8},
+                                            simulated_gpu("GPU-a1", 8)], agent="http://127.0.0.1:9")
             op = await start_operator(forecaster)
             try:
                 await c.apply(trainingjob("one", "vgg16", 1, scheduling={"maxSwapRate": 0.5, "recompute": False}))
@@ -72,9 +75,11 @@ def test_lifecycle_create_forecast_place_pod_follow_delete(tmp_path, forecaster)
                 assert status["forecast"]["activationsOnly"] is True
                 assert env["PYTHONPATH"].startswith("/tensile/site")
                 # capped at what it was admitted with: its scheduled peak, the caching allocator's slack over its
-                # tensors and the GPU's context (none simulated here)
+                # tensors with the cuBLAS workspaces of its GPU's compute capability and the GPU's context (none
+                # simulated here)
                 scope = op.app.capacity.booking("default/one").forecast.scope
-                slack = allocator_slack(forecaster.by_signature(status["forecast"]["signature"], scope).workload)
+                slack = allocator_slack(forecaster.by_signature(status["forecast"]["signature"], scope).workload,
+                                        cublas_workspace_bytes(8, {}))
                 assert slack > 0 and env["TENSILE_MEMORY_CAP"] == str(status["forecast"]["scheduledPeakBytes"] + slack)
                 assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
                 assert pod["spec"]["initContainers"][0]["command"][:3] == ["python", "-m", "tensile_hook.install"]
@@ -564,10 +569,11 @@ def test_a_hosted_job_no_booking_holds_counts_what_its_process_holds():
 
 
 def _forecast(workload, peak: int, slack: int) -> JobForecast:  # type: ignore[no-untyped-def]
-    """A forecast that no plan lowers (its lowest peak is its vanilla one), with the allocator's slack given."""
+    """A forecast that no plan lowers (its lowest peak is its vanilla one), with the allocator's slack given (whatever
+    the size of the cuBLAS workspaces)."""
     return JobForecast(signature=f"s{peak}-{slack}", workload=workload, vanilla_peak_bytes=peak, min_peak_bytes=peak,
                        predicted_iteration_seconds=1.0, source="traced", scope=PlanScope(),
-                       allocator_slack_bytes=slack)
+                       allocator_slack_bytes=dict.fromkeys(DEFAULT_WORKSPACE_SIZES, slack))
 
 
 @pytest.mark.parametrize("slack, fits", [(400 * 2**20, True), (600 * 2**20, False)])
@@ -594,6 +600,43 @@ def test_placement_books_each_process_its_context_and_its_allocator_slack(tiny_w
                                         second.selector)) for extra in (GIB * 3 // 10, GIB * 4 // 10)]
     assert alone[0] is None and alone[1] is not None and alone[1].too_large
 
+
+def test_a_job_is_booked_the_cublas_workspaces_of_the_gpu_it_lands_on(forecaster):
+    """A Hopper's cuBLAS workspaces are 32 MiB each, an Ampere's 8 MiB + 128 KiB (tensile.cublas_workspaces): the
+    forecast carries the allocator's slack for both sizes, and a job is booked, fitted and capped with that of the
+    GPU whose TensileNode says its compute capability. Sized for a job on the Ampere, the Hopper has no room."""
+    spec = parse_spec(trainingjob("x", "vgg16", 1, scheduling={"planEvents": "all"})["spec"])
+    forecast = run(forecaster.forecast(spec.workload, spec.scope))
+    assert forecast.min_peak_bytes < forecast.vanilla_peak_bytes
+    hopper_slack, ampere_slack = (allocator_slack(forecast.workload, cublas_workspace_bytes(major, {}))
+                                  for major in (9, 8))
+    assert hopper_slack > ampere_slack
+    context = GIB // 2
+
+    def gpus(memory: int) -> tuple[Gpu, Gpu]:
+        hopper, ampere = gpus_from_tensilenode({"metadata": {"name": "node-a"}, "status": {"gpus": [
+            simulated_gpu(uuid, memory / GIB) | {"contextBytesPerJob": context, "computeCapabilityMajor": major}
+            for uuid, major in (("GPU-hopper", 9), ("GPU-ampere", 8))]}})
+        return hopper, ampere
+
+    hopper, ampere = gpus(forecast.vanilla_peak_bytes + context + ampere_slack)
+    assert (hopper.compute_capability_major, ampere.compute_capability_major) == (9, 8)
+    assert process_overhead(hopper, forecast) - process_overhead(ampere, forecast) == hopper_slack - ampere_slack
+    for gpu, slack in ((hopper, hopper_slack), (ampere, ampere_slack)):
+        ledger = Ledger()
+        booking = Booking(f"default/on-{gpu.uuid}", gpu.uuid, gpu.node, forecast.vanilla_peak_bytes, forecast)
+        ledger.book(booking)
+        assert admitted_size(booking, gpu) == ledger.committed(gpu) == forecast.vanilla_peak_bytes + context + slack
+        # no GPU at hand: the larger slack, and the default context
+        assert admitted_size(booking, None) == forecast.vanilla_peak_bytes + hopper_slack + DEFAULT_CONTEXT_BYTES
+    newcomer = Candidate("default/new", forecast, None, spec.selector)
+    easy = fit_unchanged([hopper, ampere], Ledger(), newcomer)
+    assert easy is not None and easy.gpu == ampere
+    assert fit_unchanged([hopper], Ledger(), newcomer) is None
+    hopper, ampere = gpus(forecast.min_peak_bytes + context + ampere_slack)  # room for its lowest peak on the Ampere
+    assert too_large([ampere], newcomer) is None
+    refused = too_large([hopper], newcomer)
+    assert refused is not None and refused.shortfall_bytes == hopper_slack - ampere_slack
 
 
 class CountingPlanner(JointPlanner):
@@ -624,6 +667,12 @@ def _each_holding_one(forecaster, memory_for) -> tuple[list[Gpu], Ledger, Candid
     return gpus, ledger, Candidate("default/new", forecast, None, spec.selector)
 
 
+def _slack(forecast: JobForecast) -> int:
+    """The allocator's slack booked on these tests' GPUs, whose compute capability is unknown: with the largest cuBLAS
+    workspaces."""
+    return forecast.allocator_slack_bytes[booked_workspace_bytes(0)]
+
+
 def _cut(forecast: JobForecast, share: float) -> int:
     return int(share * (forecast.vanilla_peak_bytes - forecast.min_peak_bytes))
 
@@ -634,7 +683,7 @@ def test_an_admission_that_must_plan_stops_at_the_first_gpu_where_a_joint_plan_f
     by 15 MiB; the next one fits and takes the job; the roomiest is never planned, and the one too small even at the
     lowest peaks needs no plan to refuse. Where none fits, each is planned and the refusal names the closest."""
     gpus, ledger, newcomer = _each_holding_one(forecaster, lambda f, share: 2 * (
-        f.min_peak_bytes + f.allocator_slack_bytes) + _cut(f, share))  # both jobs at their lowest and a share of a cut
+        f.min_peak_bytes + _slack(f)) + _cut(f, share))  # both jobs at their lowest and a share of a cut
     planner = CountingPlanner()
     decision = choose(gpus, ledger, newcomer, planner)
     assert decision.gpu is not None and decision.gpu.uuid == "GPU-tight" and decision.planned, decision
@@ -650,7 +699,7 @@ def test_a_claim_that_must_be_planned_stops_at_the_first_gpu_where_it_fits(forec
     its planned peak; the GPU with the least unclaimed room is planned first and takes it, the other is never planned.
     A GPU that takes the vanilla claim is chosen without planning at all."""
     def memory(f: JobForecast, share: float) -> int:  # the job there, the newcomer at its lowest and a share of its cut
-        return f.vanilla_peak_bytes + f.min_peak_bytes + 2 * f.allocator_slack_bytes + _cut(f, share)
+        return f.vanilla_peak_bytes + f.min_peak_bytes + 2 * _slack(f) + _cut(f, share)
 
     gpus, ledger, newcomer = _each_holding_one(forecaster, memory)
     gpus = gpus[:2]  # the roomy and the tight one
