@@ -181,6 +181,9 @@ def build_pod(body: dict, node: str, gpu_uuid: str, agent: str | None, budget: i
         container["env"] = [e for e in container.get("env") or [] if e.get("name") not in names] + ours
         container["volumeMounts"] = [m for m in container.get("volumeMounts") or []
                                      if m.get("name") not in (HOOK_VOLUME, TOKEN_VOLUME)] + mounts
+        # a failed training's last log lines in its pod's status, where the job's end reads why (pod_state.pod_end);
+        # a container that sets its own policy keeps it
+        container.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")
     installer = {
         "name": "tensile-hook",
         "image": image,

@@ -349,3 +349,46 @@ def test_a_pod_kubernetes_cannot_start_is_said_and_an_evicted_one_ends_its_job_e
         assert "low on resource: memory" in dict(api.statuses)["ev"]["message"]
 
     asyncio.run(scenario())
+
+
+def test_a_training_that_ran_out_of_cuda_memory_ends_its_job_out_of_memory_with_its_cap() -> None:
+    """A failed pod ended its job `PodFailed`, "container train exited with 1 (Error)", with no word of why: the pods
+    keep their log's tail on failure (FallbackToLogsOnError), and the job's end reads its last line. PyTorch's
+    out-of-memory error there ends the job `OutOfMemory`, naming the memory its process may hold."""
+    api = Api()
+    app = app_with(api)
+    capped, crashed = job("capped", "u1", {"phase": "Running"}), job("crashed", "u2", {"phase": "Running"})
+    for body in (capped, crashed):
+        app.statuses.remember(body)
+        app.capacity.ledger.book(Booking(job_key(body), "GPU-a0", "node-a", GIB))
+    log_tail = {
+        "capped": "Traceback (most recent call last):\n  ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to "
+                  "allocate 20.00 MiB. GPU 0 has a total capacity of 79.19 GiB\n",
+        "crashed": "Traceback (most recent call last):\n  ...\nFileNotFoundError: no dataset at /data/train\n\n"}
+    pods = {}
+    for body in (capped, crashed):
+        pod = build_pod(body, "node-a", "GPU-a0", None, GIB, None, None, memory_cap=GIB + 512 * 2**20)
+        assert {c["terminationMessagePolicy"] for c in pod["spec"]["containers"]} == {"FallbackToLogsOnError"}
+        pods[body["metadata"]["name"]] = pod | {"status": {"phase": "Failed", "containerStatuses": [{
+            "name": "train", "state": {"terminated": {"exitCode": 1, "reason": "Error",
+                                                      "message": log_tail[body["metadata"]["name"]]}}}]}}
+
+    async def scenario() -> None:
+        for pod in pods.values():
+            await app.follower.pod_changed(pod)
+        assert ends(api, "capped") == [("Failed", "OutOfMemory")] and ends(api, "crashed") == [("Failed", "PodFailed")]
+        said = dict(api.statuses)
+        assert said["capped"]["message"].startswith("container train exited with 1 (Error): torch.OutOfMemoryError: "
+                                                    "CUDA out of memory. Tried to allocate 20.00 MiB")
+        assert "may hold 1,536 MiB (TENSILE_MEMORY_CAP, what it was admitted with)" in said["capped"]["message"]
+        assert said["crashed"]["message"] == ("container train exited with 1 (Error): FileNotFoundError: no dataset "
+                                              "at /data/train")
+
+    asyncio.run(scenario())
+
+
+def test_a_container_that_says_how_it_ends_keeps_its_own_termination_message_policy() -> None:
+    body = job("own", "u1")
+    body["spec"]["template"]["spec"]["containers"][0]["terminationMessagePolicy"] = "File"
+    pod = build_pod(body, "node-a", "GPU-a0", None, GIB, None, None)
+    assert pod["spec"]["containers"][0]["terminationMessagePolicy"] == "File"
