@@ -3,19 +3,15 @@ ended."""
 
 from __future__ import annotations
 
-import re
-
 from tensile import trainingjob_spec as model
-from tensile.knobs import MEMORY_CAP, memory_text
+from tensile.failure import last_line, outgrew_cap
+from tensile.knobs import MEMORY_CAP
 from tensile_operator.placement import Booking
 from tensile_operator.pods import owner_of
 
 # waiting reasons of a container that is starting as it should; any other (ImagePullBackOff, ErrImagePull,
 # CreateContainerConfigError, ...) is a problem the job shows
 STARTING = ("ContainerCreating", "PodInitializing")
-# PyTorch's words for a CUDA allocation it could not make (torch.OutOfMemoryError), at the end of a failed training's log
-CUDA_OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|CUDA out of memory")
-LAST_LINE_CHARS = 500  # of the log's last line, in the job's message
 
 
 def pod_holder(pod: dict) -> str:
@@ -84,8 +80,9 @@ def pod_end(pod: dict) -> tuple[str, str, str]:
     if phase == "Succeeded":
         return phase, "Completed", _termination(pod)
     said = _termination(pod)
-    if CUDA_OUT_OF_MEMORY.search(said):
-        return "Failed", "OutOfMemory", said + _cap_said(pod)
+    outgrew = outgrew_cap(said, _cap(pod))
+    if outgrew is not None:
+        return "Failed", "OutOfMemory", outgrew
     return phase, "PodFailed", said
 
 
@@ -97,22 +94,16 @@ def _termination(pod: dict) -> str:
         if terminated:
             said = (f"container {status.get('name')} exited with {terminated.get('exitCode')} "
                     f"({terminated.get('reason', '')})")
-            lines = [line.strip() for line in (terminated.get("message") or "").splitlines() if line.strip()]
-            return f"{said}: {lines[-1][:LAST_LINE_CHARS]}" if lines else said
+            last = last_line(terminated.get("message") or "")
+            return f"{said}: {last}" if last else said
     return (pod.get("status") or {}).get("message") or (pod.get("status") or {}).get("phase", "")
 
 
-def _cap_said(pod: dict) -> str:
-    """What the job's process may hold on its GPU, as its pod says (TENSILE_MEMORY_CAP), for a training that ran out
-    of CUDA memory; nothing where the pod names no cap it can read."""
+def _cap(pod: dict) -> int | None:
+    """The memory cap the pod gives its process (TENSILE_MEMORY_CAP); None where it names none it can read."""
     written = {e.get("name"): e.get("value") for c in (pod.get("spec") or {}).get("containers") or []
                for e in c.get("env") or []}
     try:
-        cap = MEMORY_CAP.from_environment(written, None)
+        return MEMORY_CAP.from_environment(written, None)
     except ValueError:
-        return ""
-    if cap is None:
-        return ""
-    return (f". Its process may hold {memory_text(cap)} ({MEMORY_CAP.variable}, what it was admitted with), so it "
-            "failed alone rather than take its neighbours' memory; its log says whether the hook, which turns such "
-            "errors into evictions, carried it")
+        return None

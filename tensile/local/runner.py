@@ -24,6 +24,7 @@ from tensile.agent_contract import higher
 from tensile.child_process import ends_with_this_process
 from tensile.console import print_note
 from tensile.admission import forecast_admitted_bytes
+from tensile.failure import last_line, outgrew_cap
 from tensile.knobs import unreachable_budget_text
 from tensile.local.jobs import LocalJob
 
@@ -127,6 +128,16 @@ def job_environment(run: JobRun, agent_url: str, credential_path: str, admitted:
                                max_swap_rate=spec.max_swap_rate, plan_events=spec.plan_events, recompute=spec.recompute,
                                memory_cap=admitted, context_bytes=context)
     return hook_environment(run.name, variables) | {"TENSILE_TOKEN_FILE": credential_path}
+
+
+def log_tail(log: Path, tail: int = 4096) -> str:
+    """The last `tail` bytes of a job's log; "" where there is none."""
+    try:
+        with log.open("rb") as file:
+            file.seek(max(0, file.seek(0, 2) - tail))
+            return file.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def job_log(reports: Path, name: str) -> Path:
@@ -259,7 +270,7 @@ class LocalRunner:
         run.seconds = ended - (run.started or ended)
         run.phase = "Succeeded" if code == 0 else "Failed"
         if code != 0:
-            run.message = f"exit code {code}; see {run.log}"
+            run.message = self._failure(run, code)
         if run.report and run.report.exists():
             from tensile_hook.report import RunTotals
 
@@ -274,6 +285,15 @@ class LocalRunner:
             run.iteration_spans = iteration_spans(data["iterations"], ended)
             run.vanilla_peak = run.vanilla_peak or data.get("vanilla_peak_bytes")
             run.scheduled_peak = run.scheduled_peak or data.get("scheduled_peak_bytes")
+
+    def _failure(self, run: JobRun, code: int) -> str:
+        """A failed job's message: its exit code and its log's last line, with what running out of CUDA memory under
+        its cap means (`tensile.admission.outgrew_cap`: on the CPU device there is no cap)."""
+        last = last_line(log_tail(run.log)) if run.log is not None else ""
+        if not last:
+            return f"exit code {code}; see {run.log}"
+        said = f"exit code {code}: {last}"
+        return f"{outgrew_cap(said, self.admission.need(run) if self.device == 'cuda' else None) or said}; see {run.log}"
 
     def refresh(self) -> None:
         """Observed figures of the running jobs, from the agent (a finished job has unregistered)."""

@@ -549,3 +549,28 @@ def test_out_of_memory_retries_are_read_from_the_agent_while_a_job_runs_and_from
         agent.stop()
     assert run.phase == "Succeeded", run.message
     assert "capped: 3 out-of-memory errors the hook evicted for and retried; the job went on" in said(run)
+
+
+@pytest.mark.parametrize("device, cap", [("cuda", "Its process may hold 57 MiB (TENSILE_MEMORY_CAP, what it was "
+                                                  "admitted with), so it failed alone"),
+                                         ("cpu", "Its process ran out of CUDA memory")])
+def test_a_failed_job_says_its_logs_last_line_and_what_running_out_of_memory_under_its_cap_means(tmp_path, device, cap):
+    """"exit code 1; see its log" was all a failed job said; its log's last line says why, and PyTorch's
+    out-of-memory error there says the job outgrew what it was admitted with."""
+    from types import SimpleNamespace
+
+    gpu = SimpleNamespace(capacity_bytes=100 * MIB, context_bytes=5 * MIB)
+    runner = LocalRunner([], SimpleNamespace(gpu=gpu, url="http://127.0.0.1:1"), tmp_path, device, "cpu")  # type: ignore[arg-type]
+    summary = {"scheduled_peak_bytes": 40 * MIB, "scheduled_reserved_peak_bytes": 52 * MIB, "memory_budget_bytes": None}
+    run = JobRun(load_job(_write(tmp_path, "oom")), demand=40 * MIB, summary=summary)
+    run.log = tmp_path / "oom.log"
+    run.log.write_text("step 0: loss 6.49\nTraceback (most recent call last):\n  ...\ntorch.OutOfMemoryError: CUDA out "
+                       "of memory. Tried to allocate 20.00 MiB.\n\n")
+    runner._finished(run, 1)
+    assert run.phase == "Failed"
+    assert run.message.startswith("exit code 1: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 "
+                                  f"MiB. {cap}"), run.message
+    assert run.message.endswith(f"; see {run.log}")
+    run.log.write_text("FileNotFoundError: no dataset at /data/train\n")
+    runner._finished(run, 2)
+    assert run.message == f"exit code 2: FileNotFoundError: no dataset at /data/train; see {run.log}"
