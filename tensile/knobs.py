@@ -177,6 +177,13 @@ def parse_memory(value: object, field: str) -> int:
     return int(number)
 
 
+def parse_memory_or_zero(value: object, field: str) -> int:
+    """`parse_memory`'s bytes, or none at all (0, 0Mi): a per-job context a simulated GPU's processes do not hold."""
+    if isinstance(value, (int, str)) and not isinstance(value, bool) and bytes_written(str(value)) == 0:
+        return 0
+    return parse_memory(value, field)
+
+
 def parse_switch(value: object, field: str) -> bool:
     """A yes/no value in a TrainingJob: a boolean (the spec) or text (an annotation: true/false, yes/no, on/off,
     1/0); anything else is refused rather than guessed (a typo must not flip a knob)."""
@@ -219,7 +226,7 @@ PLAN_EVENTS = Knob(variable="TENSILE_PLAN_EVENTS", option="--plan-events", parse
 MEMORY_CAP = Setting("TENSILE_MEMORY_CAP", "--memory-cap", parse_memory)
 # Beside it: the part of that size admission counted for what the process holds outside PyTorch's caching allocator
 # (its GPU's per-job context: the CUDA context), which the cap keeps out of the allocator's share
-CONTEXT_BYTES = Setting("TENSILE_CONTEXT_BYTES", "--context-bytes", parse_memory)
+CONTEXT_BYTES = Setting("TENSILE_CONTEXT_BYTES", "--context-bytes", parse_memory_or_zero)
 KNOBS: tuple[Knob[Any, Any], ...] = (MAX_SWAP_RATE, MEMORY_BUDGET, RECOMPUTE, PLAN_EVENTS)
 
 

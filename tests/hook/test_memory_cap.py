@@ -36,6 +36,15 @@ def test_without_a_context_given_the_devices_preset_says_it_else_the_default(nam
     assert cuda.calls[-1] == ("set_per_process_memory_fraction", (20 * GIB - context) / (80 * GIB), 0, 0)
 
 
+@pytest.mark.parametrize("written", ["0", "0Mi"])
+def test_a_context_of_none_leaves_the_allocator_the_whole_cap(written):
+    """A GPU simulated without a per-job context (`tensile local`, `--context-bytes 0`) gives its pods 0: refused as
+    no memory size, the cap was not set at all."""
+    cuda = RecordingCuda()
+    cap = cap_memory(cuda, {"TENSILE_MEMORY_CAP": "20Gi", "TENSILE_CONTEXT_BYTES": written})
+    assert cap is not None and (cap.context_bytes, cap.allocator_bytes, cap.fraction) == (0, 20 * GIB, 0.25)
+
+
 def test_a_cap_no_larger_than_the_context_is_refused_naming_both_and_nothing_is_set():
     cuda = RecordingCuda()
     with pytest.raises(ValueError, match="TENSILE_MEMORY_CAP .*TENSILE_CONTEXT_BYTES"):
