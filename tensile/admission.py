@@ -25,6 +25,8 @@ from tensile.workload import Workload
 
 GIB = 1024**3
 MIB = 1024**2
+
+
 def parse_quantity(value: object) -> int:
     """Bytes of a Kubernetes quantity ('80Gi', '81920Mi', '85899345920'), as a ResourceSlice or claim writes it."""
     return parse_memory(value, "quantity")

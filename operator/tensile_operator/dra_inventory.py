@@ -22,7 +22,6 @@ from tensile_operator.kube import Kube
 from tensile_operator.placement import Gpu
 
 
-
 class DraInventory:
     """The last read of ResourceSlices, ResourceClaims and the DeviceClass."""
 

@@ -36,7 +36,7 @@ class Gpu:
     name: str
     memory_bytes: int
     capacity_bytes: int
-    context_bytes: int = 0  # per job (CUDA context, cuDNN's workspaces: what no forecast counts)
+    context_bytes: int = 0  # per job: what its process holds outside the caching allocator (the CUDA context)
     simulated: bool = False
     bandwidth: float = DEFAULT_BANDWIDTH
     agent: str | None = None  # the node agent's URL
