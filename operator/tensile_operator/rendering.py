@@ -9,7 +9,7 @@ from tensile_operator.claim_fit import choose_claimed
 from tensile_operator.claims import GpuAccess, build_claim, claim_name
 from tensile_operator.forecasting import Forecaster, JobForecast
 from tensile_operator.placement import Booking, Candidate, Gpu, JointPlanner, Ledger, choose
-from tensile_operator.pod_creation import pod_budget
+from tensile_operator.pod_creation import admitted_size, context_of, pod_budget
 from tensile_operator.pods import DEFAULT_IMAGE, build_pod
 
 
@@ -38,7 +38,7 @@ def admitted_objects(body: dict, forecast: JobForecast | None, gpu: Gpu, access:
                       None, spec.plan_events, spec.recompute, decision.claim_bytes, claim)
     pod = build_pod(body, gpu.node, gpu.uuid, gpu.agent, pod_budget(booking), spec.max_swap_rate,
                     forecast.signature if forecast else None, image, spec.plan_events, spec.recompute,
-                    claim or None)
+                    claim or None, memory_cap=admitted_size(booking, gpu), context_bytes=context_of(gpu))
     if decision.claim_bytes is None:
         return [pod]
     return [build_claim(body, gpu.uuid, decision.claim_bytes, access), pod]

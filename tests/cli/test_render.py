@@ -47,8 +47,11 @@ def test_a_budgeted_job_renders_a_claim_of_budget_plus_context_and_a_pod_that_na
     assert claim["metadata"]["namespace"] == pod["metadata"]["namespace"] == "team"
     assert pod["spec"]["resourceClaims"] == [{"name": "tensile-gpu", "resourceClaimName": claim["metadata"]["name"]}]
     assert "nodeName" not in pod["spec"]
-    env = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
-    assert not {"NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"} & env
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    assert not {"NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"} & env.keys()
+    # capped as the operator caps it: at the claim's request, its context kept out of the allocator's share
+    assert int(env["TENSILE_MEMORY_CAP"]) == parse_quantity(exactly["capacity"]["requests"]["memory"])
+    assert int(env["TENSILE_CONTEXT_BYTES"]) == context
 
 
 def test_legacy_renders_only_the_pod_pinned_by_node_and_variables(tmp_path, capsys):
@@ -57,6 +60,8 @@ def test_legacy_renders_only_the_pod_pinned_by_node_and_variables(tmp_path, caps
     assert pod["spec"]["nodeName"] == "node-7"
     env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"] == env["TENSILE_GPU"]
+    context = device_preset("h100").context_bytes
+    assert (int(env["TENSILE_MEMORY_CAP"]), int(env["TENSILE_CONTEXT_BYTES"])) == (3 * GIB + context, context)
 
 
 def test_a_shipped_example_renders_on_a_simulated_gpu_sized_by_its_forecast(capsys):
