@@ -84,6 +84,16 @@ def app_with(api: Api) -> OperatorApp:
     return app
 
 
+def app_holding(*bodies: dict) -> tuple[Api, OperatorApp]:
+    """An app that knows the jobs `bodies` and has booked each a GiB of GPU-a0."""
+    api = Api()
+    app = app_with(api)
+    for body in bodies:
+        app.statuses.remember(body)
+        app.capacity.ledger.book(Booking(job_key(body), "GPU-a0", "node-a", GIB))
+    return api, app
+
+
 def ends(api: Api, name: str) -> list[tuple[str, str]]:
     """(phase, Finished reason) of each end written for the job."""
     return [(s["phase"], {c["type"]: c["reason"] for c in s["conditions"]}["Finished"])
@@ -322,12 +332,8 @@ def test_the_queue_is_fifo_by_creation_and_says_since_when_a_job_waits() -> None
 def test_a_pod_kubernetes_cannot_start_is_said_and_an_evicted_one_ends_its_job_evicted() -> None:
     """A pod Pending in ImagePullBackOff (or CreateContainerConfigError) left its job `Admitted`, "placed on ...", with
     no `PodRunning` condition while it held its GPU; an evicted pod ended its job `PodFailed` with no word of why."""
-    api = Api()
-    app = app_with(api)
     stuck, evicted = job("stuck", "u1", {"phase": "Admitted"}), job("ev", "u2", {"phase": "Running"})
-    for body in (stuck, evicted):
-        app.statuses.remember(body)
-        app.capacity.ledger.book(Booking(job_key(body), "GPU-a0", "node-a", GIB))
+    api, app = app_holding(stuck, evicted)
     waiting = pod_of(stuck, "Pending")
     waiting["status"]["containerStatuses"] = [{"name": "train", "state": {"waiting": {
         "reason": "ImagePullBackOff", "message": 'Back-off pulling image "exmaple"'}}}]
@@ -355,12 +361,8 @@ def test_a_training_that_ran_out_of_cuda_memory_ends_its_job_out_of_memory_with_
     """A failed pod ended its job `PodFailed`, "container train exited with 1 (Error)", with no word of why: the pods
     keep their log's tail on failure (FallbackToLogsOnError), and the job's end reads its last line. PyTorch's
     out-of-memory error there ends the job `OutOfMemory`, naming the memory its process may hold."""
-    api = Api()
-    app = app_with(api)
     capped, crashed = job("capped", "u1", {"phase": "Running"}), job("crashed", "u2", {"phase": "Running"})
-    for body in (capped, crashed):
-        app.statuses.remember(body)
-        app.capacity.ledger.book(Booking(job_key(body), "GPU-a0", "node-a", GIB))
+    api, app = app_holding(capped, crashed)
     log_tail = {
         "capped": "Traceback (most recent call last):\n  ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to "
                   "allocate 20.00 MiB. GPU 0 has a total capacity of 79.19 GiB\n",
