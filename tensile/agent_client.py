@@ -329,16 +329,18 @@ class AgentClient:
     def register(self, workload: Any = None, signature: str | None = None, memory_budget_bytes: int | None = None,
                  max_swap_rate: float | None = None, recompute: bool = True, external: bool = False,
                  activations_only: bool = False, expandable_segments: bool | None = None,
-                 cublas_workspace_bytes: int | None = None) -> RegisterResponse | None:
+                 cublas_workspace_bytes: int | None = None,
+                 allocator_cap_bytes: int | None = None) -> RegisterResponse | None:
         """Register the job (workload: a Workload or its JSON dict; or its signature), with what decides its process's
-        caching allocator where known. None: unreachable, remembered and retried by the next call. Raises AgentError
-        for a refused registration."""
+        caching allocator and the cap on it where known. None: unreachable, remembered and retried by the next call.
+        Raises AgentError for a refused registration."""
         request = RegisterRequest(job=self.ref.name, namespace=self.ref.namespace, gpu=self.gpu,
                                   workload=_workload_dict(workload), signature=signature,
                                   memory_budget_bytes=memory_budget_bytes, max_swap_rate=max_swap_rate,
                                   recompute=recompute, token=self.token, external=external,
                                   activations_only=activations_only, expandable_segments=expandable_segments,
-                                  cublas_workspace_bytes=cublas_workspace_bytes).validate()
+                                  cublas_workspace_bytes=cublas_workspace_bytes,
+                                  allocator_cap_bytes=allocator_cap_bytes).validate()
         with self._lock:
             self.registration = request
             self._quiet_until = 0.0

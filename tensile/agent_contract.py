@@ -253,6 +253,10 @@ class RegisterRequest:
     # the CPU device). None, as from an older hook: the agent assumes what docs/agent.md says
     expandable_segments: bool | None = None
     cublas_workspace_bytes: int | None = None
+    # the cap on what the process's caching allocator may reserve (tensile_hook.memory_cap: the job's admitted size
+    # less its CUDA context), shown beside the reserved peaks. None: no cap (the CPU device, no TENSILE_MEMORY_CAP, or
+    # an older hook)
+    allocator_cap_bytes: int | None = None
 
     @property
     def ref(self) -> JobRef:
@@ -275,12 +279,13 @@ class RegisterRequest:
             raise ContractError("token", "must be 16-128 characters of [A-Za-z0-9._~+/=-]")
         data = {"memory_budget_bytes": self.memory_budget_bytes, "max_swap_rate": self.max_swap_rate,
                 "last_plan_version": self.last_plan_version, "expandable_segments": self.expandable_segments,
-                "cublas_workspace_bytes": self.cublas_workspace_bytes}
+                "cublas_workspace_bytes": self.cublas_workspace_bytes, "allocator_cap_bytes": self.allocator_cap_bytes}
         _opt_int(data, "memory_budget_bytes", 1)
         _swap_rate(data)
         _int(data, "last_plan_version")
         _opt_bool(data, "expandable_segments")
         _opt_bytes(data, "cublas_workspace_bytes")
+        _opt_bytes(data, "allocator_cap_bytes")
         for name in ("recompute", "external", "activations_only"):
             if not isinstance(getattr(self, name), bool):
                 raise ContractError(name, "must be true or false")

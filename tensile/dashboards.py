@@ -203,14 +203,16 @@ def jobs_dashboard() -> Dashboard:
         "against the highest peak the hook measured in any iteration (the first ones run unplanned, at the "
         "vanilla peak) and in the iterations under its current plan (what the scheduled forecast predicts); and "
         "what the process holds (reserved: on CUDA the caching allocator's segments, what its neighbours find taken), "
-        "forecast under the current plan and observed.",
+        "forecast under the current plan and observed, against the cap on it (on CUDA: the job's admitted size less "
+        "its context, past which an allocation fails out of memory).",
         "bytes",
         (Target(sel("tensile_job_forecast_vanilla_peak_bytes", *JOB_LABELS), f"{who} forecast vanilla"),
          Target(sel("tensile_job_forecast_scheduled_peak_bytes", *JOB_LABELS), f"{who} forecast scheduled"),
          Target(sel("tensile_job_forecast_reserved_peak_bytes", *JOB_LABELS), f"{who} forecast reserved"),
          Target(sel("tensile_job_observed_peak_bytes", *JOB_LABELS), f"{who} observed"),
          Target(sel("tensile_job_observed_planned_peak_bytes", *JOB_LABELS), f"{who} observed under plan"),
-         Target(sel("tensile_job_observed_reserved_peak_bytes", *JOB_LABELS), f"{who} observed reserved")),
+         Target(sel("tensile_job_observed_reserved_peak_bytes", *JOB_LABELS), f"{who} observed reserved"),
+         Target(sel("tensile_job_allocator_cap_bytes", *JOB_LABELS), f"{who} allocator cap")),
         width=24,
     )
     accuracy = Panel(

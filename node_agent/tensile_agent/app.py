@@ -91,6 +91,9 @@ class RegisterIn(_Request):
     cublas_workspace_bytes: int | None = Field(None, ge=0, le=MAX_BYTES, description="the size of one cuBLAS "
                                                "workspace of the process (0 on the CPU device); null: the GPU "
                                                "preset's default")
+    allocator_cap_bytes: int | None = Field(None, ge=0, le=MAX_BYTES, description="the cap on what the process's "
+                                            "caching allocator may reserve (its admitted size less its CUDA context); "
+                                            "null: no cap (the CPU device, or none set)")
 
 
 class RegisterOut(_Model):
@@ -235,6 +238,8 @@ class JobOut(_Model):
     plan_version: int
     round: int
     memory_budget_bytes: int | None
+    allocator_cap_bytes: int | None = Field(description="the cap on what the process's caching allocator may reserve, "
+                                            "as its hook registered it; null: none said")
     max_swap_rate: float | None
     recompute: bool
     activations_only: bool

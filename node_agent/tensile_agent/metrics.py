@@ -72,6 +72,11 @@ class AgentCollector(Collector):
                 "tensile_job_observed_reserved_peak_bytes",
                 "Highest memory the job's process held, as the hook measured it: on CUDA the caching allocator's "
                 "max_memory_reserved (absent until the hook sends it)", labels=JOB_LABELS),
+            "cap": GaugeMetricFamily(
+                "tensile_job_allocator_cap_bytes",
+                "The cap on what the job's process's caching allocator may reserve (its admitted size less its CUDA "
+                "context), as its hook registered it: absent without one (the CPU device, no cap set)",
+                labels=JOB_LABELS),
             "iteration": GaugeMetricFamily("tensile_job_iteration_seconds", "Mean iteration time in the hook's last report", labels=JOB_LABELS),
             "predicted": GaugeMetricFamily("tensile_job_predicted_iteration_seconds", "Vanilla iteration time the plan was made with", labels=JOB_LABELS),
             "eor": GaugeMetricFamily("tensile_job_observed_eor_ratio", "Observed extra overhead rate: iteration time / the vanilla "
@@ -104,8 +109,8 @@ class AgentCollector(Collector):
             for j in jobs:
                 f = j.plan.forecast if j.plan else None
                 held_to = j.plan.memory_budget_bytes if j.plan and j.plan.memory_budget_bytes else j.memory_budget_bytes
-                rows.append(([j.gpu, j.ref.namespace, j.ref.name], f, j.reserved_forecast, j.version, held_to,
-                             j.observed.to_dict(), j.silent_seconds))
+                rows.append(([j.gpu, j.ref.namespace, j.ref.name], f, j.reserved_forecast, j.allocator_cap_bytes,
+                             j.version, held_to, j.observed.to_dict(), j.silent_seconds))
         for uuid, s in summaries.items():
             gpu_info.add_metric([uuid, str(s["index"]), s["name"], str(s["simulated"]).lower()], 1)
             memory.add_metric([uuid], s["memory_bytes"])
@@ -125,7 +130,7 @@ class AgentCollector(Collector):
         zeros = {(uuid, reason): 0 for uuid in inventory.gpus for reason in REPLAN_REASONS}
         for (uuid, reason), count in sorted((zeros | replan_counts).items()):
             replans.add_metric([uuid, reason], count)
-        for labels, forecast, reserved, version, budget, obs, silent in rows:
+        for labels, forecast, reserved, cap, version, budget, obs, silent in rows:
             if forecast is not None:
                 job_metrics["vanilla"].add_metric(labels, forecast.vanilla_peak_bytes)
                 job_metrics["scheduled"].add_metric(labels, forecast.scheduled_peak_bytes)
@@ -133,6 +138,8 @@ class AgentCollector(Collector):
                 job_metrics["forecast_eor"].add_metric(labels, forecast.predicted_eor)
             if reserved is not None:
                 job_metrics["forecast_reserved"].add_metric(labels, reserved.reserved_peak_bytes)
+            if cap is not None:
+                job_metrics["cap"].add_metric(labels, cap)
             job_metrics["version"].add_metric(labels, version)
             job_metrics["silent"].add_metric(labels, silent)
             if budget is not None:

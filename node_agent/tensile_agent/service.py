@@ -224,6 +224,8 @@ class AgentService:
                 request.expandable_segments = existing.expandable_segments
             if request.cublas_workspace_bytes is None:
                 request.cublas_workspace_bytes = existing.cublas_workspace_bytes
+            if request.allocator_cap_bytes is None:
+                request.allocator_cap_bytes = existing.allocator_cap_bytes
         if existing is not None:
             if caller.kind == OPERATOR:
                 pass  # the operator placed the job (again): its registration stands for the job's
@@ -252,6 +254,7 @@ class AgentService:
                   recompute=request.recompute, external=external, activations_only=request.activations_only,
                   expandable_segments=request.expandable_segments,
                   cublas_workspace_bytes=request.cublas_workspace_bytes,
+                  allocator_cap_bytes=request.allocator_cap_bytes,
                   latency_source=latency_source, ewma=ewma,
                   planned_sum=ewma.corrected_sum() if ewma else 0.0)
         if existing is not None:  # plan versions go on from the job's previous registration
@@ -270,8 +273,10 @@ class AgentService:
 
     def _take_allocator_settings(self, job: Job, request: RegisterRequest) -> None:
         """The allocator's settings a registration says, where they differ from the job's: its reserved forecast is
-        made again for them (`PlanningService.request(..., ALLOCATOR)`), its plan kept."""
+        made again for them (`PlanningService.request(..., ALLOCATOR)`), its plan kept. Its cap is taken as said: it
+        is shown beside the forecast, not part of it."""
         with self.state.lock:
+            job.allocator_cap_bytes = request.allocator_cap_bytes
             if (job.expandable_segments, job.cublas_workspace_bytes) == (request.expandable_segments,
                                                                         request.cublas_workspace_bytes):
                 return

@@ -105,6 +105,7 @@ class Job:
     # registration): tensile_agent.allocator_forecast assumes the rest
     expandable_segments: bool | None = None
     cublas_workspace_bytes: int | None = None
+    allocator_cap_bytes: int | None = None  # what its hook capped the caching allocator at (None: no cap said)
     allocator: AllocatorForecast | None = None  # the reserved forecast of the latest plan version it was made for
     latency_source: str | None = None
     ewma: LatencyEWMA | None = None
@@ -198,9 +199,9 @@ class Job:
         return {
             "job": self.ref.name, "namespace": self.ref.namespace, "gpu": self.gpu, "status": self.status,
             "message": self.message, "signature": self.signature, "plan_version": self.version, "round": self.round,
-            "memory_budget_bytes": self.memory_budget_bytes, "max_swap_rate": self.max_swap_rate,
-            "recompute": self.recompute, "activations_only": self.activations_only, "external": self.external,
-            "latency_source": self.latency_source,
+            "memory_budget_bytes": self.memory_budget_bytes, "allocator_cap_bytes": self.allocator_cap_bytes,
+            "max_swap_rate": self.max_swap_rate, "recompute": self.recompute, "activations_only": self.activations_only,
+            "external": self.external, "latency_source": self.latency_source,
             "events": len(self.plan.events) if self.plan else 0,
             "forecast": {
                 "vanilla_peak_bytes": forecast.vanilla_peak_bytes,

@@ -29,6 +29,7 @@ from tensile.knobs import budget_bytes, memory_text
 from tensile.plan import Plan, plan_from_data, plan_problems, rebind, summary
 from tensile_hook.allocator_settings import allocator_settings, training_device
 from tensile_hook.latency_samples import OpSamples
+from tensile_hook.memory_cap import MemoryCap
 from tensile_hook.plan_book import Planner
 from tensile_hook.report import HookReport, IterationStats
 from tensile_hook.settings import HookSettings, native_plans
@@ -52,11 +53,13 @@ class _Registration:
 
 class AgentLink:
     def __init__(self, settings: HookSettings, client: AgentClient, fallback: Planner | None = None,
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, memory_cap: MemoryCap | None = None) -> None:
         self.settings = settings
         self.client = client
         self.fallback = fallback
         self.environ = os.environ if environ is None else environ  # the process's: what its allocator reads
+        # the cap sitecustomize set on the process's CUDA memory (None: none), whose allocator share the agent is told
+        self.memory_cap = memory_cap
         self._lock = threading.Condition()
         self._todo: _Registration | None = None
         self._pending: list[IterationStats] = []
@@ -98,9 +101,9 @@ class AgentLink:
 
     @classmethod
     def from_env(cls, settings: HookSettings, fallback: Planner | None = None,
-                 environ: dict[str, str] | None = None) -> AgentLink:
+                 environ: dict[str, str] | None = None, memory_cap: MemoryCap | None = None) -> AgentLink:
         client = AgentClient.from_env(environ, timeout=settings.agent_timeout, max_backoff=settings.agent_max_backoff)
-        return cls(settings, client, fallback, environ)
+        return cls(settings, client, fallback, environ, memory_cap)
 
     def start(self, workload: Workload | None = None) -> AgentLink:
         """Begin; with the forecast workload (TENSILE_WORKLOAD) the job registers at its first module call, so the
@@ -421,14 +424,16 @@ class AgentLink:
             self.client.upload_workload(todo.workload)
         else:
             # the operator gives every pod it places a token; a job without one came by itself. The agent
-            # plans with the events this hook's own planner would use (on CUDA, what the native path carries), and
-            # forecasts what the process reserves with its allocator's settings
+            # plans with the events this hook's own planner would use (on CUDA, what the native path carries),
+            # forecasts what the process reserves with its allocator's settings, and shows the allocator's cap beside it
             expandable, workspace = allocator_settings(todo.workload.device, self.environ, self._device)
+            cap = self.memory_cap.allocator_bytes if self.memory_cap is not None else None
             self.client.register(workload=todo.workload, memory_budget_bytes=todo.budget,
                                  max_swap_rate=self.settings.max_swap_rate, recompute=self.settings.recompute,
                                  external=self.settings.token is None,
                                  activations_only=native_plans(self.settings, todo.workload.device),
-                                 expandable_segments=expandable, cublas_workspace_bytes=workspace)
+                                 expandable_segments=expandable, cublas_workspace_bytes=workspace,
+                                 allocator_cap_bytes=cap)
 
     def _flush(self) -> bool:
         """Post what the iterations since the last post measured, with the op latencies sampled meanwhile (dropped if

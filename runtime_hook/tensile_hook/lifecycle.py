@@ -108,7 +108,7 @@ def deactivate() -> None:
 def activate_from_env(memory_cap: MemoryCap | None = None) -> PlanExecutor:
     """What sitecustomize calls: settings, plan and planner from TENSILE_* variables; with
     TENSILE_AGENT the node agent plans (the local planner is the fallback while it cannot). `memory_cap`: the cap
-    sitecustomize set on the process's CUDA memory, for the report."""
+    sitecustomize set on the process's CUDA memory, for the report and the agent."""
     from tensile_hook.plan_source import agent_link, load_plan_files, local_planner
 
     check_torch(str(torch.__version__))
@@ -116,7 +116,7 @@ def activate_from_env(memory_cap: MemoryCap | None = None) -> PlanExecutor:
     plan, workload = load_plan_files(settings)
     device = _default_device()
     planner = local_planner(settings, device)
-    link = agent_link(settings, planner)
+    link = agent_link(settings, planner, memory_cap)
     if link is None:
         executor = activate(settings, plan, workload, planner, device)
     else:

@@ -10,6 +10,7 @@ import torch
 
 from tensile.plan import Plan, load_plan
 from tensile_hook.agent_link import AgentLink
+from tensile_hook.memory_cap import MemoryCap
 from tensile_hook.plan_book import Planner
 from tensile_hook.settings import HookSettings, native_plans
 from tensile.workload import Workload
@@ -26,13 +27,14 @@ def load_plan_files(settings: HookSettings) -> tuple[Plan | None, Workload | Non
     return plan, workload
 
 
-def agent_link(settings: HookSettings, fallback: Planner) -> AgentLink | None:
+def agent_link(settings: HookSettings, fallback: Planner, memory_cap: MemoryCap | None = None) -> AgentLink | None:
     """The link to the node agent when TENSILE_AGENT is set, started: with TENSILE_WORKLOAD the job
-    registers that workload at once, otherwise the live one after iteration 1."""
+    registers that workload at once, otherwise the live one after iteration 1; with the process's memory cap, which
+    its registration tells the agent."""
     if not settings.agent_url:
         return None
     workload = load_workload(settings.workload_path) if settings.workload_path else None
-    return AgentLink.from_env(settings, fallback).start(workload)
+    return AgentLink.from_env(settings, fallback, memory_cap=memory_cap).start(workload)
 
 
 def local_planner(settings: HookSettings, device: torch.device) -> Planner:

@@ -91,6 +91,7 @@ def test_a_cpu_jobs_reserved_forecast_is_its_scheduled_peak(agent_server):
 @pytest.mark.parametrize(("field", "value"), [
     ("cublas_workspace_bytes", -1), ("cublas_workspace_bytes", 2**62 + 1), ("cublas_workspace_bytes", "8MiB"),
     ("cublas_workspace_bytes", 1.5), ("expandable_segments", "maybe"), ("expandable_segments", 2),
+    ("allocator_cap_bytes", -1), ("allocator_cap_bytes", "12GiB"), ("allocator_cap_bytes", 2**62 + 1),
 ])
 def test_bad_allocator_settings_are_refused_naming_the_field(agent_server, tiny_workload, field, value):
     server = agent_server()

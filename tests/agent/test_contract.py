@@ -65,6 +65,19 @@ def test_the_allocator_settings_are_checked_naming_the_field():
         assert info.value.field == field and says in info.value.message, (field, value)
 
 
+def test_the_allocator_cap_is_checked_naming_the_field():
+    """The cap the hook set on its process's caching allocator: optional (no cap, or an older hook), and an amount of
+    memory, capped as every other."""
+    assert c.RegisterRequest.from_dict({"job": "a", "signature": "abcdef01"}).allocator_cap_bytes is None
+    told = {"job": "a", "signature": "abcdef01", "allocator_cap_bytes": 12 * 2**30}
+    assert c.RegisterRequest.from_dict(c.RegisterRequest.from_dict(told).to_dict()).allocator_cap_bytes == 12 * 2**30
+    for value, says in [(-1, "integer >= 0"), ("12GiB", "integer >= 0"), (True, "integer >= 0"),
+                        (2**62 + 1, "up to 2^62 bytes")]:
+        with pytest.raises(c.ContractError) as info:
+            c.RegisterRequest.from_dict({"job": "a", "signature": "abcdef01", "allocator_cap_bytes": value})
+        assert info.value.field == "allocator_cap_bytes" and says in info.value.message, value
+
+
 def test_job_ref_parses_operator_keys():
     assert c.JobRef.parse("team-a/bert").key == "team-a/bert"
     assert c.JobRef.parse("local") == c.JobRef("default", "local")

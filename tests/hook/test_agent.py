@@ -32,7 +32,7 @@ from tests.support.linked_hook import FAST, SCRIPT, trains
 from tests.support.linked_hook import agent_settings as _agent_settings
 from tests.support.linked_hook import fit_linked as _fit_linked
 from tests.support.linked_hook import live_workload as _live_workload
-from tests.support.training import STEPS, fit, train
+from tests.support.training import STEPS, fit, fit_model, train
 from tests.support.training import import_example as _import_example
 
 pytestmark = pytest.mark.usefixtures("deterministic")
@@ -187,6 +187,33 @@ def test_an_out_of_memory_error_the_guard_retried_reaches_the_agent(agent_server
     assert len(attempts) == 2 and sum(it.out_of_memory_retries for it in report.iterations) == 1
     assert report.plan_source == "agent" and report.iterations[2].mode == "planned"
     assert_identical(plain, hooked)
+
+
+def test_the_cap_sitecustomize_set_reaches_the_agent(agent_server, monkeypatch):
+    """sitecustomize hands activate_from_env the cap it set on the process's CUDA memory: the link's registration
+    tells the agent its caching allocator's share, which the job's view then shows."""
+    from tensile_hook import lifecycle
+    from tensile_hook.memory_cap import MemoryCap
+
+    agent = agent_server()
+    for variable, value in (FAST | {"TENSILE_JOB": "ns/capped", "TENSILE_AGENT": agent.url}).items():
+        monkeypatch.setenv(variable, value)
+    for variable in ("TENSILE_PLAN", "TENSILE_WORKLOAD", "TENSILE_SIGNATURE", "TENSILE_TOKEN", "TENSILE_REPORT"):
+        monkeypatch.delenv(variable, raising=False)
+    seen: list[int | None] = []
+
+    def after_step(step: int) -> None:
+        if step == STEPS - 1:  # registered after iteration 1, unregistered at the end
+            _wait(lambda: (job := _job(agent.url, "capped")) is not None and job["allocator_cap_bytes"] is not None,
+                  30, "the job's cap at the agent")
+            seen.append(_job(agent.url, "capped")["allocator_cap_bytes"])
+
+    lifecycle.activate_from_env(MemoryCap(2**30, 2**28, 3 * 2**28, 0, 2**32, 0.1875))
+    try:
+        fit_model(tracing_models.views, 4, STEPS, after_step=after_step)
+    finally:
+        lifecycle.deactivate()
+    assert seen == [3 * 2**28]
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from tensile.forecast import trace_workload
 from tensile.workload import Workload
 from tensile_hook import activate, deactivate
 from tensile_hook.agent_link import AgentLink
+from tensile_hook.memory_cap import MemoryCap
 from tensile_hook.plan_source import local_planner
 from tensile_hook.report import HookReport, IterationStats
 from tensile_hook.settings import HookSettings
@@ -98,19 +99,20 @@ def test_an_agent_that_is_gone_costs_the_exit_nothing(caplog, tiny_workload):
     assert "not delivered to the node agent at exit" in caplog.text and "the unregistration" in caplog.text
 
 
-def _registered_allocator(agent_url: str, job: str, environ: dict[str, str],
-                          workload: Workload) -> tuple[tuple, dict]:
-    """What the link's registration of `workload`, from a process with `environ`, told the agent of its allocator:
-    (expandable segments, workspace bytes) as sent, and the job's forecast as the agent made it."""
+def _registered_allocator(agent_url: str, job: str, environ: dict[str, str], workload: Workload,
+                          memory_cap: MemoryCap | None = None) -> tuple[tuple, dict]:
+    """What the link's registration of `workload`, from a process with `environ` (and `memory_cap`), told the agent of
+    its allocator: (expandable segments, workspace bytes, cap) as sent, and the job's forecast as the agent made it."""
     settings = HookSettings(job=job, agent_url=agent_url, agent_timeout=1.0, agent_interval=0.05)
     process = {"TENSILE_AGENT": agent_url, "TENSILE_JOB": job} | environ
-    link = AgentLink.from_env(settings, environ=process).start(workload)
+    link = AgentLink.from_env(settings, environ=process, memory_cap=memory_cap).start(workload)
     try:
         link.listener(IterationStats(0, "recording"), HookReport(job, workload.device))  # the process trains
         client = link.client
         wait_for(lambda: client.registered is not None, 30, "the link's registration")
         assert client.registration is not None
-        sent = (client.registration.expandable_segments, client.registration.cublas_workspace_bytes)
+        registration = client.registration
+        sent = (registration.expandable_segments, registration.cublas_workspace_bytes, registration.allocator_cap_bytes)
         wait_for(lambda: (get(agent_url, f"/v1/jobs/{job}", client.token)[1]["forecast"] or {}).get(
             "scheduled_reserved_peak_bytes") is not None, 30, "the agent's reserved forecast")
         return sent, get(agent_url, f"/v1/jobs/{job}", client.token)[1]["forecast"]
@@ -131,8 +133,17 @@ def test_the_registration_tells_the_agent_whether_the_allocator_expands_its_segm
     workload = trace_workload("examples/tiny_mlp.py:build", 4, device="cpu")
     sent, forecast = _registered_allocator(agent.url, "ns/allocator", environ | {"CUBLAS_WORKSPACE_CONFIG": ":4096:3"},
                                            workload)
-    assert sent == (expandable, 0)
-    assert (forecast["expandable_segments"], forecast["cublas_workspace_bytes"]) == sent
+    assert sent == (expandable, 0, None)  # no memory cap: none told
+    assert (forecast["expandable_segments"], forecast["cublas_workspace_bytes"]) == sent[:2]
+
+
+def test_the_registration_tells_the_agent_the_allocators_cap(agent_server, tiny_workload):
+    """The cap sitecustomize set: the agent is told the caching allocator's share of it (the admitted size less the
+    context), what the process's reserved peak runs up against."""
+    cap = MemoryCap(cap_bytes=2 * 2**30, context_bytes=2**29, allocator_bytes=3 * 2**29, device=0,
+                    device_bytes=16 * 2**30, fraction=3 / 32)
+    sent, _ = _registered_allocator(agent_server().url, "ns/capped", {}, tiny_workload(), cap)
+    assert sent == (False, 0, 3 * 2**29)
 
 
 def test_the_workspace_is_sized_by_the_device_the_training_thread_works_on(agent_server, tiny_workload, monkeypatch):
@@ -145,7 +156,7 @@ def test_the_workspace_is_sized_by_the_device_the_training_thread_works_on(agent
     monkeypatch.setattr(torch.cuda, "get_device_capability",
                         lambda device=None: capability[torch.cuda.current_device() if device is None else device])
     sent, _ = _registered_allocator(agent_server().url, "ns/second-gpu", {}, tiny_workload())
-    assert sent == (False, 32 * 2**20)
+    assert sent == (False, 32 * 2**20, None)
 
 
 @pytest.mark.gpu
@@ -154,7 +165,7 @@ def test_a_cuda_jobs_registration_carries_its_cublas_workspace_size(agent_server
     """CUBLAS_WORKSPACE_CONFIG's :SIZE:COUNT pairs, whatever the GPU's compute capability; unset, its default."""
     agent = agent_server()
     sent, _ = _registered_allocator(agent.url, "ns/cuda-set", {"CUBLAS_WORKSPACE_CONFIG": ":4096:3"}, tiny_workload())
-    assert sent == (False, 12 * 2**20)
+    assert sent == (False, 12 * 2**20, None)
     major, _ = torch.cuda.get_device_capability()
     sent, _ = _registered_allocator(agent.url, "ns/cuda-default", {}, tiny_workload())
-    assert sent == (False, 32 * 2**20 if major in (9, 10, 12) else 8 * 2**20 + 128 * 2**10)
+    assert sent == (False, 32 * 2**20 if major in (9, 10, 12) else 8 * 2**20 + 128 * 2**10, None)
