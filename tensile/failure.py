@@ -9,13 +9,19 @@ from tensile.knobs import MEMORY_CAP, memory_text
 
 # PyTorch's words for a CUDA allocation it could not make (torch.OutOfMemoryError)
 CUDA_OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|CUDA out of memory")
+# a line of the hook's own ("tensile: ...", with or without a logging prefix): at exit it may speak after the
+# training's traceback
+HOOK_LINE = re.compile(r"(^|:)tensile: ")
 LAST_LINE_CHARS = 500  # of a log's last line, in a message
 
 
 def last_line(text: str) -> str:
-    """The last line of a log that says something, at most LAST_LINE_CHARS long; "" where none does."""
+    """The last line of a training's log that says something, at most LAST_LINE_CHARS long, passing over the hook's
+    own lines after it (its last words at exit come after the traceback); "" where no line says anything."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1][:LAST_LINE_CHARS] if lines else ""
+    training = [line for line in lines if not HOOK_LINE.search(line)]
+    said = training or lines
+    return said[-1][:LAST_LINE_CHARS] if said else ""
 
 
 def outgrew_cap(said: str, cap_bytes: int | None) -> str | None:

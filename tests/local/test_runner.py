@@ -565,7 +565,8 @@ def test_a_failed_job_says_its_logs_last_line_and_what_running_out_of_memory_und
     run = JobRun(load_job(_write(tmp_path, "oom")), demand=40 * MIB, summary=summary)
     run.log = tmp_path / "oom.log"
     run.log.write_text("step 0: loss 6.49\nTraceback (most recent call last):\n  ...\ntorch.OutOfMemoryError: CUDA out "
-                       "of memory. Tried to allocate 20.00 MiB.\n\n")
+                       "of memory. Tried to allocate 20.00 MiB.\n\n"  # the hook's last words come after it
+                       "WARNING:tensile_hook.agent_link:tensile: not delivered to the node agent at exit\n")
     runner._finished(run, 1)
     assert run.phase == "Failed"
     assert run.message.startswith("exit code 1: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 "
