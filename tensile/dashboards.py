@@ -4,10 +4,11 @@
 model); the chart ships those files as ConfigMaps labelled `grafana_dashboard: "1"`. The files are
 generated, never edited by hand: a test compares them with what this module builds now.
 
-Queries follow the agent's metrics (node_agent/tensile_agent/metrics.py): labels `gpu`, `namespace`, `job`, so
-Prometheus must scrape the agent with `honor_labels: true` (the chart's ServiceMonitor does). The data
-source is the `${datasource}` template variable, so the dashboards work in any Grafana whatever its
-Prometheus data source is called. docs/dashboards.md says what each panel answers.
+The GPUs and Jobs dashboards follow the agent's metrics (node_agent/tensile_agent/metrics.py): labels `gpu`,
+`namespace`, `job`, so Prometheus must scrape the agent with `honor_labels: true` (the chart's ServiceMonitor does).
+The Operator dashboard follows the operator's (operator/tensile_operator/metrics.py), scraped from the operator's own
+Service; they carry no GPU or job label. The data source is the `${datasource}` template variable, so the dashboards
+work in any Grafana whatever its Prometheus data source is called. docs/dashboards.md says what each panel answers.
 """
 
 from __future__ import annotations
@@ -265,9 +266,45 @@ def jobs_dashboard() -> Dashboard:
                      (peaks, accuracy, swap, stalls, out_of_memory, eor, version, iteration))
 
 
+def quantiles(histogram: str, *by: str) -> tuple[Target, ...]:
+    """p50 and p99 of a Prometheus histogram over the rate interval, a line for each value of the `by` labels."""
+    grouped = f"sum by ({', '.join(('le', *by))}) ({rate(histogram + '_bucket')})"
+    legend = " ".join(f"{label}={{{{{label}}}}}" for label in by)
+    return tuple(Target(f"histogram_quantile({q}, {grouped})", f"{legend} p{round(q * 100)}".lstrip())
+                 for q in (0.5, 0.99))
+
+
+def operator_dashboard() -> Dashboard:
+    phases = Panel("TrainingJobs by phase", "How many TrainingJobs the operator sees in each phase: how many wait "
+                   "(Pending, Forecasting, Queued), hold GPU memory (Admitted, Running) or have finished.", "short",
+                   (Target("sum by (phase) (tensile_trainingjobs)", "{{phase}}"),))
+    admissions = Panel(
+        "Admission decisions by result",
+        "What admission decides, per second: admitted (each placement, a job placed again counted again), queued "
+        "(an admission that had to wait), or why it refused (invalid, forecast_failed, no_budget, budget_unreachable).",
+        "ops",
+        (Target(f"sum by (result) ({rate('tensile_admissions_total')})", "{{result}}"),),
+    )
+    placement = Panel(
+        "Placement time",
+        "How long the scheduler takes to decide where a job goes or why it waits, with and without the joint "
+        "planner (joint_plan). Jobs are placed one at a time: a slow placement delays every job behind it.",
+        "s", quantiles("tensile_placement_seconds", "joint_plan"),
+    )
+    forecast = Panel("Forecast time", "How long forecasting a job takes (trace and plan, cache hits included): how "
+                     "long a new TrainingJob stays in phase Forecasting before the scheduler can place it.", "s",
+                     quantiles("tensile_forecast_seconds"))
+    queued = Panel("Queued jobs", "How many TrainingJobs wait for GPU memory (phase Queued): above 0 for long, the "
+                   "cluster's GPUs are full by forecast.", "short", (Target("sum(tensile_queued_jobs)", "queued"),),
+                   width=24)
+    return Dashboard("tensile-operator", "Tensile / Operator",
+                     "Admission: TrainingJobs by phase, decisions by result, placement and forecast time, queue.",
+                     (), (phases, admissions, placement, forecast, queued))
+
+
 def build() -> dict[str, dict]:
     """File name -> dashboard JSON, for every dashboard Tensile ships."""
-    return {f"{d.uid}.json": to_json(d) for d in (gpus_dashboard(), jobs_dashboard())}
+    return {f"{d.uid}.json": to_json(d) for d in (gpus_dashboard(), jobs_dashboard(), operator_dashboard())}
 
 
 def render(dashboard: dict) -> str:

@@ -1,6 +1,7 @@
 """The shipped Grafana dashboards (charts/tensile/dashboards/*.json): made by tensile/dashboards.py, and
-every query in them returns series from a real Prometheus (Debian's package, started here) scraping a
-real agent while two jobs train under the hook in local mode (`tensile run --agent`)."""
+every query in them returns series from a real Prometheus (Debian's package, started here) scraping what they
+chart: a real agent while two jobs train under the hook in local mode (`tensile run --agent`), and the
+operator's metrics server while admission decisions are recorded through it as the operator records them."""
 
 from __future__ import annotations
 
@@ -17,12 +18,17 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import pytest
+from tensile_operator.metrics import OperatorMetrics
 from tests.support.agent_harness import ROOT, ThreadedAgent, free_port, get
 
 from tensile.dashboards import build, render
 
 DASHBOARDS = ROOT / "charts" / "tensile" / "dashboards"
 SCRAPE_JOB = "tensile-agent"
+OPERATOR_SCRAPE_JOB = "tensile-operator"
+AGENT_DASHBOARDS = ("tensile-gpus.json", "tensile-jobs.json")  # each checked against the metrics it charts
+OPERATOR_DASHBOARDS = ("tensile-operator.json",)
 RATE_INTERVAL = "5s"  # what Grafana's $__rate_interval is at least: 4 x the 1 s scrape interval, plus slack
 LABEL_VALUES = re.compile(r"^label_values\((?P<match>.+),\s*(?P<label>\w+)\)$")
 JOBS = {"a": [], "b": ["--memory-budget", "0.8"]}  # one job under a budget below its vanilla peak: it swaps
@@ -75,6 +81,11 @@ def test_every_panel_has_an_id_a_title_a_unit_and_targets():
     assert {"gpu", "namespace", "job"} <= set(variables(dashboards["tensile-jobs.json"]))
 
 
+def test_every_dashboard_is_queried_against_the_metrics_it_charts():
+    """The real-Prometheus tests below each take the dashboards of one exporter: a new one must be given to one."""
+    assert sorted(shipped()) == sorted(AGENT_DASHBOARDS + OPERATOR_DASHBOARDS)
+
+
 def test_a_repeated_panel_has_its_rows_to_itself():
     """Grafana fills a horizontally repeated panel's row with its copies and allows no other panel there."""
     for name, dashboard in shipped().items():
@@ -111,15 +122,15 @@ def test_the_eor_panel_shows_the_measured_eor_and_the_forecast_apart():
 
 
 @contextmanager
-def prometheus(tmp_path: Path, target: str) -> Iterator[str]:
-    """Debian's prometheus with its own config and data in tmp_path, scraping `target` every second."""
+def prometheus(tmp_path: Path, target: str, job: str = SCRAPE_JOB) -> Iterator[str]:
+    """Debian's prometheus with its own config and data in tmp_path, scraping `target` every second as `job`."""
     binary, promtool = shutil.which("prometheus"), shutil.which("promtool")
     assert binary and promtool, "Prometheus is not installed: apt-get install prometheus (Debian's package)"
     config = tmp_path / "prometheus.yml"
     config.write_text(json.dumps({  # JSON is YAML
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         # honor_labels: the agent's `job` label is the training job's (as the chart's ServiceMonitor keeps it)
-        "scrape_configs": [{"job_name": SCRAPE_JOB, "honor_labels": True, "static_configs": [{"targets": [target]}]}],
+        "scrape_configs": [{"job_name": job, "honor_labels": True, "static_configs": [{"targets": [target]}]}],
     }, indent=2))
     check = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
@@ -211,8 +222,8 @@ def empty_queries(prometheus_url: str, dashboards: dict[str, dict]) -> list[str]
     return empty
 
 
-def test_every_dashboard_query_returns_series_from_a_real_prometheus(tmp_path):
-    dashboards = shipped()
+def test_every_agent_dashboard_query_returns_series_from_a_real_prometheus(tmp_path):
+    dashboards = {name: board for name, board in shipped().items() if name in AGENT_DASHBOARDS}
     with ExitStack() as stack:
         agent = stack.enter_context(ThreadedAgent())
         jobs = {job: stack.enter_context(training(tmp_path, agent.url, job, options)) for job, options in JOBS.items()}
@@ -234,3 +245,47 @@ def test_every_dashboard_query_returns_series_from_a_real_prometheus(tmp_path):
         assert seen == sorted(JOBS), f"jobs seen by Prometheus: {seen}"
         assert [s["value"][1] for s in query(prom, f'up{{job="{SCRAPE_JOB}"}}')] == ["1"]
         assert moved and float(moved[0]["value"][1]) > 0, "the job under a budget neither swapped nor recomputed"
+
+
+def record_decisions(metrics: OperatorMetrics, round_: int) -> None:
+    """What the operator's intake and scheduler record for a few jobs: each call makes every counter and histogram grow
+    (the dashboard's rates and quantiles need an increase within the rate interval)."""
+    metrics.admissions.labels("invalid").inc()  # the intake's refusals, then the scheduler's decisions
+    metrics.forecast_seconds.observe(0.02 + 0.01 * (round_ % 3))
+    metrics.admissions.labels("no_budget").inc()
+    metrics.admissions.labels("queued").inc()
+    metrics.placement_seconds.labels("false").observe(0.0008)
+    metrics.placement_seconds.labels("true").observe(0.3 + 0.1 * (round_ % 2))
+    metrics.admissions.labels("admitted").inc()
+
+
+@pytest.mark.slow
+def test_every_operator_dashboard_query_returns_series_from_a_real_prometheus(tmp_path):
+    dashboards = {name: board for name, board in shipped().items() if name in OPERATOR_DASHBOARDS}
+    phases = {"default/a": "Running", "default/b": "Queued", "default/c": "Forecasting", "ml/d": "Succeeded"}
+    metrics = OperatorMetrics(lambda: dict(phases))
+    port = free_port()
+    metrics.serve(port, "127.0.0.1")
+    try:
+        with prometheus(tmp_path, f"127.0.0.1:{port}", OPERATOR_SCRAPE_JOB) as prom:
+            deadline, round_ = time.monotonic() + 30, 0
+            while True:
+                record_decisions(metrics, round_)
+                round_ += 1
+                empty = empty_queries(prom, dashboards)
+                if not empty or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert not empty, "queries without series:\n" + "\n".join(empty)
+            assert [s["value"][1] for s in query(prom, f'up{{job="{OPERATOR_SCRAPE_JOB}"}}')] == ["1"]
+            panels = {p["title"]: p["targets"] for p in dashboards["tensile-operator.json"]["panels"]}
+            (phases_target,) = panels["TrainingJobs by phase"]
+            by_phase = {s["metric"]["phase"]: s["value"][1] for s in query(prom, phases_target["expr"])}
+            assert {phase: by_phase[phase] for phase in ("Running", "Queued", "Forecasting", "Admitted")} == {
+                "Running": "1", "Queued": "1", "Forecasting": "1", "Admitted": "0"}
+            for target in panels["Placement time"]:  # a line for each joint_plan, a number (an increase), not NaN
+                placement = query(prom, substitute(target["expr"]))
+                assert {s["metric"]["joint_plan"] for s in placement} == {"true", "false"}
+                assert all(0 < float(s["value"][1]) <= 1 for s in placement), placement
+    finally:
+        metrics.close()
