@@ -147,7 +147,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM,
                         help="share of each GPU's memory kept free by admission (default %(default)s)")
     parser.add_argument("--context-bytes", default=None,
-                        help="per-job CUDA context + workspaces (e.g. 600MiB; default: the GPU preset's)")
+                        help="per job: what its process holds outside PyTorch's caching allocator, its CUDA context "
+                             "(e.g. 600MiB; default: the GPU preset's)")
     parser.add_argument("--replan-threshold", type=float, default=DEFAULT_THRESHOLD,
                         help="re-plan when a job's op latencies drift by more than this share (|s'-s|/s)")
     parser.add_argument("--planning", choices=("process", "thread"), default="process",

@@ -224,7 +224,7 @@ class AgentService:
                 request.expandable_segments = existing.expandable_segments
             if request.cublas_workspace_bytes is None:
                 request.cublas_workspace_bytes = existing.cublas_workspace_bytes
-            if request.allocator_cap_bytes is None:
+            if request.allocator_cap_bytes is None and existing.gpu == gpu:  # a cap is its GPU's admission's
                 request.allocator_cap_bytes = existing.allocator_cap_bytes
         if existing is not None:
             if caller.kind == OPERATOR:

@@ -48,7 +48,7 @@ def admitted_size(booking: Booking, gpu: Gpu | None) -> int:
     """What the job was admitted with, its process's CUDA memory cap (TENSILE_MEMORY_CAP): its claim's request in `dra`
     mode, else its booked peak plus what its process holds beyond it (`process_overhead`; without its GPU, the
     allocator's slack with the largest cuBLAS workspaces a GPU may give, and the `context_of` a GPU no one describes:
-    never below what it was booked with)."""
+    its allocator's share is never below what it was booked with)."""
     if booking.claim_bytes is not None:
         return booking.claim_bytes
     if gpu is None:

@@ -28,5 +28,6 @@ def allocator_settings(device_type: str, environ: Mapping[str, str], device: int
 
 def training_device() -> int | None:
     """The CUDA device the calling thread works on, called from the training thread: CUDA's current device is per
-    thread, and in any other (the agent link's own) it is device 0 whatever the training set. None without CUDA."""
-    return torch.cuda.current_device() if torch.cuda.is_available() else None
+    thread, and in any other (the agent link's own) it is device 0 whatever the training set. None where CUDA is not
+    in use (asking would start it, in a job that trains on the CPU)."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None

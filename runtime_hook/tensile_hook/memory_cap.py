@@ -27,7 +27,7 @@ from tensile.knobs import CONTEXT_BYTES, MEMORY_CAP
 class MemoryCap:
     """The cap as set: the process's `cap_bytes` of the `device_bytes` of CUDA device `device`, of which
     `context_bytes` are kept for what it holds outside the caching allocator and the rest, `allocator_bytes`, is the
-    allocator's `fraction` of the device."""
+    allocator's `fraction` of the device; `note`: what was wrong with the settings, said on stderr ("" if nothing)."""
 
     cap_bytes: int
     context_bytes: int
@@ -35,14 +35,16 @@ class MemoryCap:
     device: int
     device_bytes: int
     fraction: float
+    note: str = ""
 
 
 def cap_memory(cuda: Any, environ: Mapping[str, str]) -> MemoryCap | None:
     """Cap this process's CUDA memory (`cuda`: torch.cuda, or a stand-in) at TENSILE_MEMORY_CAP on its device: the one
     numbered LOCAL_RANK for a process a launcher (torchrun) starts, else the current one. None where no cap is given
     or no CUDA device is there (the CPU device has no allocator to cap). The cap is set with the device current, so
-    no other device gets a CUDA context of this process. A cap no larger than the context leaves the allocator
-    nothing: refused (ValueError naming both variables) rather than set so that the job's first tensor fails."""
+    no other device gets a CUDA context of this process. A cap no larger than the context would leave the allocator
+    nothing: the allocator is then capped at the whole cap, and the note says why (never uncapped: the cap may be
+    all that keeps the job to its share)."""
     cap = MEMORY_CAP.from_environment(environ, None)
     if cap is None or not cuda.is_available():
         return None
@@ -54,14 +56,17 @@ def cap_memory(cuda: Any, environ: Mapping[str, str]) -> MemoryCap | None:
         if context is None:
             preset = preset_for(str(getattr(properties, "name", "")))
             context = preset.context_bytes if preset is not None else DEFAULT_CONTEXT_BYTES
+        note = ""
+        if cap <= context:
+            note = (f"{MEMORY_CAP.variable} ({cap / 2**20:,.0f} MiB) would leave the caching allocator nothing beside "
+                    f"the process's CUDA context ({context / 2**20:,.0f} MiB, {CONTEXT_BYTES.variable}): the allocator "
+                    "is capped at the whole cap, and the process may hold its context beyond it; give a larger cap, "
+                    "or the context the GPU really takes")
+            context = 0
         allocator = cap - context
-        if allocator <= 0:
-            raise ValueError(f"{MEMORY_CAP.variable} ({cap / 2**20:,.0f} MiB) leaves the caching allocator nothing "
-                             f"beside the process's CUDA context ({context / 2**20:,.0f} MiB, "
-                             f"{CONTEXT_BYTES.variable}): give a larger cap, or the context the GPU really takes")
         fraction = min(1.0, allocator / total)
         cuda.set_per_process_memory_fraction(fraction, device)
-    return MemoryCap(cap, context, allocator, device, total, fraction)
+    return MemoryCap(cap, context, allocator, device, total, fraction, note)
 
 
 def _device(cuda: Any, environ: Mapping[str, str]) -> int:

@@ -288,12 +288,13 @@ class LocalRunner:
 
     def _failure(self, run: JobRun, code: int) -> str:
         """A failed job's message: its exit code and its log's last line, with what running out of CUDA memory under
-        its cap means (`tensile.admission.outgrew_cap`: on the CPU device there is no cap)."""
+        its cap means (`tensile.failure.outgrew_cap`: on the CPU device there is no cap)."""
         last = last_line(log_tail(run.log)) if run.log is not None else ""
         if not last:
             return f"exit code {code}; see {run.log}"
         said = f"exit code {code}: {last}"
-        return f"{outgrew_cap(said, self.admission.need(run) if self.device == 'cuda' else None) or said}; see {run.log}"
+        cap = self.admission.need(run) if self.device == "cuda" else None
+        return f"{outgrew_cap(said, cap) or said}; see {run.log}"
 
     def refresh(self) -> None:
         """Observed figures of the running jobs, from the agent (a finished job has unregistered)."""

@@ -45,3 +45,15 @@ def test_a_job_without_a_cap_shows_null_and_exports_no_series(agent_server, tiny
     assert get(server.url, "/v1/jobs/ns/uncapped", client.token)[1]["allocator_cap_bytes"] is None
     assert agent_jobs(server.url)["ns/uncapped"]["allocator_cap_bytes"] is None
     assert _exported(server.url) == {}
+
+
+def test_a_job_registered_again_on_another_gpu_keeps_no_cap_of_the_old_one(agent_server, tiny_workload):
+    """A cap is its admission's on one GPU: the job registered again on another, without one yet, shows none until
+    its process there says its own."""
+    server = agent_server(simulate=["a:1GiB", "b:1GiB"])
+    first = AgentClient(server.url, "ns/moved", gpu="0", max_backoff=0.2)
+    assert first.register(workload=tiny_workload(), allocator_cap_bytes=GIB // 2) is not None
+    moved = AgentClient(server.url, "ns/moved", gpu="1", max_backoff=0.2)
+    moved.token = first.token
+    assert moved.register(workload=tiny_workload()) is not None
+    assert agent_jobs(server.url)["ns/moved"]["allocator_cap_bytes"] is None and _exported(server.url) == {}

@@ -152,11 +152,25 @@ def test_the_workspace_is_sized_by_the_device_the_training_thread_works_on(agent
     trainer = threading.get_ident()
     capability = {0: (8, 6), 1: (9, 0)}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1 if threading.get_ident() == trainer else 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability",
                         lambda device=None: capability[torch.cuda.current_device() if device is None else device])
     sent, _ = _registered_allocator(agent_server().url, "ns/second-gpu", {}, tiny_workload())
     assert sent == (False, 32 * 2**20, None)
+
+
+def test_a_job_that_has_not_started_cuda_is_not_made_to(monkeypatch):
+    """Asking for the current device starts CUDA (a context on GPU 0) in a job that trains on the CPU."""
+    from tensile_hook.allocator_settings import training_device
+
+    def started() -> int:
+        raise AssertionError("CUDA started by the hook")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", started)
+    assert training_device() is None
 
 
 @pytest.mark.gpu

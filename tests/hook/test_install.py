@@ -158,7 +158,7 @@ def test_sitecustomize_caps_cuda_memory_whether_the_hook_runs_or_stands_down(mon
                               "(20.0% of its 81,920 MiB), 4,096 MiB kept for its context") in said, said
     data = json.loads(report.read_text())
     assert data["memory_cap"] == {"cap_bytes": 20 * GIB, "context_bytes": 4 * GIB, "allocator_bytes": 16 * GIB,
-                                  "device": 0, "device_bytes": 80 * GIB, "fraction": 0.2}
+                                  "device": 0, "device_bytes": 80 * GIB, "fraction": 0.2, "note": ""}
     why = "2 processes" if stands_down == "several processes" else "the plan file is unreadable"
     assert why in data["stood_down"]
     assert data["iterations"] == [] and data["device"] == "cuda:0"
@@ -174,7 +174,7 @@ def test_an_active_hook_reports_the_cap_it_was_started_under(monkeypatch) -> Non
     try:
         executor = lifecycle.activate_from_env(MemoryCap(2**30, 2**28, 3 * 2**28, 0, 2**32, 0.1875))
         assert executor.report.memory_cap == {"cap_bytes": 2**30, "context_bytes": 2**28, "allocator_bytes": 3 * 2**28,
-                                              "device": 0, "device_bytes": 2**32, "fraction": 0.1875}
+                                              "device": 0, "device_bytes": 2**32, "fraction": 0.1875, "note": ""}
         assert executor.report.stood_down is None
     finally:
         lifecycle.deactivate()

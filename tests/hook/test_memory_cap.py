@@ -45,11 +45,13 @@ def test_a_context_of_none_leaves_the_allocator_the_whole_cap(written):
     assert cap is not None and (cap.context_bytes, cap.allocator_bytes, cap.fraction) == (0, 20 * GIB, 0.25)
 
 
-def test_a_cap_no_larger_than_the_context_is_refused_naming_both_and_nothing_is_set():
+def test_a_cap_no_larger_than_the_context_caps_the_allocator_at_the_whole_cap_and_says_why():
+    """Refused, it left the job with no cap at all, where the cap may be all that keeps it to its share."""
     cuda = RecordingCuda()
-    with pytest.raises(ValueError, match="TENSILE_MEMORY_CAP .*TENSILE_CONTEXT_BYTES"):
-        cap_memory(cuda, {"TENSILE_MEMORY_CAP": "512Mi", "TENSILE_CONTEXT_BYTES": "512Mi"})
-    assert not any(call[0] == "set_per_process_memory_fraction" for call in cuda.calls)
+    cap = cap_memory(cuda, {"TENSILE_MEMORY_CAP": "512Mi", "TENSILE_CONTEXT_BYTES": "512Mi"})
+    assert cap is not None and (cap.context_bytes, cap.allocator_bytes) == (0, 512 * 2**20)
+    assert cuda.calls[-1] == ("set_per_process_memory_fraction", 512 * 2**20 / (80 * GIB), 0, 0)
+    assert "TENSILE_MEMORY_CAP (512 MiB) would leave" in cap.note and "TENSILE_CONTEXT_BYTES" in cap.note
 
 
 def test_a_process_a_launcher_numbers_caps_its_own_device_with_it_current():

@@ -554,7 +554,7 @@ def test_out_of_memory_retries_are_read_from_the_agent_while_a_job_runs_and_from
 @pytest.mark.parametrize("device, cap", [("cuda", "Its process may hold 57 MiB (TENSILE_MEMORY_CAP, what it was "
                                                   "admitted with), so it failed alone"),
                                          ("cpu", "Its process ran out of CUDA memory")])
-def test_a_failed_job_says_its_logs_last_line_and_what_running_out_of_memory_under_its_cap_means(tmp_path, device, cap):
+def test_a_failed_job_says_its_logs_last_line_and_what_running_out_of_cuda_memory_means(tmp_path, device, cap):
     """"exit code 1; see its log" was all a failed job said; its log's last line says why, and PyTorch's
     out-of-memory error there says the job outgrew what it was admitted with."""
     from types import SimpleNamespace

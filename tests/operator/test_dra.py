@@ -15,7 +15,7 @@ from tests.support.operator_scenarios import running
 
 from tensile.admission import GIB, MIB, admitted_bytes, parse_quantity
 from tensile.cublas_workspaces import SMALL_WORKSPACE_BYTES
-from tensile.devices import DEFAULT_CONTEXT_BYTES
+from tensile.devices import DEFAULT_CONTEXT_BYTES, PRESETS
 from tensile_operator import timing
 from tensile_operator.app import OperatorApp
 from tensile_operator.claims import GpuAccess
@@ -103,6 +103,17 @@ def test_a_gpus_compute_capability_is_its_drivers_else_its_agents_else_unknown()
               "node-h": [Gpu("node-h", "GPU-h", "g", 8 * GIB, 8 * GIB, compute_capability_major=8)]}
     majors = {gpu.uuid: gpu.compute_capability_major for gpu in inventory.gpus(agents)}
     assert majors == {"GPU-h": 9, "GPU-a": 8, "GPU-x": 0, "GPU-y": 0, "GPU-agent": 8, "GPU-none": 0}
+
+
+def test_a_gpu_without_an_agent_is_booked_its_presets_context_else_the_default():
+    """An H100's processes hold 700 MiB beside their allocators (its preset): booked the 600 MiB default, each could
+    hold 100 MiB more than its claim, the pod's TENSILE_CONTEXT_BYTES overriding the hook's own look-up."""
+    inventory = DraInventory(None, GpuAccess())  # type: ignore[arg-type]  # no API calls: slices given directly
+    for node, name in (("node-h", "NVIDIA H100 80GB HBM3"), ("node-s", "Simulated GPU")):
+        slice_ = gpu_slice(node, [(f"GPU-{node}", 8)], product_name=name)
+        inventory.slice_changed(slice_, slice_["metadata"]["name"])
+    contexts = {gpu.uuid: gpu.context_bytes for gpu in inventory.gpus({})}
+    assert contexts == {"GPU-node-h": PRESETS["h100"].context_bytes, "GPU-node-s": DEFAULT_CONTEXT_BYTES}
 
 
 def condition_of(job: dict | None, type_: str) -> dict:

@@ -13,15 +13,16 @@ POLICY = RequestPolicy(default=256 * MIB, minimum=256 * MIB, step=256 * MIB)
 
 
 def gpu_slice(node: str, gpus: list[tuple[str, float]], policy: RequestPolicy | None = POLICY,
-              memory: bool = True, driver: str = DRIVER, compute_capability: str | None = None) -> dict:
-    """The ResourceSlice of `node`: one multi-allocatable device per (uuid, GiB), with a `memory` capacity (left out
-    with `memory=False`: a driver that shares GPUs by time only) and, where given, a `cudaComputeCapability` (a
-    version, "9.0.0", as NVIDIA's driver publishes it)."""
+              memory: bool = True, driver: str = DRIVER, compute_capability: str | None = None,
+              product_name: str = "Simulated GPU") -> dict:
+    """The ResourceSlice of `node`: one multi-allocatable device per (uuid, GiB) named `product_name`, with a
+    `memory` capacity (left out with `memory=False`: a driver that shares GPUs by time only) and, where given, a
+    `cudaComputeCapability` (a version, "9.0.0", as NVIDIA's driver publishes it)."""
     devices = []
     for index, (uuid, gib) in enumerate(gpus):
         device: dict = {"name": f"gpu-{index}", "allowMultipleAllocations": True, "attributes": {
             "type": {"string": "gpu"}, "uuid": {"string": uuid}, "index": {"int": index},
-            "productName": {"string": "Simulated GPU"}}}
+            "productName": {"string": product_name}}}
         if compute_capability is not None:
             device["attributes"]["cudaComputeCapability"] = {"version": compute_capability}
         if memory:

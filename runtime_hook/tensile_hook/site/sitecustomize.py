@@ -61,7 +61,10 @@ def _cap_memory() -> Any:
 
         from tensile_hook.memory_cap import cap_memory
 
-        return cap_memory(torch.cuda, os.environ)
+        cap = cap_memory(torch.cuda, os.environ)
+        if cap is not None and cap.note:
+            print(f"tensile: {cap.note}", file=sys.stderr)
+        return cap
     except Exception as exc:  # noqa: BLE001 - the user's training must start regardless
         print(f"tensile: CUDA memory not capped ({type(exc).__name__}: {exc})", file=sys.stderr)
         return None
