@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench_results import results_dir
-from tensile.devices import DEFAULT_CONTEXT_BYTES, parse_bytes, preset_for
+from tensile.devices import context_for, parse_bytes
 from tensile.latency.calibrate import local_device
 from tensile_hook.memory_cap import cap_memory
 
@@ -99,8 +99,7 @@ def main() -> None:
     _, device_key, device_name = local_device("cuda")
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    preset = preset_for(device_name)
-    booked = preset.context_bytes if preset is not None else DEFAULT_CONTEXT_BYTES
+    booked = context_for(device_name)
     held = Held()
 
     train_a_little(device)

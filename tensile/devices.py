@@ -53,6 +53,12 @@ def preset_for(gpu_name: str) -> DeviceSpec | None:
     return PRESETS[key] if key is not None else None
 
 
+def context_for(gpu_name: str) -> int:
+    """The per-job context of a GPU no one measured: its preset's, by its driver's name, else the default."""
+    preset = preset_for(gpu_name)
+    return preset.context_bytes if preset is not None else DEFAULT_CONTEXT_BYTES
+
+
 def device_preset(name: str) -> DeviceSpec:
     """A preset by short name; an unknown name lists the known ones."""
     try:

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from tensile.devices import DEFAULT_CONTEXT_BYTES, parse_bytes, preset_for
+from tensile.devices import context_for, parse_bytes, preset_for
 from tensile.errors import TensileUserError
 
 log = logging.getLogger("tensile_agent.gpus")
@@ -48,7 +48,7 @@ def _make(uuid: str, index: int, name: str, memory: int, simulated: bool, headro
           context_bytes: int | None, compute_capability_major: int | None = None) -> GpuInfo:
     """`compute_capability_major`: NVML's, None where it is not known (then the preset's, else 0)."""
     spec = preset_for(name)
-    context = context_bytes if context_bytes is not None else (spec.context_bytes if spec else DEFAULT_CONTEXT_BYTES)
+    context = context_bytes if context_bytes is not None else context_for(name)
     if compute_capability_major is None:
         compute_capability_major = spec.compute_capability_major if spec else 0
     return GpuInfo(uuid=uuid, index=index, name=spec.name if spec and simulated else name, memory_bytes=memory,

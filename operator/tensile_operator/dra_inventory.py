@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tensile.admission import RequestPolicy, parse_quantity
-from tensile.devices import DEFAULT_CONTEXT_BYTES, preset_for
+from tensile.devices import context_for
 from tensile_operator.claims import GpuAccess, claim_owner
 from tensile_operator.kube import Kube
 from tensile_operator.placement import Gpu
@@ -120,7 +120,7 @@ class DraInventory:
             name = str(_attribute(device, self.access.attribute_domain, "productName") or "")
             result.append(Gpu(
                 node=node, uuid=uuid, name=name, memory_bytes=size, capacity_bytes=size,
-                context_bytes=agent.context_bytes if agent and agent.context_bytes else _context(name),
+                context_bytes=agent.context_bytes if agent and agent.context_bytes else context_for(name),
                 simulated=agent.simulated if agent else False,
                 **({"bandwidth": agent.bandwidth} if agent else {}),
                 agent=agent.agent if agent else None, hosted=agent.hosted if agent else (),
@@ -160,12 +160,6 @@ def _attribute(device: Mapping, domain: str, name: str) -> object:
     attributes = device.get("attributes") or {}
     entry = attributes.get(f"{domain}/{name}") or attributes.get(name)
     return next(iter(entry.values())) if entry else None
-
-
-def _context(product_name: str) -> int:
-    """The per-job context of a GPU no agent describes: its preset's by its product name, else the default."""
-    preset = preset_for(product_name)
-    return preset.context_bytes if preset is not None else DEFAULT_CONTEXT_BYTES
 
 
 def _major(version: object) -> int:

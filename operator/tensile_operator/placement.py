@@ -288,8 +288,8 @@ def choose(gpus: list[Gpu], ledger: Ledger, new: Candidate, planner: JointPlanne
 
     GPUs of the first kind are preferred: they cost no job any swapping time. Only when there is none does the joint
     planner run, and then on one GPU after another, tightest first (the least room kept were every job at its lowest
-    reachable peak: no joint plan keeps more, and below zero none fits), until a joint plan fits: a plan costs tenths of a second, and every job behind
-    this one waits for it. Where none fits, every GPU has been tried, and the refusal names the closest."""
+    reachable peak: no joint plan keeps more, and below zero none fits), until a joint plan fits: a plan costs tenths
+    of a second, and every job behind this one waits for it. Where none fits, every GPU has been tried, and the refusal names the closest."""
     candidates = matching(gpus, new)
     if not candidates:
         return Decision(None, reason="no GPU matches spec.gpuSelector", shortfall_bytes=0)

@@ -18,7 +18,7 @@ from tensile_operator.claims import JobClaims
 from tensile_operator.completion import JobCompletion
 from tensile_operator.events import NORMAL, EventRecorder, Said
 from tensile_operator.kube import Conflict, Kube, KubeError, retried, transient
-from tensile_operator.placement import Booking, Gpu, held_by, slack_of
+from tensile_operator.placement import Booking, Gpu, slack_of
 from tensile_operator.pod_state import pinned_elsewhere, started
 from tensile_operator.pods import JobTokens, build_pod, owner_of, pod_name
 from tensile_operator.statuses import JobStatuses, condition
@@ -46,14 +46,12 @@ def pod_budget(booking: Booking) -> int | None:
 
 def admitted_size(booking: Booking, gpu: Gpu | None) -> int:
     """What the job was admitted with, its process's CUDA memory cap (TENSILE_MEMORY_CAP): its claim's request in `dra`
-    mode, else its booked peak plus what its process holds beyond it (`process_overhead`; without its GPU, the
-    allocator's slack with the largest cuBLAS workspaces a GPU may give, and the `context_of` a GPU no one describes:
-    its allocator's share is never below what it was booked with)."""
+    mode, else its booked peak plus what its process holds beyond it, its allocator's slack and its context (without
+    its GPU, the slack with the largest cuBLAS workspaces a GPU may give and the default context: its allocator's share
+    is never below what it was booked with)."""
     if booking.claim_bytes is not None:
         return booking.claim_bytes
-    if gpu is None:
-        return booking.reserved_bytes + slack_of(booking.forecast, None) + context_of(None)
-    return held_by(gpu, booking)
+    return booking.reserved_bytes + slack_of(booking.forecast, gpu) + context_of(gpu)
 
 
 def context_of(gpu: Gpu | None) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tensile.devices import DEFAULT_CONTEXT_BYTES, preset_for
+from tensile.devices import context_for
 from tensile.knobs import CONTEXT_BYTES, MEMORY_CAP
 
 
@@ -54,8 +54,7 @@ def cap_memory(cuda: Any, environ: Mapping[str, str]) -> MemoryCap | None:
         total = int(properties.total_memory)
         context = CONTEXT_BYTES.from_environment(environ, None)
         if context is None:
-            preset = preset_for(str(getattr(properties, "name", "")))
-            context = preset.context_bytes if preset is not None else DEFAULT_CONTEXT_BYTES
+            context = context_for(str(getattr(properties, "name", "")))
         note = ""
         if cap <= context:
             note = (f"{MEMORY_CAP.variable} ({cap / 2**20:,.0f} MiB) would leave the caching allocator nothing beside "

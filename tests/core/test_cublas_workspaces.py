@@ -35,6 +35,7 @@ def test_a_gpu_is_booked_the_default_size_of_its_compute_capability_and_an_unkno
     assert [booked_workspace_bytes(major) for major in (7, 8, 9, 10, 12)] == [
         cublas_workspace_bytes(major, {}) for major in (7, 8, 9, 10, 12)]
     assert booked_workspace_bytes(0) == 32 * MIB == max(cublas_workspace_bytes(major, {}) for major in range(1, 13))
+    assert [booked_workspace_bytes(major) for major in (8, 9)] == [8 * MIB + 128 * 1024, 32 * MIB]  # PyTorch's sizes
     assert {booked_workspace_bytes(major) for major in range(13)} == set(DEFAULT_WORKSPACE_SIZES)
 
 
