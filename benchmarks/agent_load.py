@@ -7,7 +7,8 @@ The agent runs as its own process (`python -m tensile_agent`, two simulated GPUs
 threads of this process using tensile.agent_client, so a latency includes the client's own Python
 time. Each client polls its plan the way a hook does at an iteration boundary (conditional GET: 304
 while unchanged) and posts measurements. GPU 0 holds 8 ResNet-50 jobs under budgets of 60% of their
-vanilla peak, GPU 1 the other 56 (small MLPs). During the "re-planning" phase a knob change on GPU 0
+vanilla peak, GPU 1 the other 56 (small MLPs); the jobs belong to tenants of 16 each (namespaces), as the agent takes at
+most 32 of one namespace on a GPU. During the "re-planning" phase a knob change on GPU 0
 is sent as soon as the previous round committed, so a planning round is running nearly all the time.
 Each client's "iteration" lasts --iteration seconds (default 0.1 s, a fast training step): one plan fetch
 per iteration, a measurements post every other. Writes benchmarks/results/agent_load.json. Target: p99 of plan fetches under 20 ms while a re-plan runs.
@@ -41,6 +42,7 @@ from tensile.workload_io import workload_to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = results_dir()
+JOBS_PER_NAMESPACE = 16  # the jobs of one tenant (namespace)
 
 
 def free_port() -> int:
@@ -142,11 +144,15 @@ def main() -> None:
         clients = []
         for i in range(args.clients):
             heavy = i < 8
-            client = AgentClient(url, f"bench/job-{i}", gpu="0" if heavy else "1", timeout=30)
-            client.register(workload=big_dict if heavy else small_dict, memory_budget_bytes=budget if heavy else None)
+            # tenants of JOBS_PER_NAMESPACE jobs each: the agent takes at most 32 of one namespace on a GPU
+            client = AgentClient(url, f"bench-{i // JOBS_PER_NAMESPACE}/job-{i}", gpu="0" if heavy else "1", timeout=30)
+            if client.register(workload=big_dict if heavy else small_dict, memory_budget_bytes=budget if heavy else None) is None:
+                raise SystemExit(f"the agent did not take job {client.ref.key}: {client.last_error}")
             clients.append(client)
         for client in clients:
-            client.wait_for_plan(120)
+            response = client.wait_for_plan(120)
+            if response is None or response.version < 1:
+                raise SystemExit(f"job {client.ref.key} has no plan after 120 s: {client.last_error or 'none made'}")
         gpu0 = clients[0].registered.gpu
         deadline = time.monotonic() + 120
         while get_json(f"{url}/v1/info")["planning_idle"] is False and time.monotonic() < deadline:

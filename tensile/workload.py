@@ -69,6 +69,9 @@ class Workload:
     tensors: dict[int, TensorInfo]
     ops: list[Op]
     meta: dict = field(default_factory=dict)  # optimizer, dtype, tracer backend, ...
+    # the signature once computed: a workload's ops are complete when it is made (the tracer and the hook's recorder
+    # build their lists first), and the node agent reads a ResNet-50's (4 ms to hash) several times a planning round
+    _signature: str | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def resident(self) -> list[int]:
@@ -78,10 +81,12 @@ class Workload:
     @property
     def signature(self) -> str:
         """Content hash of (op names, shapes, dtypes): matches a forecast against what really runs."""
-        digest = hashlib.sha256()
-        for op in self.ops:
-            digest.update(json.dumps([op.name, op.shapes, op.dtypes], separators=(",", ":")).encode())
-        return digest.hexdigest()[:20]
+        if self._signature is None:
+            digest = hashlib.sha256()
+            for op in self.ops:
+                digest.update(json.dumps([op.name, op.shapes, op.dtypes], separators=(",", ":")).encode())
+            self._signature = digest.hexdigest()[:20]
+        return self._signature
 
     @property
     def total_flops(self) -> float:

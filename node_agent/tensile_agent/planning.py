@@ -35,7 +35,7 @@ from tensile.plan_update import DEFAULT_THRESHOLD, drifted
 from tensile.planner import GpuPlan, JobToPlan, plan_gpu
 from tensile.workload import Workload
 
-from tensile_agent.allocator_forecast import refresh_forecasts
+from tensile_agent.allocator_forecast import ReservedAnswer, ReservedRequest, refresh_forecasts, reserved_peaks
 from tensile_agent.state import AgentState, GpuRound, Job
 
 log = logging.getLogger("tensile_agent.planning")
@@ -83,23 +83,39 @@ def same_plan(a: Plan | None, b: Plan | None) -> bool:
 _CHILD_WORKLOADS: dict[str, Workload] = {}  # in the planning process: workloads by key, sent once
 
 
-def _plan_in_child(jobs: list[tuple[str, str, list[float], float, bool, int | None, bool]], new: dict[str, str], keep: list[str],
-                   bandwidth: float, options: dict) -> GpuPlan:
+def _hold(new: dict[str, str], keep: list[str]) -> None:
+    """In the planning process: take the workloads sent (JSON by key) and drop those the agent no longer keeps."""
     from tensile.workload_io import workload_from_dict
 
     for key, text in new.items():
         _CHILD_WORKLOADS[key] = workload_from_dict(json.loads(text), key)
     for key in set(_CHILD_WORKLOADS) - set(keep):
         del _CHILD_WORKLOADS[key]
-    specs = []
-    for name, key, latencies, rate, recompute, budget, activations_only in jobs:
-        workload = _CHILD_WORKLOADS[key]
-        for op, seconds in zip(workload.ops, latencies):
-            op.latency = seconds
-        specs.append(JobToPlan(name, workload, rate, recompute, budget, activations_only))
+
+
+def _at_latencies(key: str, latencies: list[float]) -> Workload:
+    """The workload held under `key`, its ops at the latencies of this call."""
+    workload = _CHILD_WORKLOADS[key]
+    for op, seconds in zip(workload.ops, latencies):
+        op.latency = seconds
+    return workload
+
+
+def _plan_in_child(new: dict[str, str], keep: list[str], jobs: list[tuple[str, str, list[float], float, bool, int | None, bool]],
+                   bandwidth: float, options: dict) -> GpuPlan:
+    _hold(new, keep)
+    specs = [JobToPlan(name, _at_latencies(key, latencies), rate, recompute, budget, activations_only)
+             for name, key, latencies, rate, recompute, budget, activations_only in jobs]
     result = plan_gpu(specs, bandwidth, **options)
     result.transfers = []  # not needed by the agent; keeps the answer small
     return result
+
+
+def _reserve_in_child(new: dict[str, str], keep: list[str], requests: list[tuple[str, list[float], Plan, bool, int]],
+                      bandwidth: float) -> list[ReservedAnswer]:
+    _hold(new, keep)
+    return reserved_peaks([(_at_latencies(key, latencies), plan, expandable, workspace)
+                           for key, latencies, plan, expandable, workspace in requests], bandwidth)
 
 
 def _child_init() -> None:
@@ -178,12 +194,46 @@ class ProcessPlanner:
         pool.shutdown(wait=True, cancel_futures=True)
 
     def __call__(self, specs: list[JobToPlan], bandwidth: float, **options: Any) -> GpuPlan:
+        """One planning round in the child: the workloads it does not hold yet (as JSON, once), latencies and knobs."""
+        def arguments(keys: list[str]) -> tuple:
+            return ([(spec.name, key, [op.latency for op in spec.workload.ops], spec.max_swap_rate, spec.recompute,
+                      spec.budget_bytes, spec.activations_only) for spec, key in zip(specs, keys)], bandwidth, options)
+        return self._in_child(_plan_in_child, [spec.workload for spec in specs], arguments)
+
+    def reserved_peaks(self, requests: list[ReservedRequest], bandwidth: float) -> list[ReservedAnswer]:
+        """`allocator_forecast.reserved_peaks` in the child, which holds the workloads planned already."""
+        def arguments(keys: list[str]) -> tuple:
+            return ([(key, [op.latency for op in workload.ops], plan, expandable, workspace)
+                     for key, (workload, plan, expandable, workspace) in zip(keys, requests)], bandwidth)
+        return self._in_child(_reserve_in_child, [workload for workload, *_ in requests], arguments)
+
+    def _send(self, workloads: list[Workload]) -> tuple[list[str], dict[str, str]]:
+        """Each workload's key in the child, and the JSON of those the child does not hold yet, now counted as held.
+        Called from the planning thread alone."""
+        from tensile.workload_io import workload_to_dict
+
+        keys = [f"{workload.signature}:{id(workload)}" for workload in workloads]
+        used = dict(zip(keys, workloads))
+        new = {key: json.dumps(workload_to_dict(w), separators=(",", ":")) for key, w in used.items() if key not in self._sent}
+        for key, workload in used.items():  # most recently used last; the child keeps the same set
+            self._sent.pop(key, None)
+            self._sent[key] = workload
+        while len(self._sent) > max(self.cache_size, len(used)):  # never one this call needs (they are the newest)
+            del self._sent[next(iter(self._sent))]
+        return keys, new
+
+    def _in_child(self, function: Callable[..., Any], workloads: list[Workload],
+                  arguments: Callable[[list[str]], tuple]) -> Any:
+        """`function(new, keep, *arguments(keys))` in the child, where `keys` name `workloads` there, `new` holds those
+        it lacks and `keep` all it may hold. A child that died is replaced and the call made once more, with every
+        workload (a new child holds none)."""
         for attempt in range(2):
             with self._lock:
                 pool = self._ensure()
                 self._rounds += 1
             try:
-                return self._round(pool, specs, bandwidth, options)
+                keys, new = self._send(workloads)
+                return pool.submit(function, new, list(self._sent), *arguments(keys)).result()
             except BrokenProcessPool:
                 with self._lock:
                     closed = self._closed
@@ -199,21 +249,6 @@ class ProcessPlanner:
                     self._rounds -= 1
         raise AssertionError("unreachable")
 
-    def _round(self, pool: ProcessPoolExecutor, specs: list[JobToPlan], bandwidth: float, options: dict) -> GpuPlan:
-        """One round in the child: the workloads it does not hold yet (as JSON, once), latencies and knobs."""
-        from tensile.workload_io import workload_to_dict
-
-        keys = {f"{spec.workload.signature}:{id(spec.workload)}": spec.workload for spec in specs}
-        new = {key: json.dumps(workload_to_dict(w), separators=(",", ":")) for key, w in keys.items() if key not in self._sent}
-        for key, workload in keys.items():  # most recently used last; the child keeps the same set
-            self._sent.pop(key, None)
-            self._sent[key] = workload
-        while len(self._sent) > max(self.cache_size, len(keys)):  # never one this round needs (they are the newest)
-            del self._sent[next(iter(self._sent))]
-        jobs = [(spec.name, f"{spec.workload.signature}:{id(spec.workload)}", [op.latency for op in spec.workload.ops],
-                 spec.max_swap_rate, spec.recompute, spec.budget_bytes, spec.activations_only) for spec in specs]
-        return pool.submit(_plan_in_child, jobs, new, list(self._sent), bandwidth, options).result()
-
 
 class PlanningService:
     def __init__(self, state: AgentState, threshold: float = DEFAULT_THRESHOLD,
@@ -224,6 +259,8 @@ class PlanningService:
         self.threshold = threshold
         self.on_round = on_round
         self.planner = planner
+        # the allocator model's replays run where the planner does: in its child, off the agent's GIL, where it has one
+        self._reserve = planner.reserved_peaks if isinstance(planner, ProcessPlanner) else reserved_peaks
         # (workload signature, one cuBLAS workspace's bytes) -> tensile.admission.allocator_slack
         self._slack: Lru[tuple[str, int], int] = Lru(SLACK_CACHE)
         self._dirty: OrderedDict[str, set[str]] = OrderedDict()
@@ -348,7 +385,7 @@ class PlanningService:
             bandwidth = state.gpu(gpu).bandwidth
             planned = [(job, job.incarnation, job.version, job.plan, job.workload) for job in state.on_gpu(gpu)
                        if job.plan is not None and job.workload is not None]
-        refresh_forecasts(state, gpu, bandwidth, planned)
+        refresh_forecasts(state, gpu, bandwidth, planned, self._reserve)
         state.changed.set()
 
     def _allocator_slack(self, workload: Workload, workspace_bytes: int) -> int:

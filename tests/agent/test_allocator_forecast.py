@@ -199,3 +199,26 @@ def test_the_hooks_settings_after_the_operators_registration_take_no_round(agent
     assert (forecast["expandable_segments"], forecast["cublas_workspace_bytes"]) == (False, WORKSPACE)
     reserved = _independent(server.url, "placed", token, False, WORKSPACE)[0]
     assert forecast["scheduled_reserved_peak_bytes"] == reserved == _gauge(get(server.url, "/metrics")[1], "placed")
+
+
+def test_with_a_planning_process_the_reserved_forecast_is_made_there_not_in_the_agent(agent_server, tiny_workload,
+                                                                                        monkeypatch):
+    """The allocator model's replay costs as much as a round's planning (ResNet-50: 25 ms a job); made in the agent's
+    own process it held the GIL while the hooks waited for their plans (benchmarks/agent_load.py: plan fetches' p99 78
+    ms against 17 ms without). With the planning child the forecast is still the model's figure, made there: in the
+    agent's process the model is broken here."""
+    import tensile_agent.allocator_forecast as allocator_forecast
+
+    def broken(*_: object) -> tuple[int, int]:
+        raise AssertionError("the reserved forecast was made in the agent's process")
+
+    monkeypatch.setattr(allocator_forecast, "scheduled_reserved_peak", broken)
+    server = agent_server(planning="process")
+    client = _registered(server.url, tiny_workload(), "child", expandable_segments=True,
+                         cublas_workspace_bytes=WORKSPACE)
+    client.wait_for_plan(60)
+    server.idle()
+    forecast = _forecast(server.url, client.ref.name, client.token)
+    assert forecast is not None and "scheduled_reserved_peak_bytes" in forecast, forecast
+    expected = _independent(server.url, client.ref.name, client.token, True, WORKSPACE)
+    assert (forecast["scheduled_reserved_peak_bytes"], forecast["scheduled_allocated_peak_bytes"]) == expected

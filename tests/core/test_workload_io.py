@@ -75,3 +75,29 @@ def test_a_file_saved_before_ops_recorded_contiguous_runs_still_loads(mlp):
     loaded = workload_from_dict(data, "old.json")
     assert [op.name for op in loaded.ops] == [op.name for op in mlp.ops]
     assert all(op.runs == () for op in loaded.ops)
+
+
+def test_a_workloads_signature_is_hashed_once_and_a_copy_made_with_other_ops_gets_its_own(mlp, monkeypatch):
+    """The node agent reads a job's signature several times a planning round (ResNet-50: 4 ms to hash), once with the
+    GIL the hooks' requests wait for; a workload's ops are complete once it is made, so its hash is kept. A workload
+    made from another's ops with one op changed (not the same object) hashes its own."""
+    import hashlib
+
+    import tensile.workload as workload_module
+    from tensile.workload import Workload
+
+    hashed = []
+    sha256 = hashlib.sha256
+
+    def counted(*args: object) -> object:
+        hashed.append(1)
+        return sha256(*args)
+
+    monkeypatch.setattr(workload_module.hashlib, "sha256", counted)
+    fresh = workload_from_dict(workload_to_dict(mlp), "copy")
+    assert fresh.signature == fresh.signature == mlp.signature
+    assert len(hashed) == 1
+    ops = copy.deepcopy(fresh.ops)
+    ops[0].shapes = ((1, *ops[0].shapes[0]), *ops[0].shapes[1:])
+    other = Workload(fresh.model, fresh.batch_size, fresh.device, fresh.tensors, ops)
+    assert other.signature != fresh.signature
