@@ -103,14 +103,21 @@ def _check(args: argparse.Namespace) -> list[str]:
     if args.memory_cap is not None:
         args.memory_cap = MEMORY_CAP.from_option(args.memory_cap)
     if args.context_bytes is not None:
-        if args.memory_cap is None:
+        # the cap the command runs under: the flag's, else the one its environment already sets
+        cap, named = args.memory_cap, MEMORY_CAP.option
+        if cap is None:
+            try:
+                cap, named = MEMORY_CAP.from_environment(os.environ, None), MEMORY_CAP.variable
+            except ValueError as exc:  # KnobError, naming the variable
+                raise TensileUserError(str(exc)) from None
+        if cap is None:
             raise TensileUserError(f"{CONTEXT_BYTES.option} is the part of {MEMORY_CAP.option} kept for the CUDA "
-                                   f"context: give {MEMORY_CAP.option} too")
+                                   f"context: give {MEMORY_CAP.option} too (or set {MEMORY_CAP.variable})")
         args.context_bytes = CONTEXT_BYTES.from_option(args.context_bytes)
-        if args.context_bytes >= args.memory_cap:
+        if args.context_bytes >= cap:
             raise TensileUserError(f"{CONTEXT_BYTES.option} ({args.context_bytes:,} bytes) leaves nothing of "
-                                   f"{MEMORY_CAP.option} ({args.memory_cap:,} bytes) for the caching allocator: give a "
-                                   "larger cap or a smaller context")
+                                   f"{named} ({cap:,} bytes) for the caching allocator: give a larger cap or a "
+                                   "smaller context")
     if args.agent:
         try:
             Http(args.agent)  # the client's own check of the URL, before the hook in the child meets it

@@ -468,13 +468,26 @@ def test_tensile_run_refuses_a_memory_cap_that_is_no_size(capsys):
 
 @pytest.mark.parametrize("options, said", [
     (["--context-bytes", "700Mi"], "--context-bytes is the part of --memory-cap kept for the CUDA context: give "
-                                   "--memory-cap too"),
+                                   "--memory-cap too (or set TENSILE_MEMORY_CAP)"),
     (["--memory-cap", "1Gi", "--context-bytes", "1Gi"], "--context-bytes (1,073,741,824 bytes) leaves nothing of "
                                                         "--memory-cap (1,073,741,824 bytes) for the caching allocator"),
     (["--memory-cap", "1Gi", "--context-bytes", "some"], "--context-bytes: 'some' is not a memory size")])
 def test_tensile_run_refuses_a_context_without_a_cap_or_as_large_as_it(capsys, options, said):
     assert main(["run", *options, "--", sys.executable, "-c", "pass"]) == 2
     assert said in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_context_is_taken_with_the_cap_the_environment_sets_and_held_against_it(capfd, monkeypatch, tmp_path):
+    """A cap set in the environment (a wrapper script's, a pod's) is the cap `--context-bytes` is part of: the context
+    reaches the command beside it, and one as large as it is refused naming the variable."""
+    monkeypatch.setenv("TENSILE_MEMORY_CAP", "64Mi")
+    assert main(["run", "--context-bytes", "64Mi", "--", sys.executable, "-c", "pass"]) == 2
+    assert ("--context-bytes (67,108,864 bytes) leaves nothing of TENSILE_MEMORY_CAP (67,108,864 bytes)"
+            in " ".join(capfd.readouterr().err.split()))
+    probe = "import os; print(os.environ['TENSILE_MEMORY_CAP'], os.environ['TENSILE_CONTEXT_BYTES'])"
+    assert main(["run", "--context-bytes", "16Mi", "--report", str(tmp_path / "r.json"), "--", sys.executable, "-c",
+                 probe]) == 0
+    assert f"64Mi {16 * 2**20}" in capfd.readouterr().out
 
 
 def test_a_cap_in_the_environment_that_is_no_size_is_refused_before_the_command_starts(capsys, monkeypatch):
