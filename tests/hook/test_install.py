@@ -80,6 +80,42 @@ def test_torchruns_launcher_is_known_by_its_command_line(monkeypatch, argv: list
     assert _sitecustomize()._launcher() is launcher
 
 
+@pytest.mark.parametrize("argv, helper", [
+    (["python", "/venv/lib/python3.11/site-packages/torch/_inductor/compile_worker/__main__.py", "--workers=4"], True),
+    (["python", "-m", "torch._inductor.compile_worker", "--kind=fork"], True),
+    (["python", "-u", "-mtorch._inductor.compile_worker"], True),
+    (["python", "torch/_inductor/compile_worker/__main__.py"], True),
+    (["python", "/work/project/__main__.py"], False),  # a training package's own entry point
+    (["python", "/work/mytorch/_inductor/compile_worker/__main__.py"], False),
+    (["python", "train.py", "-m", "torch._inductor.compile_worker"], False),  # the script's own arguments
+    (["python", "-c", "import torch._inductor.compile_worker"], False),
+])
+def test_pytorchs_compile_workers_are_known_by_their_command_line(monkeypatch, argv: list[str], helper: bool) -> None:
+    monkeypatch.setattr(sys, "orig_argv", argv)
+    assert _sitecustomize()._pytorch_helper() is helper
+
+
+def test_torch_compiles_compile_worker_starts_neither_the_hook_nor_the_cap(tmp_path: Path) -> None:
+    """torch.compile starts its compile worker with the job's environment (TENSILE_JOB, and PYTHONPATH with the
+    hook's sitecustomize): with the hook there, its movers' CUDA streams gave the worker a CUDA context of its own on
+    the job's GPU for the whole run, outside what the job was admitted with. Run here as the worker's own command line
+    (asking for its help): it starts no hook, which would have written a report at its exit, and says nothing; a plain
+    Python of the same environment does start it."""
+    import torch._inductor.compile_worker as compile_worker
+
+    env = {**os.environ, "TENSILE_JOB": "compiled", "TENSILE_MEMORY_CAP": "1Gi",
+           "PYTHONPATH": os.pathsep.join([str(SITE), *sys.path])}
+    env.pop("TENSILE_AGENT", None)
+    worker = Path(compile_worker.__file__).parent / "__main__.py"
+    for command, started in (([str(worker), "--help"], False), (["-c", "import torch"], True)):
+        report = tmp_path / f"report-{started}.json"
+        done = subprocess.run([sys.executable, *command], env={**env, "TENSILE_REPORT": str(report)},
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert report.exists() is started, (command, done.stderr)
+        assert ("tensile:" in done.stderr) is started, done.stderr
+
+
 @pytest.mark.parametrize("version, refused", [("2.9.1+cu128", True), ("1.13.1", True), ("2.10.0+cu128", False),
                                               ("2.10.0a0+gitabc123", False), ("2.13.0+cpu", False), ("3.0.0", False)])
 def test_a_pytorch_older_than_any_the_hook_was_checked_with_is_refused(version: str, refused: bool) -> None:

@@ -11,6 +11,9 @@ from typing import Any
 # torchrun's launcher, by the module that is it (`python -m torch.distributed.run`) or by its script's name
 LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 LAUNCHER_SCRIPTS = ("torchrun",)
+# PyTorch's own helper processes, which it starts with the job's environment: torch.compile's compile workers
+# (`python .../torch/_inductor/compile_worker/__main__.py`) compile kernels for the job and train nothing
+HELPER_MODULES = ("torch._inductor.compile_worker",)
 OPTIONS_WITH_A_VALUE = ("-W", "-X")  # Python's own options that take the next argument
 
 
@@ -22,25 +25,43 @@ def _started_by_multiprocessing() -> bool:
     return "--multiprocessing-fork" in argv or any(arg.startswith("from multiprocessing.") for arg in argv)
 
 
-def _launcher() -> bool:
-    """torchrun starts the training's processes and trains nothing itself: with the hook, its report ("no optimizer
-    step was seen") replaced the training's at exit, and with an agent it would register as the job beside it."""
+def _program() -> tuple[str, str]:
+    """What this Python runs, from its command line: ("module", name) for `-m name`, ("script", path), or ("code", "")
+    for `-c` and an interactive Python."""
     argv = getattr(sys, "orig_argv", [])[1:]
     skip = False
     for index, arg in enumerate(argv):
         if skip:
             skip = False
         elif arg == "-m":
-            return index + 1 < len(argv) and argv[index + 1] in LAUNCHER_MODULES
+            return ("module", argv[index + 1]) if index + 1 < len(argv) else ("code", "")
         elif arg.startswith("-m"):
-            return arg[2:] in LAUNCHER_MODULES
+            return "module", arg[2:]
         elif arg == "-c":
-            return False
+            return "code", ""
         elif arg in OPTIONS_WITH_A_VALUE:
             skip = True
-        elif not arg.startswith("-"):  # the script
-            return os.path.basename(arg) in LAUNCHER_SCRIPTS
-    return False
+        elif not arg.startswith("-"):
+            return "script", arg
+    return "code", ""
+
+
+def _launcher() -> bool:
+    """torchrun starts the training's processes and trains nothing itself: with the hook, its report ("no optimizer
+    step was seen") replaced the training's at exit, and with an agent it would register as the job beside it."""
+    kind, name = _program()
+    return name in LAUNCHER_MODULES if kind == "module" else kind == "script" and os.path.basename(name) in LAUNCHER_SCRIPTS
+
+
+def _pytorch_helper() -> bool:
+    """A helper process PyTorch starts for the job (HELPER_MODULES, by module or by its package's __main__.py) trains
+    nothing: with the hook its movers' CUDA streams gave it a CUDA context of its own on the job's GPU, beside the one
+    the job was admitted with, for as long as the job ran, and the cap would have made one too."""
+    kind, name = _program()
+    if kind == "script" and os.path.basename(name) == "__main__.py":
+        kind, name = "module", ".".join(os.path.normpath(os.path.dirname(name)).split(os.sep))
+    return kind == "module" and any(name == helper or name.endswith("." + helper) or name.startswith(helper + ".")
+                                    for helper in HELPER_MODULES)
 
 
 def _processes() -> int:
@@ -87,7 +108,7 @@ def _stood_down(reason: str, cap: Any) -> None:
         print(f"tensile: the hook's report not written ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
-if os.environ.get("TENSILE_JOB") and not _started_by_multiprocessing() and not _launcher():
+if os.environ.get("TENSILE_JOB") and not _started_by_multiprocessing() and not _launcher() and not _pytorch_helper():
     cap = _cap_memory()
     processes = _processes()
     if processes > 1:
