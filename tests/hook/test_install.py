@@ -72,10 +72,17 @@ def _sitecustomize(starts: bool = False) -> ModuleType:
     (["python", "-c", "import torchrun"], False),
     (["python", "/work/torchrun.py"], False),
     (["python", "-m", "trainer"], False),
+    (["python", "/venv/bin/accelerate", "launch", "train.py"], True),
+    (["python", "/venv/bin/accelerate-launch", "train.py"], True),
+    (["python", "-m", "accelerate.commands.launch", "train.py"], True),
+    (["python", "/usr/local/bin/deepspeed", "--num_gpus=1", "train.py"], True),
+    (["python", "-m", "deepspeed.launcher.launch", "--world_info=e30=", "train.py"], True),
+    (["python", "/work/accelerate.py"], False),
 ])
-def test_torchruns_launcher_is_known_by_its_command_line(monkeypatch, argv: list[str], launcher: bool) -> None:
-    """torchrun's own process starts the training's and trains nothing: it must not start the hook (its empty report
-    replaced the training's at exit, and with an agent it would register as the job)."""
+def test_a_launcher_is_known_by_its_command_line(monkeypatch, argv: list[str], launcher: bool) -> None:
+    """A launcher's own process (torchrun, accelerate, DeepSpeed) starts the training's and trains nothing: it must not
+    start the hook (its empty report replaced the training's at exit, and on a GPU the hook and the cap gave it a CUDA
+    context of its own)."""
     monkeypatch.setattr(sys, "orig_argv", argv)
     assert _sitecustomize()._launcher() is launcher
 

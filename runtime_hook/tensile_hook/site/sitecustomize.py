@@ -8,9 +8,12 @@ import os
 import sys
 from typing import Any
 
-# torchrun's launcher, by the module that is it (`python -m torch.distributed.run`) or by its script's name
-LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
-LAUNCHER_SCRIPTS = ("torchrun",)
+# launchers, which start the training as processes of their own and train nothing themselves, by the module that is
+# one (`python -m torch.distributed.run`) or by their script's name: torchrun, Hugging Face's accelerate (`accelerate
+# launch`), DeepSpeed's
+LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch",
+                    "accelerate.commands.accelerate_cli", "deepspeed.launcher.runner", "deepspeed.launcher.launch")
+LAUNCHER_SCRIPTS = ("torchrun", "accelerate", "accelerate-launch", "deepspeed")
 # PyTorch's own helper processes, which it starts with the job's environment: torch.compile's compile workers
 # (`python .../torch/_inductor/compile_worker/__main__.py`) compile kernels for the job and train nothing
 HELPER_MODULES = ("torch._inductor.compile_worker",)
@@ -47,8 +50,9 @@ def _program() -> tuple[str, str]:
 
 
 def _launcher() -> bool:
-    """torchrun starts the training's processes and trains nothing itself: with the hook, its report ("no optimizer
-    step was seen") replaced the training's at exit, and with an agent it would register as the job beside it."""
+    """A launcher (torchrun, `accelerate launch`) starts the training's processes and trains nothing itself: with the
+    hook, its report ("no optimizer step was seen") replaced the training's at exit, and on a GPU the hook's movers
+    and the cap gave it a CUDA context of its own beside the training's."""
     kind, name = _program()
     return name in LAUNCHER_MODULES if kind == "module" else kind == "script" and os.path.basename(name) in LAUNCHER_SCRIPTS
 
