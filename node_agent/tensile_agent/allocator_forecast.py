@@ -3,10 +3,10 @@ with the job's cuBLAS workspaces, the forecast beside the reserved peak its hook
 GPU finds taken). A CPU job's is its scheduled peak: PyTorch's CPU allocator caches nothing.
 
 Made where the planner runs (the planning child process, `planning.ProcessPlanner`; this thread with `--planning
-thread`), never on a request's path, and once per plan version: the model costs a good share of a round (docs/agent.md:
-BERT-base at batch 16, 24 ms against 79 ms of planning; ResNet-50's 25 ms, eight of them each round of
-benchmarks/agent_load.py), and made in the agent's own process it held the GIL that much while hooks waited for their
-plans. A round that keeps a job's plan keeps its forecast.
+thread`), never on a request's path, and once per plan version: the model costs a good share of a round
+(docs/agent.md: BERT-base at batch 16, 24 ms against 79 ms of planning; ResNet-50's 25 ms, eight of them each round of
+benchmarks/agent_load.py), and made in the agent's own process it would hold the GIL that long while hooks wait for
+their plans. A round that keeps a job's plan keeps its forecast.
 
 The allocator's settings are the hook's word (`RegisterRequest.expandable_segments`, `.cublas_workspace_bytes`).
 Where it did not say (an older hook, or the operator's registration before the pod runs), the agent assumes
