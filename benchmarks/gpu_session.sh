@@ -17,7 +17,7 @@
 # hook_overhead colocation), MODELS (real_training's, comma-separated; the paper's five by default), BATCH (16),
 # COLOC_JOBS (colocation's MODEL@BATCH,...; its own default by device), and each item's timeout in seconds: CONTEXT_S
 # (25), TESTS_S (105), REAL_S (140), RUN_S (45), OVERHEAD_S (75), COLOC_S (150): 540 s in all. On a machine without
-# CUDA the same script runs on the CPU device (the CUDA tests skip, `context` refuses), in about 3.5 minutes:
+# CUDA the same script runs on the CPU device (the CUDA tests skip, `context` refuses), in 1.5 to 3.5 minutes:
 #   MODELS=resnet50 BATCH=2 OUT=/tmp/gs PYTHON=.venv/bin/python bash benchmarks/gpu_session.sh
 set -uo pipefail
 R=$(cd "$(dirname "$0")/.." && pwd)
