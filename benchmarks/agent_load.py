@@ -42,7 +42,7 @@ from tensile.workload_io import workload_to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = results_dir()
-JOBS_PER_NAMESPACE = 16  # the jobs of one tenant (namespace)
+JOBS_PER_NAMESPACE = 16  # the jobs of one tenant (namespace): the agent takes at most 32 of one on a GPU
 
 
 def free_port() -> int:
@@ -144,7 +144,6 @@ def main() -> None:
         clients = []
         for i in range(args.clients):
             heavy = i < 8
-            # tenants of JOBS_PER_NAMESPACE jobs each: the agent takes at most 32 of one namespace on a GPU
             client = AgentClient(url, f"bench-{i // JOBS_PER_NAMESPACE}/job-{i}", gpu="0" if heavy else "1", timeout=30)
             if client.register(workload=big_dict if heavy else small_dict, memory_budget_bytes=budget if heavy else None) is None:
                 raise SystemExit(f"the agent did not take job {client.ref.key}: {client.last_error}")

@@ -203,10 +203,11 @@ def test_the_hooks_settings_after_the_operators_registration_take_no_round(agent
 
 def test_with_a_planning_process_the_reserved_forecast_is_made_there_not_in_the_agent(agent_server, tiny_workload,
                                                                                         monkeypatch):
-    """The allocator model's replay costs as much as a round's planning (ResNet-50: 25 ms a job); made in the agent's
-    own process it held the GIL while the hooks waited for their plans (benchmarks/agent_load.py: plan fetches' p99 78
-    ms against 17 ms without). With the planning child the forecast is still the model's figure, made there: in the
-    agent's process the model is broken here."""
+    """The allocator model's replay costs a good share of a round's planning (ResNet-50: 25 ms a job); made in the
+    agent's own process it held the GIL while the hooks waited for their plans (benchmarks/agent_load.py, plan
+    fetches' p99 while re-planning: 25-53 ms, against 11-28 ms with it in the child, three runs in alternation). With
+    the planning child the forecast is still the model's figure, made there: in the agent's process the model is
+    broken here."""
     import tensile_agent.allocator_forecast as allocator_forecast
 
     def broken(*_: object) -> tuple[int, int]:
